@@ -1,0 +1,291 @@
+"""Every error keyqueue raises, in one tree.
+
+    KeyqueueError
+    ├── ConfigError                      bad settings, bad arguments, a missing binary
+    │   ├── InvalidKey                   a key that is not a valid NATS subject token sequence (ValueError)
+    │   ├── ServerNotFound               the nats-server binary is not installed
+    │   └── TopologyMismatch             an existing stream/consumer differs from what keyqueue needs
+    ├── ConnectionFailed                 the NATS server could not be reached
+    ├── KeyqueueTimeout                  an operation took too long (also a TimeoutError)
+    ├── WireError                        a message that cannot be decoded or encoded
+    │   ├── MissingHeader                a required header is absent
+    │   ├── UnsupportedContentType       X-CONTENT-TYPE is not cbor or json
+    │   ├── UnknownMessageType           X-MESSAGE-TYPE names no registered type
+    │   ├── UnsupportedVersion           X-MESSAGE-VERSION is newer than supported (or not a version)
+    │   ├── MalformedBody                the body does not decode, or does not fit the type
+    │   └── PayloadTooLarge              the encoded message exceeds the server's max_payload
+    ├── EnqueueError                     a request could not be accepted
+    │   ├── BacklogFull                  the key's per-key backlog cap is reached
+    │   └── TokenPublishFailed           the request is stored, but its key was not scheduled
+    ├── JetStreamError                   a JetStream API error not covered above (code, err_code)
+    │   ├── StreamNotFound               10059
+    │   ├── ConsumerNotFound             10014
+    │   ├── MessageNotFound              10037
+    │   ├── WrongLastSequence            10071 (an optimistic-concurrency write lost the race)
+    │   └── KeyAlreadyScheduled          10077 on a token subject (callers treat it as success)
+    ├── LeaseLost                        this worker no longer owns the key; stop without side effects
+    └── TaskFailure                      the outcome of running a request
+        ├── Reject                       raised by a handler: do not retry, dead-letter now
+        ├── RemoteError                  a request failed in a worker; re-raised to the caller
+        ├── DeadLettered                 the request went to the DLQ (reply to a caller)
+        └── Superseded                   a newer request for the key replaced this one
+
+Timeouts subclass the built-in ``TimeoutError`` (which ``asyncio.TimeoutError`` aliases) so
+ordinary ``except TimeoutError`` code catches them. ``from_api_error`` is the one place where
+JetStream error codes become typed errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+__all__ = [
+    "BacklogFull",
+    "ConfigError",
+    "ConnectionFailed",
+    "ConsumerNotFound",
+    "DeadLettered",
+    "EnqueueError",
+    "InvalidKey",
+    "JetStreamError",
+    "KeyAlreadyScheduled",
+    "KeyqueueError",
+    "KeyqueueTimeout",
+    "LeaseLost",
+    "MalformedBody",
+    "MessageNotFound",
+    "MissingHeader",
+    "PayloadTooLarge",
+    "Reject",
+    "RemoteError",
+    "ServerNotFound",
+    "StreamNotFound",
+    "Superseded",
+    "TaskFailure",
+    "TokenPublishFailed",
+    "TopologyMismatch",
+    "UnknownMessageType",
+    "UnsupportedContentType",
+    "UnsupportedVersion",
+    "WireError",
+    "WrongLastSequence",
+    "from_api_error",
+]
+
+
+class KeyqueueError(Exception):
+    """Root of every error keyqueue raises."""
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+class ConfigError(KeyqueueError):
+    """Settings, arguments or the environment are not usable as given."""
+
+
+class InvalidKey(ConfigError, ValueError):
+    """A key is not a sequence of valid NATS subject tokens."""
+
+
+class ServerNotFound(ConfigError):
+    """The nats-server binary needed for the embedded server is not installed."""
+
+
+class TopologyMismatch(ConfigError):
+    """A stream or consumer exists with a configuration keyqueue cannot use.
+
+    keyqueue never updates an existing stream or consumer silently: ``field`` names what
+    differs, ``existing`` and ``wanted`` show both values.
+    """
+
+    def __init__(self, entity: str, field: str, existing: Any, wanted: Any, hint: str = "") -> None:
+        self.entity, self.field, self.existing, self.wanted = entity, field, existing, wanted
+        message = f"{entity}: {field} is {existing!r} on the server but keyqueue needs {wanted!r}"
+        super().__init__(f"{message}. {hint}" if hint else message)
+
+
+# --- transport ---------------------------------------------------------------------------------
+
+
+class ConnectionFailed(KeyqueueError):
+    """The NATS server could not be reached or the connection was lost for good."""
+
+
+class KeyqueueTimeout(KeyqueueError, TimeoutError):
+    """An operation did not finish in time."""
+
+
+# --- wire format -------------------------------------------------------------------------------
+
+
+class WireError(KeyqueueError):
+    """A message cannot be decoded (or encoded) under keyqueue's wire format."""
+
+
+class MissingHeader(WireError):
+    """A header the wire format requires is absent."""
+
+    def __init__(self, header: str) -> None:
+        self.header = header
+        super().__init__(f"message has no {header} header; keyqueue messages carry it on every request")
+
+
+class UnsupportedContentType(WireError):
+    """The content type is not one keyqueue decodes."""
+
+    def __init__(self, received: str, supported: tuple[str, ...]) -> None:
+        self.received, self.supported = received, supported
+        super().__init__(f"content type {received!r} is not supported; supported: {', '.join(supported)}")
+
+
+class UnknownMessageType(WireError):
+    """No message type with this name is registered."""
+
+    def __init__(self, received: str, known: tuple[str, ...]) -> None:
+        self.received, self.known = received, known
+        shown = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "")
+        super().__init__(f"unknown message type {received!r}; registered types: {shown or 'none'}")
+
+
+class UnsupportedVersion(WireError):
+    """The version is newer than this process supports, or is not a positive integer."""
+
+    def __init__(self, message_type: str, received: str | int, supported: int) -> None:
+        self.message_type, self.received, self.supported = message_type, received, supported
+        super().__init__(
+            f"{message_type} version {received} is not supported; this process handles versions "
+            f"1..{supported} (upgrade the consumer to read newer messages)"
+        )
+
+
+class MalformedBody(WireError):
+    """The body does not decode, or its fields do not fit the declared type."""
+
+
+class PayloadTooLarge(WireError):
+    """The encoded message is larger than the server accepts."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size, self.limit = size, limit
+        super().__init__(
+            f"message is {size} bytes but the server's max_payload is {limit} bytes; "
+            "store large data elsewhere and enqueue a reference to it"
+        )
+
+
+# --- enqueue -----------------------------------------------------------------------------------
+
+
+class EnqueueError(KeyqueueError):
+    """A request could not be accepted into a queue."""
+
+
+class BacklogFull(EnqueueError):
+    """The key already holds as many pending requests as its queue allows."""
+
+    def __init__(self, queue: str, key: str) -> None:
+        self.queue, self.key = queue, key
+        super().__init__(
+            f"key {key!r} in queue {queue!r} has a full backlog (max_backlog_per_key reached); "
+            "the request was not stored, retry later or raise the cap"
+        )
+
+
+class TokenPublishFailed(EnqueueError):
+    """The request is stored but its key's token could not be published.
+
+    The request is not lost: the reconciler of any running worker schedules it. ``seq`` is the
+    request's inbox sequence.
+    """
+
+    def __init__(self, queue: str, key: str, seq: int, cause: BaseException) -> None:
+        self.queue, self.key, self.seq = queue, key, seq
+        super().__init__(
+            f"request seq {seq} for key {key!r} in queue {queue!r} is stored, but scheduling its key "
+            f"failed ({cause}); a worker's reconciler will schedule it"
+        )
+
+
+# --- JetStream API -----------------------------------------------------------------------------
+
+
+class JetStreamError(KeyqueueError):
+    """A JetStream API call failed; ``code`` is the HTTP-like status, ``err_code`` JetStream's."""
+
+    def __init__(self, description: str, code: int = 0, err_code: int = 0) -> None:
+        self.description, self.code, self.err_code = description, code, err_code
+        super().__init__(f"{description} (code={code} err_code={err_code})")
+
+
+class StreamNotFound(JetStreamError):
+    """The stream does not exist."""
+
+
+class ConsumerNotFound(JetStreamError):
+    """The consumer does not exist."""
+
+
+class MessageNotFound(JetStreamError):
+    """No message at that sequence or subject."""
+
+
+class WrongLastSequence(JetStreamError):
+    """An expected-last-sequence (optimistic concurrency) check failed."""
+
+
+class KeyAlreadyScheduled(JetStreamError):
+    """The key's token already exists (10077): the key is held or scheduled."""
+
+
+ERR_CODES: Final[dict[int, type[JetStreamError]]] = {
+    10059: StreamNotFound,
+    10014: ConsumerNotFound,
+    10037: MessageNotFound,
+    10071: WrongLastSequence,
+    10077: KeyAlreadyScheduled,
+}
+"""JetStream ``err_code`` values that keyqueue gives their own type."""
+
+
+def from_api_error(description: str, code: int = 0, err_code: int = 0) -> JetStreamError:
+    """The typed error for a JetStream API error response."""
+    return ERR_CODES.get(err_code, JetStreamError)(description, code, err_code)
+
+
+# --- processing --------------------------------------------------------------------------------
+
+
+class LeaseLost(KeyqueueError):
+    """This worker's hold on a key expired: another worker may own it now.
+
+    The session that sees it stops at once with no ack, no nak and no delete.
+    """
+
+
+class TaskFailure(KeyqueueError):
+    """The outcome of processing a request, when it was not success."""
+
+
+class Reject(TaskFailure):
+    """Raise from a handler to dead-letter the request at once, without retries."""
+
+
+class RemoteError(TaskFailure):
+    """A request failed in a worker; ``type_name`` is the remote exception's class name."""
+
+    def __init__(self, type_name: str, message: str, request_id: str = "") -> None:
+        self.type_name, self.message, self.request_id = type_name, message, request_id
+        super().__init__(f"{type_name}: {message}")
+
+
+class DeadLettered(RemoteError):
+    """The request was moved to the dead-letter queue; ``reason`` says why."""
+
+
+class Superseded(TaskFailure):
+    """A newer request for the same key replaced this one (policy ``latest`` or ``merge``)."""
+
+    def __init__(self, request_id: str, by: str) -> None:
+        self.request_id, self.by = request_id, by
+        super().__init__(f"request {request_id} was superseded by request {by}")
