@@ -1,0 +1,119 @@
+"""The processor seam: what per-key code receives, and what it must provide.
+
+A :class:`KeyProcessor` is built for each key session (by a plugin, or by the task API's
+default processor). The session calls ``open`` once, then ``handle`` for each request in order
+(or ``handle_batch`` when ``batch_size`` > 0), ``idle`` before it releases the key (to finish
+background work such as a DVU), and ``close`` last.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from keyqueue.core.retry import RetryPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One stored request for a key, as read from the inbox."""
+
+    key: str
+    seq: int
+    subject: str
+    headers: Mapping[str, str]
+    data: bytes
+
+    @property
+    def request_id(self) -> str:
+        return self.headers.get("Nats-Msg-Id", "")
+
+    @property
+    def reply_inbox(self) -> str | None:
+        return self.headers.get("X-Reply-Inbox") or None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a processor returns for a request that asked for a reply."""
+
+    data: bytes = b""
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+class SessionContext(Protocol):
+    """What a processor may use for the whole key session."""
+
+    queue: str
+    key: str
+    fencing: tuple[int, int]
+    log: logging.LoggerAdapter[logging.Logger]
+
+    def lease_valid(self) -> bool:
+        """True while this worker still owns the key."""
+
+    def check_lease(self) -> None:
+        """Raise :class:`~keyqueue.errors.LeaseLost` unless this worker still owns the key."""
+
+    async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
+        """Publish a progress message on ``kq.<queue>.progress.<key>``."""
+
+
+class RequestContext(SessionContext, Protocol):
+    """A :class:`SessionContext` plus the request being handled."""
+
+    request_id: str
+    attempt: int
+    """1 for the first try, 2 for the first retry, ..."""
+
+
+@runtime_checkable
+class KeyProcessor(Protocol):
+    """Per-key code. One instance serves one key session."""
+
+    batch_size: int
+    """0: one request per ``handle`` call; N > 0: up to N available requests per ``handle_batch``."""
+
+    async def open(self, ctx: SessionContext) -> None: ...
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None: ...
+
+    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> list[Reply | None]: ...
+
+    async def idle(self, ctx: SessionContext) -> None:
+        """The key has no more requests: finish owed background work before the key is released."""
+
+    async def close(self, ctx: SessionContext, reason: str) -> None: ...
+
+    def retry_policy(self, request: Request) -> RetryPolicy | None:
+        """The retry policy for this request, or None for the worker's default."""
+
+
+class BaseProcessor:
+    """A KeyProcessor with do-nothing defaults; subclass and override ``handle``."""
+
+    batch_size: int = 0
+
+    async def open(self, ctx: SessionContext) -> None:
+        return None
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        raise NotImplementedError
+
+    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> list[Reply | None]:
+        return [await self.handle(ctx, r) for r in requests]
+
+    async def idle(self, ctx: SessionContext) -> None:
+        return None
+
+    async def close(self, ctx: SessionContext, reason: str) -> None:
+        return None
+
+    def retry_policy(self, request: Request) -> RetryPolicy | None:
+        return None
+
+
+ProcessorFactory = Callable[[str], KeyProcessor | Awaitable[KeyProcessor]]
+"""Builds the processor for a key (may be async)."""

@@ -1,0 +1,337 @@
+"""The key session: what a worker runs while it holds a key's token (DESIGN.md section 4).
+
+    acquire token ─► open processor ─► ┌─ lease check ─► read next request (stream order)
+                                       │      │ none: wait for an arrival, at most `linger`
+                                       │      ▼
+                                       │  handle ─► ok: delete, reply ─┐
+                                       │         └► fail: backoff, retry in place, or DLQ
+                                       └──────────────────────────────┘
+    quiescent ─► processor.idle() ─► lease check ─► ack ─► re-check inbox ─► re-publish token?
+
+A lost lease ends the session at once: no ack, no nak, no delete, no reply. The keepalive task
+and the work run in one TaskGroup, so a keepalive that finds the lease lost cancels the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from keyqueue.core.lease import Lease
+from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
+from keyqueue.core.retry import RetryPolicy
+from keyqueue.errors import KeyqueueError, LeaseLost, Reject, WireError
+from keyqueue.jetstream.api import StoredMsg
+from keyqueue.jetstream.pull import Token
+from keyqueue.jetstream.queue_io import QueueIO
+from keyqueue.wire import headers as H
+
+log = logging.getLogger("keyqueue.session")
+
+Emit = Callable[..., None]
+"""``emit(event, **fields)``: the worker's sink for session lifecycle events."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    """How key sessions behave; one value per worker."""
+
+    ack_wait: float = 30.0
+    linger: float = 0.05
+    """Seconds with no new request before the key is released."""
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    crash_loop_limit: int = 10
+    """A token delivered more than this many times dead-letters the key's head request."""
+    drain_timeout: float = 10.0
+
+
+class Outcome:
+    RELEASED = "released"
+    LEASE_LOST = "lease-lost"
+    HANDED_OFF = "handed-off"
+    FAILED = "failed"
+
+
+class _Context:
+    """The SessionContext / RequestContext handed to processors."""
+
+    def __init__(self, session: KeySession) -> None:
+        self._session = session
+        self.queue = session.io.names.queue
+        self.key = session.token.key
+        self.fencing = session.token.fencing
+        self.request_id = ""
+        self.attempt = 0
+        self.log = logging.LoggerAdapter(logging.getLogger("keyqueue.task"),
+                                         {"queue": self.queue, "key": self.key})
+
+    def lease_valid(self) -> bool:
+        return self._session.lease.valid()
+
+    def check_lease(self) -> None:
+        self._session.lease.check()
+
+    async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
+        self.check_lease()
+        extra = {H.REQUEST_ID: self.request_id} if self.request_id else {}
+        await self._session.io.progress(self.key, data, {**extra, **(headers or {})})
+
+
+class KeySession:
+    """One held key: reads its requests in order and hands them to its processor."""
+
+    def __init__(self, io: QueueIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
+                 emit: Emit, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
+                 worker: str = "") -> None:
+        self.io = io
+        self.token = token
+        self.key = token.key
+        self.factory = factory
+        self.settings = settings
+        self.emit = emit
+        self.draining = draining
+        self.should_yield = should_yield
+        self.worker = worker
+        self.lease = Lease(settings.ack_wait, token.received_at)
+        self.cursor = 1
+        """The inbox sequence to read the next request from."""
+        self.processed = 0
+        self.republished = False
+        self.ctx = _Context(self)
+
+    # --- the whole session -----------------------------------------------------------------------
+
+    async def run(self) -> str:
+        """Run to the end; returns an :class:`Outcome`. Never raises but for cancellation."""
+        self.emit("acquired", key=self.key, fencing=self.token.fencing, delivered=self.token.delivered)
+        try:
+            return await self._run()
+        except asyncio.CancelledError:
+            # Cut off by the drain deadline (or a second signal): the request in hand stays
+            # stored; a nak hands the key to another worker now rather than after ack_wait.
+            if self.draining.is_set() and self.lease.valid():
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.io.nak(self.token))
+                self.emit("interrupted", key=self.key)
+            raise
+
+    async def _run(self) -> str:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                keepalive = tg.create_task(self._keepalive(), name=f"keepalive:{self.key}")
+                try:
+                    outcome = await self._work()
+                finally:
+                    keepalive.cancel()
+        except BaseExceptionGroup as group:
+            lost = group.subgroup(LeaseLost)
+            if lost is not None:
+                reason = self.lease.lost_reason or str(lost.exceptions[0]) or "lease lost"
+                self.emit("lease_lost", key=self.key, reason=reason)
+                return Outcome.LEASE_LOST
+            failed = group.subgroup(Exception)
+            if failed is None:
+                raise
+            # A processor or NATS failure: nothing is acked, the token is redelivered later.
+            first = failed.exceptions[0]
+            self.emit("session_failed", key=self.key, error=repr(first))
+            log.error("queue %s key %s: session failed: %r", self.io.names.queue, self.key, first,
+                      exc_info=first)
+            return Outcome.FAILED
+        self.emit(outcome, key=self.key, processed=self.processed, republished=self.republished)
+        return outcome
+
+    async def _keepalive(self) -> None:
+        while True:
+            sent = time.monotonic()
+            try:
+                await self.io.keepalive(self.token, timeout=max(0.05, self.lease.remaining()))
+                self.lease.confirmed(sent, time.monotonic())
+            except LeaseLost:
+                raise
+            except Exception as e:
+                log.debug("keepalive for %s failed: %r", self.key, e)
+            if not self.lease.valid():
+                raise LeaseLost(self.lease.lost_reason)
+            await asyncio.sleep(min(self.lease.interval, max(0.0, self.lease.remaining())))
+
+    async def _work(self) -> str:
+        processor = await self._build_processor()
+        watch = await self.io.watch(self.key)
+        reason = "quiescent"
+        try:
+            await processor.open(self.ctx)
+            if self.token.delivered > self.settings.crash_loop_limit:
+                await self._break_crash_loop()
+            while True:
+                if self.draining.is_set():
+                    reason = "shutdown"
+                    break
+                self.lease.check()
+                watch.event.clear()
+                batch = await self._read(processor)
+                if batch:
+                    await self._process(processor, batch)
+                    continue
+                if self.should_yield() or not await self._await_arrival(watch):
+                    break
+            return await self._release(processor, reason)
+        finally:
+            await watch.close()
+            if self.lease.valid():
+                await processor.close(self.ctx, reason)
+
+    async def _build_processor(self) -> KeyProcessor:
+        built = self.factory(self.key)
+        return await built if inspect.isawaitable(built) else built
+
+    async def _await_arrival(self, watch: Any) -> bool:
+        """Wait for a new request; False once ``linger`` passes (or a drain starts) with none."""
+        waiters = {asyncio.ensure_future(watch.event.wait()), asyncio.ensure_future(self.draining.wait())}
+        try:
+            await asyncio.wait(waiters, timeout=self.settings.linger,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+        return watch.event.is_set() and not self.draining.is_set()
+
+    async def _read(self, processor: KeyProcessor) -> list[StoredMsg]:
+        first = await self.io.next_request(self.key, self.cursor)
+        if first is None:
+            return []
+        batch = [first]
+        limit = getattr(processor, "batch_size", 0)
+        while len(batch) < limit:
+            more = await self.io.next_request(self.key, batch[-1].seq + 1)
+            if more is None:
+                break
+            batch.append(more)
+        return batch
+
+    # --- processing with retries -----------------------------------------------------------------
+
+    async def _process(self, processor: KeyProcessor, batch: list[StoredMsg]) -> None:
+        requests = [Request(self.key, m.seq, m.subject, m.headers, m.data) for m in batch]
+        head = requests[0]
+        policy = processor.retry_policy(head) or self.settings.retry
+        attempt = 0
+        while True:
+            attempt += 1
+            self.lease.check()
+            self.ctx.request_id, self.ctx.attempt = head.request_id, attempt
+            started = time.monotonic()
+            self.emit("started", key=self.key, request_id=head.request_id, seq=head.seq, attempt=attempt,
+                      batch=len(requests))
+            try:
+                if getattr(processor, "batch_size", 0) > 0:
+                    replies = await processor.handle_batch(self.ctx, requests)
+                else:
+                    replies = [await processor.handle(self.ctx, head)]
+            except LeaseLost:
+                raise
+            except (WireError, Reject) as e:
+                await self._dead_letter(batch, e, attempt, reason="rejected")
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if policy.exhausted(attempt):
+                    await self._dead_letter(batch, e, attempt, reason="max-attempts")
+                    return
+                delay = policy.delay(attempt)
+                self.emit("retried", key=self.key, request_id=head.request_id, attempt=attempt,
+                          delay=delay, error=f"{type(e).__name__}: {e}")
+                if not await self._backoff(delay):
+                    return  # draining: the request stays at the head for the next holder
+                continue
+            await self._succeeded(batch, requests, replies, time.monotonic() - started)
+            return
+
+    async def _backoff(self, delay: float) -> bool:
+        """Sleep before a retry, holding the key; False if a drain started meanwhile."""
+        try:
+            await asyncio.wait_for(self.draining.wait(), delay)
+        except TimeoutError:
+            return True
+        return False
+
+    async def _succeeded(self, batch: list[StoredMsg], requests: list[Request], replies: list[Reply | None],
+                         elapsed: float) -> None:
+        self.lease.check()
+        last = batch[-1].seq
+        if len(batch) == 1:
+            await self.io.delete(last)
+        else:
+            await self.io.purge_through(self.key, last)
+        self.cursor = last + 1
+        self.processed += len(batch)
+        for request, reply in zip(requests, replies, strict=False):
+            if request.reply_inbox:
+                self.lease.check()
+                await self.io.reply(request.reply_inbox, {H.STATUS: "ok", H.REQUEST_ID: request.request_id,
+                                                          **(reply.headers if reply else {})},
+                                    reply.data if reply else b"")
+            self.emit("succeeded", key=self.key, request_id=request.request_id, seq=request.seq,
+                      elapsed=elapsed)
+
+    async def _dead_letter(self, batch: list[StoredMsg], error: BaseException, attempts: int, *,
+                           reason: str) -> None:
+        for msg in batch:
+            self.lease.check()
+            why = {
+                H.DLQ_REASON: reason,
+                H.DLQ_ERROR_TYPE: type(error).__name__,
+                H.ERROR_MESSAGE: H.header_safe(str(error)),
+                H.DLQ_ATTEMPTS: str(attempts),
+                H.DLQ_ORIGINAL_SUBJECT: msg.subject,
+                H.DLQ_ORIGINAL_SEQ: str(msg.seq),
+                H.DLQ_TIME: datetime.now(UTC).isoformat(),
+            }
+            await self.io.dead_letter(self.key, msg, why)
+            await self.io.delete(msg.seq)
+            self.cursor = msg.seq + 1
+            inbox = msg.headers.get(H.REPLY_INBOX)
+            if inbox:
+                await self.io.reply(inbox, {H.STATUS: "dead-lettered", H.REQUEST_ID: msg.headers.get(H.MSG_ID, ""),
+                                            H.ERROR_TYPE: type(error).__name__,
+                                            H.ERROR_MESSAGE: H.header_safe(str(error)),
+                                            H.DLQ_REASON: reason}, b"")
+            self.emit("dead_lettered", key=self.key, request_id=msg.headers.get(H.MSG_ID, ""), seq=msg.seq,
+                      reason=reason, attempts=attempts, error=f"{type(error).__name__}: {error}")
+
+    async def _break_crash_loop(self) -> None:
+        head = await self.io.next_request(self.key, self.cursor)
+        if head is None:
+            return
+        error = KeyqueueError(f"the key's token was delivered {self.token.delivered} times while this request "
+                              "stayed at the head: workers keep dying or losing the lease on it")
+        await self._dead_letter([head], error, self.token.delivered, reason="crash-loop")
+
+    # --- release ---------------------------------------------------------------------------------
+
+    async def _release(self, processor: KeyProcessor, reason: str) -> str:
+        """Finish owed work, ack the token, then re-check the inbox and re-schedule if needed."""
+        if reason == "shutdown":
+            try:
+                await asyncio.wait_for(processor.idle(self.ctx), self.settings.drain_timeout)
+            except TimeoutError:
+                self.lease.check()
+                await self.io.nak(self.token)
+                return Outcome.HANDED_OFF
+        else:
+            await processor.idle(self.ctx)
+        self.lease.check()
+        await self.io.ack(self.token)
+        # A request stored after our last read had its token publish rejected (ours still
+        # existed): look again now that our token is gone, and schedule the key if one remains.
+        if await self.io.next_request_authoritative(self.key, self.cursor) is not None:
+            self.republished = await self.io.schedule(self.key)
+        return Outcome.HANDED_OFF if reason == "shutdown" else Outcome.RELEASED

@@ -1,0 +1,176 @@
+"""The worker runtime for one queue: slots, the token pull loop, sessions, drain.
+
+One asyncio task per key session, owned by a TaskGroup; the puller, the reconciler, the
+loop-lag monitor and the backlog probe are owned tasks too, cancelled and awaited on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nats.aio.client import Client
+
+from keyqueue.core.processor import ProcessorFactory
+from keyqueue.core.reconciler import Reconciler
+from keyqueue.core.session import KeySession, SessionSettings
+from keyqueue.errors import KeyqueueError
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.pull import PullOptions, Token, TokenPuller
+from keyqueue.jetstream.queue_io import QueueIO
+from keyqueue.jetstream.topology import QueueConfig, Topology
+
+log = logging.getLogger("keyqueue.worker")
+
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+class QueueWorker:
+    """Runs key sessions for one queue with at most ``concurrency`` keys held at once."""
+
+    def __init__(self, nc: Client, config: QueueConfig, factory: ProcessorFactory, *,
+                 concurrency: int = 16, settings: SessionSettings | None = None,
+                 pull: PullOptions | None = None, reconcile_interval: float = 30.0,
+                 name: str | None = None, on_event: EventSink | None = None) -> None:
+        self.nc = nc
+        self.config = config
+        self.factory = factory
+        self.concurrency = concurrency
+        self.settings = settings or SessionSettings(ack_wait=config.ack_wait)
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.on_event = on_event
+        self.io = QueueIO(nc, config)
+        self.puller = TokenPuller(nc, config.names, capacity=self.free_slots, on_token=self._on_token,
+                                  options=pull)
+        self.reconciler = Reconciler(self.io, interval=reconcile_interval)
+        self.sessions: dict[str, asyncio.Task[str]] = {}
+        self.draining = asyncio.Event()
+        self._stop_now = False
+        self._tg: asyncio.TaskGroup | None = None
+        self._tokens_waiting = False
+        self._started = asyncio.Event()
+        self.counts: dict[str, int] = {}
+        """Events seen, by name (acquired, succeeded, retried, dead_lettered, released, ...)."""
+
+    # --- slots -----------------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return 0 if self.draining.is_set() else self.concurrency - len(self.sessions)
+
+    def _should_yield(self) -> bool:
+        """An idle session releases early when every slot is busy and other keys wait for one."""
+        return self._tokens_waiting and self.free_slots() <= 0
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def emit(self, event: str, **fields: Any) -> None:
+        self.counts[event] = self.counts.get(event, 0) + 1
+        level = logging.WARNING if event in ("lease_lost", "dead_lettered", "session_failed") else logging.DEBUG
+        if event in ("acquired", "released", "handed-off", "retried", "interrupted"):
+            level = max(level, logging.INFO if event != "acquired" else logging.DEBUG)
+        if log.isEnabledFor(level):
+            detail = " ".join(f"{k}={v}" for k, v in fields.items() if k != "key")
+            extra = {"kq_event": event, "kq_queue": self.config.name, **{f"kq_{k}": v for k, v in fields.items()}}
+            log.log(level, "%s queue=%s key=%s %s", event, self.config.name, fields.get("key"), detail, extra=extra)
+        if self.on_event is not None:
+            try:
+                self.on_event(event, {"queue": self.config.name, "worker": self.name, **fields})
+            except Exception:
+                log.exception("event observer failed on %s", event)
+
+    # --- tokens ----------------------------------------------------------------------------------
+
+    async def _on_token(self, token: Token) -> None:
+        if self.draining.is_set() or self._tg is None or token.key in self.sessions:
+            # Not ours to start: hand it straight back so another worker takes the key now.
+            await self.io.nak(token)
+            return
+        session = KeySession(self.io, token, self.factory, self.settings, emit=self.emit,
+                             draining=self.draining, should_yield=self._should_yield, worker=self.name)
+        task = self._tg.create_task(self._run_session(session), name=f"session:{token.key}")
+        self.sessions[token.key] = task
+
+    async def _run_session(self, session: KeySession) -> str:
+        try:
+            return await session.run()
+        finally:
+            self.sessions.pop(session.key, None)
+            self.puller.wake()
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Ensure the topology, then hold keys until :meth:`stop` and the drain finish."""
+        await Topology(JetStreamApi(self.nc), self.config).ensure()
+        log.info("worker %s serving queue %s with %d slots (ack_wait=%ss, linger=%ss)", self.name,
+                 self.config.name, self.concurrency, self.settings.ack_wait, self.settings.linger)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                helpers = [
+                    tg.create_task(self.puller.run(), name="puller"),
+                    tg.create_task(self.reconciler.run(), name="reconciler"),
+                    tg.create_task(self._watch_loop_lag(), name="loop-lag"),
+                    tg.create_task(self._probe_waiting_tokens(), name="waiting-tokens"),
+                ]
+                self._started.set()
+                await self.draining.wait()
+                self.puller.stop()
+                await self._drain()
+                for task in helpers:
+                    task.cancel()
+        finally:
+            self._tg = None
+        log.info("worker %s stopped: %s", self.name, self.counts)
+
+    async def started(self) -> None:
+        await self._started.wait()
+
+    def stop(self, *, now: bool = False) -> None:
+        """Begin a graceful drain; ``now`` cuts running requests off (they run again elsewhere)."""
+        self._stop_now = self._stop_now or now
+        self.draining.set()
+        if now:
+            for task in list(self.sessions.values()):
+                task.cancel()
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.settings.drain_timeout
+        while self.sessions and time.monotonic() < deadline and not self._stop_now:
+            await asyncio.wait(list(self.sessions.values()), timeout=max(0.0, deadline - time.monotonic()))
+        for task in list(self.sessions.values()):
+            task.cancel()
+        if self.sessions:
+            await asyncio.wait(list(self.sessions.values()), timeout=5)
+
+    def reconnected(self) -> None:
+        self.puller.reconnected()
+
+    async def _watch_loop_lag(self) -> None:
+        """Warn when the event loop stalls: keepalives cannot be sent while it does."""
+        interval = 0.25
+        limit = self.settings.ack_wait / 3
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(interval)
+            lag = time.monotonic() - before - interval
+            if lag > limit:
+                held = ", ".join(sorted(self.sessions)[:5])
+                log.warning("event loop blocked for %.1fs (keys held: %s): a handler is blocking the loop; "
+                            "make it async or a sync function (run in a thread), or the lease is lost", lag, held)
+
+    async def _probe_waiting_tokens(self) -> None:
+        """While every slot is busy, learn whether other keys wait for a slot."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.free_slots() > 0:
+                self._tokens_waiting = False
+                continue
+            with contextlib.suppress(KeyqueueError):
+                self._tokens_waiting = await self.io.tokens_waiting() > 0

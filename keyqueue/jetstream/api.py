@@ -1,0 +1,226 @@
+"""The JetStream API calls keyqueue makes, on nats-py's core client.
+
+keyqueue talks to the ``$JS.API`` subjects directly rather than through nats-py's JetStream
+context: it needs fields nats-py does not have (priority groups, ``no_erase`` deletes, batched
+direct gets) and it must not log a traceback for every expected 10077 reply. Every error reply
+becomes a typed error through :func:`keyqueue.errors.from_api_error`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from keyqueue.errors import (
+    ConnectionFailed,
+    JetStreamError,
+    KeyqueueTimeout,
+    MessageNotFound,
+    from_api_error,
+)
+
+API_TIMEOUT: Final = 5.0
+"""Seconds to wait for a JetStream API reply before raising KeyqueueTimeout."""
+
+STATUS: Final = "Status"
+"""Header nats-py sets from the status line of a server status message."""
+
+DESCRIPTION: Final = "Description"
+"""Header nats-py sets from the description of a server status message."""
+
+
+@dataclass(frozen=True, slots=True)
+class PubAck:
+    """The server's acknowledgement of a JetStream publish."""
+
+    stream: str
+    seq: int
+    duplicate: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMsg:
+    """A message read from a stream by sequence or subject."""
+
+    subject: str
+    seq: int
+    headers: dict[str, str]
+    data: bytes
+    timestamp: str = ""
+
+
+def raise_for_reply(body: Mapping[str, Any]) -> None:
+    """Raise the typed error carried by a JetStream API reply, if any."""
+    error = body.get("error")
+    if error:
+        raise from_api_error(
+            str(error.get("description", "JetStream API error")),
+            int(error.get("code", 0)),
+            int(error.get("err_code", 0)),
+        )
+
+
+def parse_pub_ack(msg: Msg) -> PubAck:
+    """A PubAck from a publish reply, raising the typed error if the publish was refused."""
+    if msg.headers and msg.headers.get(STATUS) == "503":
+        raise ConnectionFailed("no JetStream stream answered the publish (is the queue's topology created?)")
+    try:
+        body = json.loads(msg.data)
+    except ValueError as e:
+        raise JetStreamError(f"unreadable publish acknowledgement: {msg.data[:100]!r}") from e
+    raise_for_reply(body)
+    return PubAck(body["stream"], int(body["seq"]), bool(body.get("duplicate", False)))
+
+
+class JetStreamApi:
+    """Typed wrappers over the ``$JS.API`` request subjects used by keyqueue."""
+
+    def __init__(self, nc: Client, *, timeout: float = API_TIMEOUT, prefix: str = "$JS.API") -> None:
+        self.nc = nc
+        self.timeout = timeout
+        self.prefix = prefix
+
+    async def request(self, subject: str, payload: Mapping[str, Any] | None = None,
+                      timeout: float | None = None) -> dict[str, Any]:
+        """Send one API request and return its decoded reply, raising typed errors."""
+        data = json.dumps(payload).encode() if payload is not None else b""
+        msg = await self._request(f"{self.prefix}.{subject}", data, timeout)
+        try:
+            body: dict[str, Any] = json.loads(msg.data)
+        except ValueError as e:
+            raise JetStreamError(f"unreadable reply to {subject}: {msg.data[:100]!r}") from e
+        raise_for_reply(body)
+        return body
+
+    async def _request(self, subject: str, data: bytes, timeout: float | None,
+                       headers: dict[str, str] | None = None) -> Msg:
+        try:
+            return await self.nc.request(subject, data, timeout=timeout or self.timeout, headers=headers)
+        except nats.errors.NoRespondersError as e:
+            raise ConnectionFailed(
+                f"no responders for {subject}: is JetStream enabled on the server at {self.nc.connected_url}?"
+            ) from e
+        except (TimeoutError, nats.errors.TimeoutError) as e:
+            raise KeyqueueTimeout(f"no reply to {subject} within {timeout or self.timeout}s") from e
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
+            raise ConnectionFailed(f"connection closed while calling {subject}") from e
+
+    # --- streams ---------------------------------------------------------------------------------
+
+    async def stream_info(self, stream: str, *, subjects_filter: str | None = None,
+                          offset: int = 0) -> dict[str, Any]:
+        payload: dict[str, Any] | None = None
+        if subjects_filter is not None:
+            payload = {"subjects_filter": subjects_filter, "offset": offset}
+        return await self.request(f"STREAM.INFO.{stream}", payload)
+
+    async def subjects(self, stream: str, subjects_filter: str) -> dict[str, int]:
+        """Every subject matching the filter that holds messages, with its message count."""
+        found: dict[str, int] = {}
+        offset = 0
+        while True:
+            info = await self.stream_info(stream, subjects_filter=subjects_filter, offset=offset)
+            page = info.get("state", {}).get("subjects") or {}
+            found.update(page)
+            total = int(info.get("total", 0))
+            offset += len(page)
+            if not page or offset >= total:
+                return found
+
+    async def add_stream(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.request(f"STREAM.CREATE.{config['name']}", config)
+
+    async def delete_stream(self, stream: str) -> None:
+        await self.request(f"STREAM.DELETE.{stream}")
+
+    async def delete_msg(self, stream: str, seq: int, *, no_erase: bool = True) -> bool:
+        """Delete one message by sequence; ``no_erase`` skips the costly overwrite on disk."""
+        body = await self.request(f"STREAM.MSG.DELETE.{stream}", {"seq": seq, "no_erase": no_erase})
+        return bool(body.get("success"))
+
+    async def purge(self, stream: str, *, subject: str | None = None, up_to_seq: int | None = None) -> int:
+        """Purge a stream, or one subject, optionally only below ``up_to_seq`` (exclusive)."""
+        payload: dict[str, Any] = {}
+        if subject is not None:
+            payload["filter"] = subject
+        if up_to_seq is not None:
+            payload["seq"] = up_to_seq
+        body = await self.request(f"STREAM.PURGE.{stream}", payload)
+        return int(body.get("purged", 0))
+
+    async def get_msg(self, stream: str, *, seq: int | None = None, next_by_subject: str | None = None,
+                      last_by_subject: str | None = None, direct: bool = True) -> StoredMsg | None:
+        """Read one message; None when there is none.
+
+        With ``next_by_subject`` it is the first message on that subject at or after ``seq``.
+        ``direct`` uses the direct-get API (served by any replica with ``allow_direct``), else
+        the leader-only ``STREAM.MSG.GET``.
+        """
+        payload: dict[str, Any] = {}
+        if seq is not None:
+            payload["seq"] = seq
+        if next_by_subject is not None:
+            payload["next_by_subj"] = next_by_subject
+        if last_by_subject is not None:
+            payload["last_by_subj"] = last_by_subject
+        if direct:
+            msg = await self._request(f"{self.prefix}.DIRECT.GET.{stream}", json.dumps(payload).encode(), None)
+            headers = msg.headers or {}
+            status = headers.get(STATUS)
+            if status == "404":
+                return None
+            if status:
+                raise from_api_error(headers.get(DESCRIPTION, "direct get failed"), int(status))
+            return StoredMsg(
+                subject=headers["Nats-Subject"],
+                seq=int(headers["Nats-Sequence"]),
+                headers={k: v for k, v in headers.items() if not k.startswith("Nats-") or k == "Nats-Msg-Id"},
+                data=msg.data,
+                timestamp=headers.get("Nats-Time-Stamp", ""),
+            )
+        try:
+            body = await self.request(f"STREAM.MSG.GET.{stream}", payload)
+        except MessageNotFound:
+            return None
+        return stored_from_json(body["message"])
+
+    # --- consumers -------------------------------------------------------------------------------
+
+    async def consumer_info(self, stream: str, consumer: str) -> dict[str, Any]:
+        return await self.request(f"CONSUMER.INFO.{stream}.{consumer}")
+
+    async def add_consumer(self, stream: str, config: Mapping[str, Any]) -> dict[str, Any]:
+        name = config["durable_name"]
+        return await self.request(f"CONSUMER.CREATE.{stream}.{name}",
+                                  {"stream_name": stream, "config": config, "action": "create"})
+
+    async def delete_consumer(self, stream: str, consumer: str) -> None:
+        await self.request(f"CONSUMER.DELETE.{stream}.{consumer}")
+
+    async def unpin(self, stream: str, consumer: str, group: str) -> None:
+        await self.request(f"CONSUMER.UNPIN.{stream}.{consumer}", {"group": group})
+
+    async def account_info(self) -> dict[str, Any]:
+        return await self.request("INFO")
+
+
+def stored_from_json(message: Mapping[str, Any]) -> StoredMsg:
+    """A StoredMsg from the JSON form ``STREAM.MSG.GET`` returns (base64 headers and data)."""
+    import base64
+
+    headers: dict[str, str] = {}
+    raw = message.get("hdrs")
+    if raw:
+        lines = base64.b64decode(raw).decode().split("\r\n")[1:]
+        for line in lines:
+            if ":" in line:
+                name, _, value = line.partition(":")
+                headers[name.strip()] = value.strip()
+    data = base64.b64decode(message.get("data", "")) if message.get("data") else b""
+    return StoredMsg(message["subject"], int(message["seq"]), headers, data, message.get("time", ""))

