@@ -139,7 +139,8 @@ _CONSUMER_FIELDS: Final = ("ack_policy", "ack_wait", "max_deliver", "max_ack_pen
 
 def _verify(entity: str, existing: dict[str, Any], wanted: dict[str, Any], fields: tuple[str, ...],
             hint: str) -> None:
-    defaults: dict[str, Any] = {"discard": "old", "retention": "limits", "max_msgs_per_subject": -1, "discard_new_per_subject": False,
+    defaults: dict[str, Any] = {"discard": "old", "retention": "limits", "max_msgs_per_subject": -1,
+                                "discard_new_per_subject": False,
                                 "allow_direct": False, "priority_policy": "none", "max_deliver": -1}
     for field in fields:
         if field not in wanted and field not in existing:
