@@ -275,34 +275,37 @@ async def keyed_round(url: str, checks: Checks) -> None:
         )
         run = asyncio.create_task(worker.run())
         await worker.started()
-
-        publisher = Publisher(nc, config.names)
-        reply_inbox = nc.new_inbox()
-        replies = await nc.subscribe(reply_inbox)
-        print(f"enqueue {steps} steps for each of {', '.join(keys)}, interleaved; o-2's last step asks for a reply")
-        for step in range(1, steps + 1):
-            for key in keys:
-                asks = key == "o-2" and step == steps
-                message = encode(ChargeV1(key, step), reply_inbox=reply_inbox if asks else None)
-                await publisher.enqueue(OutgoingRequest(key, message.headers, message.body, message.request_id))
-
-        reply = await replies.next_msg(timeout=10)
-        print(
-            f"  reply to o-2 step {steps}: {H.STATUS}={reply.headers and reply.headers.get(H.STATUS)} "
-            f"body={reply.data.decode()!r}"
-        )
+        reply_body: bytes | None = None
         try:
-            await asyncio.wait_for(all_released.wait(), timeout=10)
-        except TimeoutError:
-            print("  timed out waiting for every request to run and every key to be released")
-        worker.stop()
-        await run
+            publisher = Publisher(nc, config.names)
+            reply_inbox = nc.new_inbox()
+            replies = await nc.subscribe(reply_inbox)
+            print(f"enqueue {steps} steps for each of {', '.join(keys)}, interleaved; o-2's last step asks for a reply")
+            for step in range(1, steps + 1):
+                for key in keys:
+                    asks = key == "o-2" and step == steps
+                    message = encode(ChargeV1(key, step), reply_inbox=reply_inbox if asks else None)
+                    await publisher.enqueue(OutgoingRequest(key, message.headers, message.body, message.request_id))
+            try:
+                reply = await replies.next_msg(timeout=5)
+                reply_body = reply.data
+                status = reply.headers.get(H.STATUS) if reply.headers else None
+                print(f"  reply to o-2 step {steps}: {H.STATUS}={status} body={reply_body.decode()!r}")
+            except TimeoutError:
+                print(f"  no reply to o-2 step {steps} within 5 s")
+            try:
+                await asyncio.wait_for(all_released.wait(), timeout=5)
+            except TimeoutError:
+                print("  timed out waiting for every request to run and every key to be released")
+        finally:
+            worker.stop()
+            await run
 
         print(
             f"worker events: {events.count('acquired')} key session(s) acquired, "
             f"{events.count('released')} released after {worker.settings.linger}s without new requests"
         )
-        checks.check(all_released.is_set(), "every request ran and every key was released within 10 s")
+        checks.check(all_released.is_set(), "every request ran and every key was released in time")
         for key in keys:
             order = [step for k, step, _ in observed.done if k == key]
             checks.check(order == list(range(1, steps + 1)), f"{key} ran its steps in order: {order}")
@@ -316,7 +319,7 @@ async def keyed_round(url: str, checks: Checks) -> None:
             observed.max_parallel_keys >= 2,
             f"different keys ran in parallel (up to {observed.max_parallel_keys} at once)",
         )
-        checks.check(reply.data == f"charged o-2 step {steps}".encode(), "the reply reached its caller")
+        checks.check(reply_body == f"charged o-2 step {steps}".encode(), "the reply reached its caller")
         inbox = await JetStreamApi(nc).stream_info(config.names.inbox_stream)
         tokens = await JetStreamApi(nc).stream_info(config.names.token_stream)
         checks.check(
