@@ -150,6 +150,7 @@ class KeySession:
 
     async def _keepalive(self) -> None:
         while True:
+            self.lease.check()  # first thing on waking: a resumed process must not renew a lapsed lease
             sent = time.monotonic()
             try:
                 await self.io.keepalive(self.token, timeout=max(0.05, self.lease.remaining()))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -17,6 +18,7 @@ from typing import Any
 
 from nats.aio.client import Client
 
+from keyqueue.core.lease import Lease
 from keyqueue.core.processor import ProcessorFactory
 from keyqueue.core.reconciler import Reconciler
 from keyqueue.core.session import KeySession, SessionSettings
@@ -27,6 +29,9 @@ from keyqueue.jetstream.queue_io import QueueIO
 from keyqueue.jetstream.topology import QueueConfig, Topology
 
 log = logging.getLogger("keyqueue.worker")
+
+LOOP_TICK = 0.1
+"""Seconds between the loop-lag monitor's ticks."""
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -55,6 +60,9 @@ class QueueWorker:
         self._tg: asyncio.TaskGroup | None = None
         self._tokens_waiting = False
         self._started = asyncio.Event()
+        self._start_error: BaseException | None = None
+        self._held: dict[str, KeySession] = {}
+        self._last_tick = time.monotonic()
         self.counts: dict[str, int] = {}
         """Events seen, by name (acquired, succeeded, retried, dead_lettered, released, ...)."""
 
@@ -87,27 +95,52 @@ class QueueWorker:
     # --- tokens ----------------------------------------------------------------------------------
 
     async def _on_token(self, token: Token) -> None:
-        if self.draining.is_set() or self._tg is None or token.key in self.sessions:
+        # The server's delivery time is not in the message, and a token that sat in the socket
+        # buffer while this process was paused (SIGSTOP, a VM freeze, a blocked loop) looks
+        # fresh on arrival. It is at most as old as the time since the loop last ran freely.
+        age = max(0.0, token.received_at - self._last_tick - LOOP_TICK)
+        if age >= self.settings.ack_wait - Lease(self.settings.ack_wait, 0).margin:
+            # The server may already have given the key to another worker. Acting on the token
+            # at all, even a nak, could take the key from its rightful holder: leave it be.
+            log.warning("dropping a token for key %s received after the event loop stalled for %.1fs; "
+                        "the server redelivers it", token.key, age)
+            self.emit("stale_token", key=token.key, age=round(age, 3), delivered=token.delivered)
+            return
+        held = self._held.get(token.key)
+        if held is not None:
+            # The server redelivered a key we still think we hold: our session's hold is stale.
+            held.lease.lose("the server redelivered the key's token")
+            log.warning("key %s redelivered while this worker's session still runs: that session lost its "
+                        "lease", token.key)
+        if self.draining.is_set() or self._tg is None or held is not None:
             # Not ours to start: hand it straight back so another worker takes the key now.
             await self.io.nak(token)
             return
+        token = dataclasses.replace(token, received_at=token.received_at - age)
         session = KeySession(self.io, token, self.factory, self.settings, emit=self.emit,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name)
         task = self._tg.create_task(self._run_session(session), name=f"session:{token.key}")
         self.sessions[token.key] = task
+        self._held[token.key] = session
 
     async def _run_session(self, session: KeySession) -> str:
         try:
             return await session.run()
         finally:
             self.sessions.pop(session.key, None)
+            self._held.pop(session.key, None)
             self.puller.wake()
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Ensure the topology, then hold keys until :meth:`stop` and the drain finish."""
-        await Topology(JetStreamApi(self.nc), self.config).ensure()
+        try:
+            await Topology(JetStreamApi(self.nc), self.config).ensure()
+        except BaseException as e:
+            self._start_error = e
+            self._started.set()
+            raise
         log.info("worker %s serving queue %s with %d slots (ack_wait=%ss, linger=%ss)", self.name,
                  self.config.name, self.concurrency, self.settings.ack_wait, self.settings.linger)
         try:
@@ -130,7 +163,10 @@ class QueueWorker:
         log.info("worker %s stopped: %s", self.name, self.counts)
 
     async def started(self) -> None:
+        """Wait until the worker is pulling tokens; raises what kept it from starting."""
         await self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
 
     def stop(self, *, now: bool = False) -> None:
         """Begin a graceful drain; ``now`` cuts running requests off (they run again elsewhere)."""
@@ -153,13 +189,17 @@ class QueueWorker:
         self.puller.reconnected()
 
     async def _watch_loop_lag(self) -> None:
-        """Warn when the event loop stalls: keepalives cannot be sent while it does."""
-        interval = 0.25
+        """Track when the loop last ran freely, and warn when it stalls past ``ack_wait / 3``."""
         limit = self.settings.ack_wait / 3
+        stale_after = self.settings.ack_wait - Lease(self.settings.ack_wait, 0).margin
         while True:
-            before = time.monotonic()
-            await asyncio.sleep(interval)
-            lag = time.monotonic() - before - interval
+            self._last_tick = time.monotonic()
+            await asyncio.sleep(LOOP_TICK)
+            lag = time.monotonic() - self._last_tick - LOOP_TICK
+            if lag >= stale_after:
+                log.warning("this process stalled for %.1fs, longer than the ack wait: abandoning in-flight "
+                            "pulls so no stale token is acted on", lag)
+                self.puller.abandon_pulls()
             if lag > limit:
                 held = ", ".join(sorted(self.sessions)[:5])
                 log.warning("event loop blocked for %.1fs (keys held: %s): a handler is blocking the loop; "

@@ -43,6 +43,8 @@ class Token:
     delivered: int
     received_at: float
     """``time.monotonic()`` when the token reached this process."""
+    stored_at: float = 0.0
+    """Server wall-clock time (Unix seconds) the token was stored, from the ack subject."""
 
     @property
     def fencing(self) -> tuple[int, int]:
@@ -50,13 +52,13 @@ class Token:
         return (self.stream_seq, self.delivered)
 
 
-def parse_ack_subject(reply: str) -> tuple[int, int]:
-    """``(stream seq, delivery count)`` from a JetStream ack subject (v1 or v2 form)."""
+def parse_ack_subject(reply: str) -> tuple[int, int, float]:
+    """``(stream seq, delivery count, stored time)`` from a JetStream ack subject (v1 or v2 form)."""
     parts = reply.split(".")
     if len(parts) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
-        return int(parts[5]), int(parts[4])
-    if len(parts) >= 12:  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>...
-        return int(parts[7]), int(parts[6])
+        return int(parts[5]), int(parts[4]), int(parts[7]) / NS
+    if len(parts) >= 12:  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>...
+        return int(parts[7]), int(parts[6]), int(parts[9]) / NS
     raise ValueError(f"not a JetStream ack subject: {reply!r}")
 
 
@@ -138,6 +140,10 @@ class TokenPuller:
         self._wake = asyncio.Event()
         self._stopped = False
         self._inbox = nc.new_inbox()
+        self._resubscribe = False
+        self._generation = 0
+        self.dropped = 0
+        """Deliveries ignored because they answered abandoned pull requests."""
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}"
         self.statuses: dict[str, int] = {}
         """Counts of status codes seen, for tests and ``inspect``."""
@@ -151,16 +157,32 @@ class TokenPuller:
         self.state.reset()
         self._wake.set()
 
+    def abandon_pulls(self) -> None:
+        """Ignore every delivery to the pull requests sent so far, and pull afresh.
+
+        After this process stalled (paused, frozen) past the ack wait, tokens delivered to its
+        old pull requests may already belong to another worker: they are dropped untouched.
+        """
+        self._inbox = self.nc.new_inbox()
+        self._generation += 1
+        self._resubscribe = True
+        self.state.reset()
+        self._wake.set()
+
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
 
     async def run(self) -> None:
         """Pull until stopped. Tokens are handed to ``on_token``."""
-        sub = await self.nc.subscribe(self._inbox + ".*", cb=self._on_msg)
+        sub = await self._subscribe()
         n = 0
         try:
             while not self._stopped:
+                if self._resubscribe:
+                    self._resubscribe = False
+                    await sub.unsubscribe()
+                    sub = await self._subscribe()
                 now = time.monotonic()
                 if self.state.heartbeat_missed(now, self.options.heartbeat):
                     log.warning("queue %s: missed idle heartbeats from the server; pulling afresh",
@@ -191,7 +213,19 @@ class TokenPuller:
         except KeyqueueError as e:
             log.warning("queue %s: cannot check the token consumer: %s", self.names.queue, e)
 
-    async def _on_msg(self, msg: Msg) -> None:
+    async def _subscribe(self) -> Any:
+        generation = self._generation
+
+        async def on_msg(msg: Msg) -> None:
+            await self._on_msg(msg, generation)
+
+        return await self.nc.subscribe(self._inbox + ".*", cb=on_msg)
+
+    async def _on_msg(self, msg: Msg, generation: int) -> None:
+        if generation != self._generation:
+            self.dropped += 1
+            log.warning("queue %s: ignoring a delivery to an abandoned pull request", self.names.queue)
+            return
         now = time.monotonic()
         headers = msg.headers or {}
         status = headers.get(STATUS)
@@ -202,8 +236,8 @@ class TokenPuller:
                 self.state.pin_id = pin
                 if self.on_pinned:
                     await self.on_pinned(pin)
-            seq, delivered = parse_ack_subject(msg.reply)
-            token = Token(self.names.key_of(msg.subject), msg.subject, msg.reply, seq, delivered, now)
+            seq, delivered, stored_at = parse_ack_subject(msg.reply)
+            token = Token(self.names.key_of(msg.subject), msg.subject, msg.reply, seq, delivered, now, stored_at)
             await self.on_token(token)
             return
         self.statuses[status] = self.statuses.get(status, 0) + 1

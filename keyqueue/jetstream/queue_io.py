@@ -13,10 +13,14 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from keyqueue.errors import JetStreamError
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg, parse_pub_ack
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.topology import QueueConfig
+
+NO_MESSAGE_FOUND = 10057
+"""JetStream's err_code for deleting a sequence that holds no message."""
 
 
 class Watch:
@@ -58,7 +62,12 @@ class QueueIO:
                                       next_by_subject=self.names.inbox(key), direct=False)
 
     async def delete(self, seq: int) -> None:
-        await self.api.delete_msg(self.names.inbox_stream, seq, no_erase=True)
+        """Delete a processed request; one already gone (a re-run after a crash) is fine."""
+        try:
+            await self.api.delete_msg(self.names.inbox_stream, seq, no_erase=True)
+        except JetStreamError as e:
+            if e.err_code != NO_MESSAGE_FOUND:
+                raise
 
     async def purge_through(self, key: str, seq: int) -> int:
         """Remove the key's requests up to and including ``seq``."""
