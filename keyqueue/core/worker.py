@@ -22,7 +22,7 @@ from keyqueue.core.lease import Lease
 from keyqueue.core.processor import ProcessorFactory
 from keyqueue.core.reconciler import Reconciler
 from keyqueue.core.session import KeySession, SessionSettings
-from keyqueue.errors import KeyqueueError
+from keyqueue.errors import ConfigError, KeyqueueError
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.pull import PullOptions, Token, TokenPuller
 from keyqueue.jetstream.queue_io import QueueIO
@@ -51,8 +51,18 @@ class QueueWorker:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.on_event = on_event
         self.io = QueueIO(nc, config)
+        pull = dataclasses.replace(pull) if pull is not None else PullOptions()
+        if config.priority_policy != "none":
+            pull.group = config.priority_group
+        elif pull.group or pull.min_pending or pull.min_ack_pending or pull.priority is not None:
+            raise ConfigError(
+                f"queue {config.name!r} has no priority policy, so overflow thresholds and priorities "
+                "do not apply; configure priority_policy on the queue (see docs/priority-groups.md)"
+            )
+        self.pinned: str | None = None
+        """The pin id while this worker is the pinned client of a ``pinned_client`` queue."""
         self.puller = TokenPuller(nc, config.names, capacity=self.free_slots, on_token=self._on_token,
-                                  options=pull)
+                                  options=pull, on_pinned=self._on_pinned)
         self.reconciler = Reconciler(self.io, interval=reconcile_interval)
         self.sessions: dict[str, asyncio.Task[str]] = {}
         self.draining = asyncio.Event()
@@ -80,7 +90,7 @@ class QueueWorker:
     def emit(self, event: str, **fields: Any) -> None:
         self.counts[event] = self.counts.get(event, 0) + 1
         level = logging.WARNING if event in ("lease_lost", "dead_lettered", "session_failed") else logging.DEBUG
-        if event in ("acquired", "released", "handed-off", "retried", "interrupted"):
+        if event in ("acquired", "released", "handed-off", "retried", "interrupted", "pinned", "unpinned"):
             level = max(level, logging.INFO if event != "acquired" else logging.DEBUG)
         if log.isEnabledFor(level):
             detail = " ".join(f"{k}={v}" for k, v in fields.items() if k != "key")
@@ -122,6 +132,13 @@ class QueueWorker:
         task = self._tg.create_task(self._run_session(session), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session
+
+    async def _on_pinned(self, pin_id: str | None) -> None:
+        was, self.pinned = self.pinned, pin_id
+        if pin_id is not None:
+            self.emit("pinned", key=None, pin_id=pin_id)
+        elif was is not None:
+            self.emit("unpinned", key=None, pin_id=was)
 
     async def _run_session(self, session: KeySession) -> str:
         try:

@@ -27,6 +27,7 @@ from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
 from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.pull import PullOptions
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.wire import Message, Registry, decode
 
@@ -83,6 +84,11 @@ async def main() -> None:
     p.add_argument("--max-attempts", type=int, default=3)
     p.add_argument("--base-delay", type=float, default=0.05)
     p.add_argument("--reconcile-interval", type=float, default=30.0)
+    p.add_argument("--priority-policy", default="none")
+    p.add_argument("--priority-timeout", type=float, default=10.0)
+    p.add_argument("--min-pending", type=int, default=0)
+    p.add_argument("--min-ack-pending", type=int, default=0)
+    p.add_argument("--priority", type=int, default=None)
     args = p.parse_args()
     log = Log(args.logfile, args.name)
     worker: QueueWorker | None = None
@@ -92,11 +98,13 @@ async def main() -> None:
             worker.reconnected()
 
     nc = await connect(args.url, name=args.name, reconnected=reconnected)
-    config = QueueConfig(args.queue, ack_wait=args.ack_wait)
+    config = QueueConfig(args.queue, ack_wait=args.ack_wait, priority_policy=args.priority_policy,
+                         priority_timeout=args.priority_timeout)
+    pull = PullOptions(min_pending=args.min_pending, min_ack_pending=args.min_ack_pending, priority=args.priority)
     settings = SessionSettings(ack_wait=args.ack_wait, linger=args.linger, drain_timeout=args.drain_timeout,
                                retry=RetryPolicy(max_attempts=args.max_attempts, base_delay=args.base_delay))
     worker = QueueWorker(nc, config, lambda key: Recording(log), concurrency=args.concurrency, settings=settings,
-                         reconcile_interval=args.reconcile_interval, name=args.name,
+                         reconcile_interval=args.reconcile_interval, name=args.name, pull=pull,
                          on_event=lambda event, fields: log.write("event", event=event, **fields))
     loop = asyncio.get_running_loop()
     signals = {"n": 0}

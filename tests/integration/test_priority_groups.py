@@ -1,0 +1,111 @@
+"""ADR-42 priority groups on the token consumer, with worker processes (DESIGN.md section 5)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.publish import Publisher
+from keyqueue.jetstream.topology import QueueConfig, Topology
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "procs"))
+from harness import Fleet, check_exclusive, check_order, ends_by_tag, work
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    client = await connect(nats_url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def fleet(nats_url: str, tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(nats_url, "pq", tmp_path / "log.jsonl")
+    yield f
+    f.stop_all()
+
+
+async def queue(nc: Client, policy: str, timeout: float = 10.0) -> tuple[Publisher, JetStreamApi]:
+    config = QueueConfig("pq", ack_wait=2, priority_policy=policy, priority_timeout=timeout)  # type: ignore[arg-type]
+    api = JetStreamApi(nc)
+    await Topology(api, config).ensure()
+    return Publisher(nc, config.names), api
+
+
+def acquired_by(log: list[dict], worker: str) -> list[dict]:
+    return [r for r in log if r["kind"] == "event" and r["event"] == "acquired" and r["w"] == worker]
+
+
+async def test_overflow_worker_waits_for_a_deep_backlog(nc: Client, fleet: Fleet) -> None:
+    pub, _ = await queue(nc, "overflow")
+    fleet.start("primary", "--priority-policy", "overflow", "--concurrency", "4")
+    fleet.start("overflow", "--priority-policy", "overflow", "--concurrency", "8", "--min-pending", "50")
+    await fleet.wait_ready("primary", "overflow")
+    # 30 keys: 4 held, 26 tokens pending, below the overflow worker's threshold of 50.
+    await pub.enqueue_many([work(f"a{i}", f"a{i}", sleep=0.2) for i in range(30)])
+    log = await fleet.wait_for(lambda log: len(ends_by_tag(log)) >= 12, timeout=30, what="12 done by the primary")
+    assert not acquired_by(log, "overflow"), "the overflow worker took a token below min_pending"
+    # 100 more keys push the token backlog well past 50: the overflow worker joins in.
+    await pub.enqueue_many([work(f"b{i}", f"b{i}", sleep=0.2) for i in range(100)])
+    log = await fleet.wait_for(lambda log: bool(acquired_by(log, "overflow")), timeout=30, what="overflow joins")
+    log = await fleet.wait_for(lambda log: len(ends_by_tag(log)) == 130, timeout=60, what="all 130")
+    by_primary = [r for r in log if r["kind"] == "end" and r["w"] == "primary"]
+    assert len(by_primary) > 30, "the primary stopped working while the overflow worker helped"
+    check_exclusive(log)
+
+
+async def test_pinned_client_takes_every_key_and_fails_over(nc: Client, fleet: Fleet) -> None:
+    pub, api = await queue(nc, "pinned_client", timeout=2.0)
+    args = ("--priority-policy", "pinned_client", "--priority-timeout", "2")
+    names = ("w0", "w1", "w2")
+    for n in names:
+        fleet.start(n, *args)
+    await fleet.wait_ready(*names)
+    keys = [f"k{i}" for i in range(10)]
+    await pub.enqueue_many([work(k, f"{k}-0", sleep=0.05) for k in keys])
+    log = await fleet.wait_for(lambda log: len(ends_by_tag(log)) == 10, timeout=30, what="first round")
+    holders = {r["w"] for r in log if r["kind"] == "end"}
+    assert len(holders) == 1, f"more than the pinned worker took keys: {holders}"
+    pinned = holders.pop()
+    pinned_events = [r for r in log if r["kind"] == "event" and r["event"] == "pinned"]
+    assert [r["w"] for r in pinned_events] == [pinned]
+
+    # kill -9 the pinned worker mid-work: a standby becomes pinned and finishes every key.
+    expected = {k: [f"{k}-0", f"{k}-1", f"{k}-2"] for k in keys}
+    await pub.enqueue_many([work(k, f"{k}-1", sleep=0.3) for k in keys])
+    await fleet.wait_for(lambda log: any(r["kind"] == "start" and r["tag"].endswith("-1") for r in log))
+    next(w for w in fleet.workers if w.name == pinned).kill()
+    await pub.enqueue_many([work(k, f"{k}-2") for k in keys])
+    log = await fleet.wait_for(lambda log: len(ends_by_tag(log)) == 30, timeout=60, what="every key after failover")
+    check_order(log, expected)
+    after = [r for r in log if r["kind"] == "event" and r["event"] == "pinned" and r["w"] != pinned]
+    assert len(after) == 1, f"expected one new pinned worker, got {[r['w'] for r in after]}"
+    new_pinned = after[0]["w"]
+    late = {r["w"] for r in log if r["kind"] == "end" and r["tag"].endswith("-2")}
+    assert late == {new_pinned}
+
+    # unpin: the server moves the pin to another worker.
+    await api.unpin("KQ_pq_TOKENS", "workers", "workers")
+    await pub.enqueue_many([work(k, f"{k}-3") for k in keys])
+    log = await fleet.wait_for(lambda log: len(ends_by_tag(log)) == 40, timeout=60, what="after unpin")
+    order = [(r["w"], r["event"]) for r in log if r["kind"] == "event" and r["event"] in ("pinned", "unpinned")
+             and r["w"] != pinned]
+    assert (new_pinned, "unpinned") in order, f"the pinned worker was not told it lost the pin: {order}"
+    check_exclusive(log)
+
+
+async def test_prioritized_lower_number_served_first(nc: Client, fleet: Fleet) -> None:
+    pub, _ = await queue(nc, "prioritized")
+    fleet.start("p5", "--priority-policy", "prioritized", "--priority", "5", "--concurrency", "64")
+    fleet.start("p0", "--priority-policy", "prioritized", "--priority", "0", "--concurrency", "64")
+    await fleet.wait_ready("p0", "p5")
+    await pub.enqueue_many([work(f"k{i}", f"k{i}", sleep=0.05) for i in range(40)])
+    log = await fleet.wait_for(lambda log: len(ends_by_tag(log)) == 40, timeout=30, what="all 40")
+    assert {r["w"] for r in log if r["kind"] == "end"} == {"p0"}
