@@ -89,6 +89,7 @@ async def main() -> None:
     p.add_argument("--min-pending", type=int, default=0)
     p.add_argument("--min-ack-pending", type=int, default=0)
     p.add_argument("--priority", type=int, default=None)
+    p.add_argument("--pull-expires", type=float, default=10.0)
     args = p.parse_args()
     log = Log(args.logfile, args.name)
     worker: QueueWorker | None = None
@@ -100,7 +101,8 @@ async def main() -> None:
     nc = await connect(args.url, name=args.name, reconnected=reconnected)
     config = QueueConfig(args.queue, ack_wait=args.ack_wait, priority_policy=args.priority_policy,
                          priority_timeout=args.priority_timeout)
-    pull = PullOptions(min_pending=args.min_pending, min_ack_pending=args.min_ack_pending, priority=args.priority)
+    pull = PullOptions(expires=args.pull_expires, heartbeat=min(2.0, args.pull_expires / 2),
+                       min_pending=args.min_pending, min_ack_pending=args.min_ack_pending, priority=args.priority)
     settings = SessionSettings(ack_wait=args.ack_wait, linger=args.linger, drain_timeout=args.drain_timeout,
                                retry=RetryPolicy(max_attempts=args.max_attempts, base_delay=args.base_delay))
     worker = QueueWorker(nc, config, lambda key: Recording(log), concurrency=args.concurrency, settings=settings,
@@ -108,6 +110,11 @@ async def main() -> None:
                          on_event=lambda event, fields: log.write("event", event=event, **fields))
     loop = asyncio.get_running_loop()
     signals = {"n": 0}
+
+    def on_usr1() -> None:
+        log.write("statuses", statuses=dict(worker.puller.statuses), pin=worker.puller.state.pin_id)
+
+    loop.add_signal_handler(signal.SIGUSR1, on_usr1)
 
     def on_signal() -> None:
         signals["n"] += 1
@@ -120,7 +127,7 @@ async def main() -> None:
     await worker.started()
     log.write("ready")
     await run
-    log.write("exit")
+    log.write("exit", statuses=worker.puller.statuses)
     await nc.close()
 
 
