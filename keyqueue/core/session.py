@@ -15,6 +15,7 @@ and the work run in one TaskGroup, so a keepalive that finds the lease lost canc
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import logging
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 from keyqueue.core.lease import Lease
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
@@ -34,6 +35,12 @@ from keyqueue.jetstream.queue_io import QueueIO
 from keyqueue.wire import headers as H
 
 log = logging.getLogger("keyqueue.session")
+
+READ_AHEAD: Final = 32
+"""Requests read per round trip (a batched direct get)."""
+
+MAX_UNCONFIRMED_DELETES: Final = 64
+"""Deletes in flight before the session waits for their confirmations."""
 
 Emit = Callable[..., None]
 """``emit(event, **fields)``: the worker's sink for session lifecycle events."""
@@ -104,6 +111,13 @@ class KeySession:
         """The inbox sequence to read the next request from."""
         self.processed = 0
         self.republished = False
+        self.buffer: collections.deque[StoredMsg] = collections.deque()
+        """Requests read ahead and not yet processed, in stream order."""
+        self.more = True
+        """Whether the inbox may hold requests past the read-ahead buffer (until a read says no;
+        after that, an arrival on the key's subject says yes again)."""
+        self.deletes: list[asyncio.Future[Any]] = []
+        """Deletes sent and not yet confirmed."""
         self.ctx = _Context(self)
 
     # --- the whole session -----------------------------------------------------------------------
@@ -149,6 +163,9 @@ class KeySession:
         return outcome
 
     async def _keepalive(self) -> None:
+        # The first deadline already runs from receipt, so a keepalive sent at once would buy
+        # only the milliseconds since then: the first one goes out after one interval.
+        await asyncio.sleep(min(self.lease.interval, max(0.0, self.lease.remaining())))
         while True:
             self.lease.check()  # first thing on waking: a resumed process must not renew a lapsed lease
             sent = time.monotonic()
@@ -176,11 +193,12 @@ class KeySession:
                     reason = "shutdown"
                     break
                 self.lease.check()
-                watch.event.clear()
-                batch = await self._read(processor)
-                if batch:
-                    await self._process(processor, batch)
-                    continue
+                if self.buffer or self.more or watch.event.is_set():
+                    watch.event.clear()
+                    batch = await self._read(processor)
+                    if batch:
+                        await self._process(processor, batch)
+                        continue
                 if self.should_yield() or not await self._await_arrival(watch):
                     break
             return await self._release(processor, reason)
@@ -205,17 +223,18 @@ class KeySession:
         return watch.event.is_set() and not self.draining.is_set()
 
     async def _read(self, processor: KeyProcessor) -> list[StoredMsg]:
-        first = await self.io.next_request(self.key, self.cursor)
-        if first is None:
-            return []
-        batch = [first]
-        limit = getattr(processor, "batch_size", 0)
-        while len(batch) < limit:
-            more = await self.io.next_request(self.key, batch[-1].seq + 1)
-            if more is None:
+        """The next request (or, for a batch processor, all available up to its batch size).
+
+        Requests are read ahead in batches of :data:`READ_AHEAD` with one round trip each.
+        """
+        want = max(1, getattr(processor, "batch_size", 0))
+        while len(self.buffer) < want:
+            start = self.buffer[-1].seq + 1 if self.buffer else self.cursor
+            msgs, self.more = await self.io.read(self.key, start, max(want - len(self.buffer), READ_AHEAD))
+            self.buffer.extend(msgs)
+            if not self.more:
                 break
-            batch.append(more)
-        return batch
+        return [self.buffer.popleft() for _ in range(min(want, len(self.buffer)))]
 
     # --- processing with retries -----------------------------------------------------------------
 
@@ -269,7 +288,11 @@ class KeySession:
         self.lease.check()
         last = batch[-1].seq
         if len(batch) == 1:
-            await self.io.delete(last)
+            # Pipelined: the next request starts without waiting for this delete's reply; every
+            # delete is confirmed before the token is acked.
+            self.deletes.append(await self.io.delete_soon(last))
+            if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
+                await self._settle_deletes()
         else:
             await self.io.purge_through(self.key, last)
         self.cursor = last + 1
@@ -282,6 +305,10 @@ class KeySession:
                                     reply.data if reply else b"")
             self.emit("succeeded", key=self.key, request_id=request.request_id, seq=request.seq,
                       elapsed=elapsed)
+
+    async def _settle_deletes(self) -> None:
+        deletes, self.deletes = self.deletes, []
+        await self.io.settle(deletes)
 
     async def _dead_letter(self, batch: list[StoredMsg], error: BaseException, attempts: int, *,
                            reason: str) -> None:
@@ -329,6 +356,7 @@ class KeySession:
                 return Outcome.HANDED_OFF
         else:
             await processor.idle(self.ctx)
+        await self._settle_deletes()
         self.lease.check()
         await self.io.ack(self.token)
         # A request stored after our last read had its token publish rejected (ours still

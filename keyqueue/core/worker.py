@@ -116,6 +116,7 @@ class QueueWorker:
                         "the server redelivers it", token.key, age)
             self.emit("stale_token", key=token.key, age=round(age, 3), delivered=token.delivered)
             return
+        self._tokens_waiting = token.pending > 0
         held = self._held.get(token.key)
         if held is not None:
             # The server redelivered a key we still think we hold: our session's hold is stale.

@@ -177,13 +177,7 @@ class JetStreamApi:
                 return None
             if status:
                 raise from_api_error(headers.get(DESCRIPTION, "direct get failed"), int(status))
-            return StoredMsg(
-                subject=headers["Nats-Subject"],
-                seq=int(headers["Nats-Sequence"]),
-                headers={k: v for k, v in headers.items() if not k.startswith("Nats-") or k == "Nats-Msg-Id"},
-                data=msg.data,
-                timestamp=headers.get("Nats-Time-Stamp", ""),
-            )
+            return stored_from_direct(msg)
         try:
             body = await self.request(f"STREAM.MSG.GET.{stream}", payload)
         except MessageNotFound:
@@ -208,6 +202,18 @@ class JetStreamApi:
 
     async def account_info(self) -> dict[str, Any]:
         return await self.request("INFO")
+
+
+def stored_from_direct(msg: Msg) -> StoredMsg:
+    """A StoredMsg from a direct-get reply (the stream's own headers say where it came from)."""
+    headers = msg.headers or {}
+    return StoredMsg(
+        subject=headers["Nats-Subject"],
+        seq=int(headers["Nats-Sequence"]),
+        headers={k: v for k, v in headers.items() if not k.startswith("Nats-") or k == "Nats-Msg-Id"},
+        data=msg.data,
+        timestamp=headers.get("Nats-Time-Stamp", ""),
+    )
 
 
 def stored_from_json(message: Mapping[str, Any]) -> StoredMsg:

@@ -45,6 +45,8 @@ class Token:
     """``time.monotonic()`` when the token reached this process."""
     stored_at: float = 0.0
     """Server wall-clock time (Unix seconds) the token was stored, from the ack subject."""
+    pending: int = 0
+    """Tokens still waiting for a worker when this one was delivered (other keys scheduled)."""
 
     @property
     def fencing(self) -> tuple[int, int]:
@@ -52,13 +54,13 @@ class Token:
         return (self.stream_seq, self.delivered)
 
 
-def parse_ack_subject(reply: str) -> tuple[int, int, float]:
-    """``(stream seq, delivery count, stored time)`` from a JetStream ack subject (v1 or v2 form)."""
+def parse_ack_subject(reply: str) -> tuple[int, int, float, int]:
+    """``(stream seq, delivery count, stored time, pending)`` from a JetStream ack subject (v1 or v2)."""
     parts = reply.split(".")
     if len(parts) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
-        return int(parts[5]), int(parts[4]), int(parts[7]) / NS
-    if len(parts) >= 12:  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>...
-        return int(parts[7]), int(parts[6]), int(parts[9]) / NS
+        return int(parts[5]), int(parts[4]), int(parts[7]) / NS, int(parts[8])
+    if len(parts) >= 12:  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>.
+        return int(parts[7]), int(parts[6]), int(parts[9]) / NS, int(parts[10])
     raise ValueError(f"not a JetStream ack subject: {reply!r}")
 
 
@@ -236,8 +238,9 @@ class TokenPuller:
                 self.state.pin_id = pin
                 if self.on_pinned:
                     await self.on_pinned(pin)
-            seq, delivered, stored_at = parse_ack_subject(msg.reply)
-            token = Token(self.names.key_of(msg.subject), msg.subject, msg.reply, seq, delivered, now, stored_at)
+            seq, delivered, stored_at, pending = parse_ack_subject(msg.reply)
+            token = Token(self.names.key_of(msg.subject), msg.subject, msg.reply, seq, delivered, now, stored_at,
+                          pending)
             await self.on_token(token)
             return
         self.statuses[status] = self.statuses.get(status, 0) + 1

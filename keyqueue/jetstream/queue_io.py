@@ -7,14 +7,24 @@ This is the small interface between ``keyqueue.core`` (which knows the protocol)
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from keyqueue.errors import JetStreamError
-from keyqueue.jetstream.api import JetStreamApi, StoredMsg, parse_pub_ack
+from keyqueue.errors import JetStreamError, KeyqueueTimeout, from_api_error
+from keyqueue.jetstream.api import (
+    DESCRIPTION,
+    STATUS,
+    JetStreamApi,
+    StoredMsg,
+    parse_pub_ack,
+    raise_for_reply,
+    stored_from_direct,
+)
+from keyqueue.jetstream.mux import RequestMux
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.topology import QueueConfig
@@ -48,6 +58,8 @@ class QueueIO:
         self.api = JetStreamApi(nc)
         self.publisher = Publisher(nc, self.names)
         self.direct = config.replicas == 1
+        self.mux = RequestMux(nc)
+        self.timeout = self.api.timeout
 
     # --- the key's requests ----------------------------------------------------------------------
 
@@ -56,10 +68,35 @@ class QueueIO:
         return await self.api.get_msg(self.names.inbox_stream, seq=max(1, from_seq),
                                       next_by_subject=self.names.inbox(key), direct=self.direct)
 
+    async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
+        """Up to ``limit`` of the key's requests from ``from_seq`` on, in one round trip where the
+        stream allows direct gets; the flag says whether more requests remain after them."""
+        if not self.direct or limit <= 1:
+            one = await self.next_request(key, from_seq)
+            return ([one] if one else []), bool(one) and limit > 1
+        payload = json.dumps({"seq": max(1, from_seq), "batch": limit, "next_by_subj": self.names.inbox(key)})
+        replies = await self.mux.request(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}",
+                                         payload.encode(), timeout=self.timeout, multi=True)
+        msgs: list[StoredMsg] = []
+        more = False
+        for reply in replies:
+            headers = reply.headers or {}
+            status = headers.get(STATUS)
+            if status == "204":  # end of batch
+                more = int(headers.get("Nats-Num-Pending", "0")) > 0
+            elif status == "404":
+                break
+            elif status:
+                raise from_api_error(headers.get(DESCRIPTION, "batched direct get failed"), int(status))
+            else:
+                msgs.append(stored_from_direct(reply))
+        return msgs, more
+
     async def next_request_authoritative(self, key: str, from_seq: int) -> StoredMsg | None:
-        """Like :meth:`next_request` but always answered by the stream leader (for the re-check)."""
+        """Like :meth:`next_request` but answered by the stream leader on replicated inboxes (a
+        lagging follower could hide a request from the quiescence re-check)."""
         return await self.api.get_msg(self.names.inbox_stream, seq=max(1, from_seq),
-                                      next_by_subject=self.names.inbox(key), direct=False)
+                                      next_by_subject=self.names.inbox(key), direct=self.direct)
 
     async def delete(self, seq: int) -> None:
         """Delete a processed request; one already gone (a re-run after a crash) is fine."""
@@ -68,6 +105,28 @@ class QueueIO:
         except JetStreamError as e:
             if e.err_code != NO_MESSAGE_FOUND:
                 raise
+
+    async def delete_soon(self, seq: int) -> asyncio.Future[list[Msg]]:
+        """Send a delete without waiting for its reply; settle the futures with :meth:`settle`."""
+        body = json.dumps({"seq": seq, "no_erase": True}).encode()
+        return await self.mux.send(f"{self.api.prefix}.STREAM.MSG.DELETE.{self.names.inbox_stream}", body)
+
+    async def settle(self, futures: list[asyncio.Future[list[Msg]]]) -> None:
+        """Wait for pipelined deletes; raise the first real error (a message already gone is fine)."""
+        if not futures:
+            return
+        done, pending = await asyncio.wait(futures, timeout=self.timeout)
+        for future in pending:
+            future.cancel()
+        if pending:
+            raise KeyqueueTimeout(f"{len(pending)} delete(s) in {self.names.inbox_stream} unconfirmed")
+        for future in done:
+            reply = future.result()[0]
+            try:
+                raise_for_reply(json.loads(reply.data))
+            except JetStreamError as e:
+                if e.err_code != NO_MESSAGE_FOUND:
+                    raise
 
     async def purge_through(self, key: str, seq: int) -> int:
         """Remove the key's requests up to and including ``seq``."""
