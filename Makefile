@@ -15,6 +15,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m examples.demo
 
+# The benchmarks (bench/, docs/benchmarks.md) need matplotlib for the chart: the bench extra.
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	@touch $@
+
+bench: $(BENCH_STAMP)
+	$(PY) -m bench $(BENCH_ARGS)
+
+bench-quick: $(BENCH_STAMP)
+	$(PY) -m bench --quick $(BENCH_ARGS)
+
 test: $(STAMP)
 	$(PY) -m pytest -q
 

@@ -1,0 +1,56 @@
+"""``python -m bench [--quick | --full] [--peers | --no-peers]``: run the benchmarks, print the table.
+
+The full run writes ``docs/benchmarks.md`` and ``docs/benchmarks-latency.png``; a quick run writes
+``out/benchmarks-quick.md`` and its chart instead, so a quick look never replaces the published
+figures (``--docs`` makes it write docs/ anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+from pathlib import Path
+
+from bench import report as output
+from bench.fleet import REPO, WorkerOptions
+from bench.results import MODES
+from bench.run import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="smaller workloads, under a minute, peers off unless --peers")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full", help="the default")
+    mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help=argparse.SUPPRESS)
+    parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run Celery, Dramatiq and procrastinate (default: on in full mode)")
+    parser.add_argument("--docs", action=argparse.BooleanOptionalAction, default=None,
+                        help="write docs/benchmarks.md (default: only in full mode)")
+    parser.add_argument("--concurrency", type=int, default=128, help="key slots per keyqueue worker process")
+    parser.add_argument("--profile", type=Path, help="profile every keyqueue worker with pyinstrument into DIR")
+    args = parser.parse_args(argv)
+    mode_name = args.mode or "full"
+    peers = args.peers if args.peers is not None else mode_name == "full"
+    docs = args.docs if args.docs is not None else mode_name == "full"
+    command = "python -m bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    options = WorkerOptions(concurrency=args.concurrency, profile_dir=args.profile)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+
+    result = asyncio.run(run(MODES[mode_name], peers=peers, command=command.strip(), options=options))
+    print(output.table(result))
+    if docs:
+        md, png = REPO / "docs" / "benchmarks.md", REPO / "docs" / "benchmarks-latency.png"
+    else:
+        md, png = REPO / "out" / f"benchmarks-{mode_name}.md", REPO / "out" / f"benchmarks-{mode_name}-latency.png"
+    output.write(result, md, png, REPO / "out" / f"benchmarks-{mode_name}.json")
+    print(f"\nwrote {md.relative_to(REPO)} and {png.relative_to(REPO)} ({result.seconds:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

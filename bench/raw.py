@@ -1,0 +1,60 @@
+"""Raw JetStream through nats-py, no exclusivity: the ceiling keyqueue's ratios are taken against.
+
+A work-queue stream on file storage (as keyqueue's own streams are), one pull consumer, subjects
+spread over the same keys as the keyed workloads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import nats
+from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+
+from bench.records import body
+
+
+@dataclass(frozen=True, slots=True)
+class RawRates:
+    publish_async: float
+    """Pipelined ``publish_async`` to a work-queue stream, msg/s (all acks awaited)."""
+    publish_sequential: float
+    """One awaited ``js.publish`` at a time, msg/s."""
+    fetch_ack: float
+    """``fetch(200)`` + ``ack`` per message on a pull consumer, msg/s."""
+
+
+async def measure(url: str, n: int, keys: int = 100, sequential: int = 2000) -> RawRates:
+    nc = await nats.connect(url, name="bench-raw")
+    js = nc.jetstream(timeout=10)
+    try:
+        await js.add_stream(StreamConfig(name="RAW_WQ", subjects=["raw.>"], retention=RetentionPolicy.WORK_QUEUE,
+                                         storage=StorageType.FILE))
+        subjects = [f"raw.k{i % keys}" for i in range(n)]
+        t0 = time.perf_counter()
+        for i, subject in enumerate(subjects):
+            await js.publish_async(subject, body(i))
+        await js.publish_async_completed()
+        publish_async = n / (time.perf_counter() - t0)
+
+        psub = await js.pull_subscribe("raw.>", durable="raw",
+                                       config=ConsumerConfig(max_ack_pending=-1, ack_wait=30))
+        got = 0
+        t0 = time.perf_counter()
+        while got < n:
+            for msg in await psub.fetch(200, timeout=5):
+                await msg.ack()
+                got += 1
+        await nc.flush()
+        fetch_ack = n / (time.perf_counter() - t0)
+
+        sequential = min(sequential, n)
+        t0 = time.perf_counter()
+        for i in range(sequential):
+            await js.publish(subjects[i], body(i))
+        publish_sequential = sequential / (time.perf_counter() - t0)
+        await js.delete_stream("RAW_WQ")
+    finally:
+        await nc.close()
+    return RawRates(publish_async, publish_sequential, fetch_ack)

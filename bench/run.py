@@ -1,0 +1,174 @@
+"""One benchmark run: raw JetStream baselines, keyqueue's workloads, the peers; then the report.
+
+Everything runs against one embedded nats-server started for the run, in the same run, so the
+ratios to raw JetStream hold even on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import machine, raw
+from bench.fleet import WorkerOptions
+from bench.records import handoffs_ms
+from bench.results import Report, Row, Sizes
+from bench.workloads import Bench, enqueue_rates, held_keys, interleaved, keyed_run, latency, summary
+from keyqueue.jetstream.connect import connect
+from keyqueue.server import EmbeddedServer
+
+KQ = "keyqueue"
+RAW = "raw JetStream"
+
+HOT_1 = "1. hot keys, 1 process"
+HOT_2 = "1. hot keys, 2 processes"
+COLD = "2. cold keys"
+COLD_DEFAULT = "2. cold keys, default 16 slots"
+BULK = "3. bulk enqueue (enqueue_many)"
+SINGLE = "3. single enqueue (sequential)"
+LAT_IDLE = "4. latency enqueue->start, idle"
+LAT_LOAD = "4. latency enqueue->start, under load"
+HANDOFF_SOLO = "5. hand-off on one hot key, alone"
+HANDOFF_1 = "5. hand-off, all hot keys busy, 1 process"
+HANDOFF_2 = "5. hand-off, all hot keys busy, 2 processes"
+HELD = "6. keys held by one process"
+REBASER = "7. Rebaser DVU coalescing"
+PEERS = "peers: hot keys, 1 process"
+
+RAW_PUBLISH = "raw: publish_async"
+RAW_FETCH = "raw: fetch(200)+ack"
+RAW_SEQUENTIAL = "raw: publish, awaited one at a time"
+
+Progress = Callable[[str], None]
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _ratio(row: Row, baseline: float, name: str, goal: float | None) -> Row:
+    row.ratio = row.value / baseline if baseline else math.nan
+    row.baseline = name
+    if goal is not None:
+        row.goal = f">= {goal:g}x"
+        row.met = row.ratio >= goal
+    return row
+
+
+async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None = None,
+              options: WorkerOptions | None = None, say: Progress = _say) -> Report:
+    """Measure everything for ``sizes``; returns the report (nothing is written here)."""
+    started = time.monotonic()
+    report = Report(sizes.mode, command, machine.facts())
+    options = options or WorkerOptions(concurrency=128)
+    scratch = Path(work_dir or tempfile.mkdtemp(prefix="keyqueue-bench-"))
+    report.notes.append(
+        f"keyqueue workers: QueueWorker with {options.concurrency} slots per process, linger "
+        f"{options.linger * 1000:.0f} ms, ack_wait {options.ack_wait:.0f} s, a no-op processor; producers "
+        "in the benchmark's own process on Publisher (the task API had not landed)."
+    )
+    async with EmbeddedServer(store_dir=scratch / "store", log_file=scratch / "nats-server.log") as server:
+        say(f"nats-server on {server.url}; scratch in {scratch}")
+        say("raw JetStream baselines ...")
+        rates = await raw.measure(server.url, sizes.raw)
+        report.add(Row(RAW_PUBLISH, RAW, rates.publish_async, "msg/s", f"{sizes.raw:,} messages"))
+        report.add(Row(RAW_FETCH, RAW, rates.fetch_ack, "msg/s", f"{sizes.raw:,} messages"))
+        report.add(Row(RAW_SEQUENTIAL, RAW, rates.publish_sequential, "msg/s"))
+
+        nc = await connect(server.url, name="bench-producer")
+        assert server.pid is not None
+        b = Bench(server.url, server.monitoring_url, server.pid, nc, scratch / "records", options)
+        try:
+            await _keyqueue(b, sizes, report, rates, say)
+        finally:
+            await nc.close()
+
+    report.add(Row(REBASER, KQ, math.nan, "", "n/a (Rebaser not landed)"))
+    if peers:
+        from bench.peers import run_peers
+
+        say("peers ...")
+        hot = report.find(HOT_1)
+        for result in await run_peers(sizes.hot_keys, sizes.hot_per_key, scratch / "peers", say):
+            row = report.add(Row(PEERS, result.name, result.rate, "req/s", result.detail, check=result.check))
+            if hot is not None and not math.isnan(result.rate):
+                row.ratio = result.rate / hot.value
+                row.baseline = "keyqueue hot keys, 1 process"
+    else:
+        report.add(Row(PEERS, "(skipped)", math.nan, "", "peers not run: pass --peers"))
+    report.seconds = time.monotonic() - started
+    return report
+
+
+async def _keyqueue(b: Bench, sizes: Sizes, report: Report, rates: raw.RawRates, say: Progress) -> None:
+    total = sizes.hot_total
+    for processes, name in ((1, HOT_1), (2, HOT_2)):
+        say(f"{name}: {sizes.hot_keys} keys x {sizes.hot_per_key} ...")
+        hot = await keyed_run(b, f"hot{processes}", interleaved(sizes.hot_keys, sizes.hot_per_key, "h"), processes)
+        row = report.add(Row(name, KQ, hot.rate, "req/s", f"{total:,} requests; {hot.cpu()} {hot.note}".strip(),
+                             check=hot.check.summary()))
+        _ratio(row, rates.fetch_ack, RAW_FETCH, 0.5)
+        gaps = handoffs_ms(hot.records)
+        p50, p99 = summary(gaps)
+        handoff = HANDOFF_1 if processes == 1 else HANDOFF_2
+        report.add(Row(handoff, KQ, p50, "ms", f"p99 {p99:.2f} ms over {len(gaps):,} hand-offs, "
+                       f"{sizes.hot_keys} keys busy at once"))
+        report.distributions[f"hand-off, {sizes.hot_keys} hot keys, {processes} proc."] = gaps
+
+    say(f"{HANDOFF_SOLO}: 1 key x {sizes.solo} ...")
+    solo = await keyed_run(b, "solo", interleaved(1, sizes.solo, "solo"), 1)
+    gaps = handoffs_ms(solo.records)
+    p50, p99 = summary(gaps)
+    row = report.add(Row(HANDOFF_SOLO, KQ, p50, "ms", f"p99 {p99:.2f} ms over {len(gaps):,} hand-offs; "
+                         f"{solo.rate:,.0f} req/s on the key; {solo.cpu()} {solo.note}".strip(),
+                         check=solo.check.summary()))
+    row.goal, row.met = "p50 <= 1 ms", p50 <= 1.0
+    report.distributions["hand-off, one hot key alone"] = gaps
+
+    say(f"{COLD}: {sizes.cold_keys} keys x 1 ...")
+    cold = await keyed_run(b, "cold", interleaved(sizes.cold_keys, 1, "c"), 1)
+    row = report.add(Row(COLD, KQ, cold.rate, "req/s", f"{sizes.cold_keys:,} keys; {cold.cpu()} {cold.note}".strip(),
+                         check=cold.check.summary()))
+    _ratio(row, rates.fetch_ack, RAW_FETCH, 0.25)
+    say(f"{COLD_DEFAULT} ...")
+    slow = b.options
+    b.options = WorkerOptions(concurrency=16, linger=slow.linger, ack_wait=slow.ack_wait)
+    try:
+        cold16 = await keyed_run(b, "cold16", interleaved(sizes.cold_keys, 1, "c"), 1)
+    finally:
+        b.options = slow
+    row = report.add(Row(COLD_DEFAULT, KQ, cold16.rate, "req/s",
+                         f"{sizes.cold_keys:,} keys; {cold16.cpu()} {cold16.note}".strip(),
+                         check=cold16.check.summary()))
+    _ratio(row, rates.fetch_ack, RAW_FETCH, None)
+
+    say(f"{BULK} / {SINGLE} ...")
+    bulk, single = await enqueue_rates(b, sizes.bulk, sizes.single)
+    _ratio(report.add(Row(BULK, KQ, bulk, "req/s", f"{sizes.bulk:,} requests over 1,000 keys")),
+           rates.publish_async, RAW_PUBLISH, 0.45)
+    _ratio(report.add(Row(SINGLE, KQ, single, "req/s", f"{sizes.single:,} requests, 2 publishes each")),
+           rates.publish_sequential, RAW_SEQUENTIAL, None)
+
+    say(f"{LAT_IDLE} / {LAT_LOAD} ...")
+    lat = await latency(b, sizes.probes, sizes.probe_interval, sizes.hot_keys, sizes.hot_per_key)
+    p50, p99 = summary(lat.idle_ms)
+    row = report.add(Row(LAT_IDLE, KQ, p50, "ms", f"p99 {p99:.2f} ms, {len(lat.idle_ms)} probes, each to a new key"))
+    row.goal, row.met = "p50 <= 2 ms, p99 <= 10 ms", p50 <= 2.0 and p99 <= 10.0
+    p50, p99 = summary(lat.loaded_ms)
+    report.add(Row(LAT_LOAD, KQ, p50, "ms",
+                   f"p99 {p99:.2f} ms, {lat.loaded_probes} probes during the hot-key load "
+                   f"({lat.load.rate:,.0f} req/s meanwhile)", check=lat.load.check.summary()))
+    report.distributions["enqueue->start, idle"] = lat.idle_ms
+    report.distributions["enqueue->start, under load"] = lat.loaded_ms
+
+    say(f"{HELD}: {sizes.held_keys} keys ...")
+    held = await held_keys(b, sizes.held_keys)
+    report.add(Row(HELD, KQ, held.kb_per_key, "KiB RSS/key",
+                   f"{held.held:,} of {held.keys:,} held; RSS {held.rss_idle_mb:.0f} -> {held.rss_held_mb:.0f} MiB; "
+                   f"consumers on the queue's streams {held.consumers}; server subscriptions "
+                   f"{held.subscriptions_idle:,} -> {held.subscriptions_held:,}; "
+                   f"acquired at {held.acquire_rate:,.0f} keys/s {held.note}".strip()))

@@ -1,0 +1,38 @@
+"""The benchmark suite runs end to end on its smallest sizes and reports every workload."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import report as output
+from bench.fleet import WorkerOptions
+from bench.results import SMOKE
+from bench.run import BULK, COLD, HANDOFF_SOLO, HELD, HOT_1, HOT_2, LAT_IDLE, LAT_LOAD, RAW_FETCH, REBASER, run
+
+
+@pytest.mark.timeout(60)
+async def test_smallest_run_reports_every_workload(tmp_path: Path) -> None:
+    result = await run(SMOKE, peers=False, command="python -m bench --smoke", work_dir=tmp_path,
+                       options=WorkerOptions(concurrency=32), say=lambda _: None)
+
+    workloads = {row.workload for row in result.rows}
+    for name in (RAW_FETCH, HOT_1, HOT_2, COLD, BULK, LAT_IDLE, LAT_LOAD, HANDOFF_SOLO, HELD, REBASER):
+        assert name in workloads, name
+    for name in (HOT_1, HOT_2, COLD):
+        row = result.find(name)
+        assert row is not None and row.value > 0 and row.ratio is not None and row.ratio > 0, row
+        assert row.check == "order kept, exclusive", row
+    idle = result.find(LAT_IDLE)
+    assert idle is not None and 0 < idle.value < 1000
+    held = result.find(HELD)
+    assert held is not None and f"{SMOKE.held_keys} of {SMOKE.held_keys} held" in held.detail
+    rebaser = result.find(REBASER)
+    assert rebaser is not None and math.isnan(rebaser.value) and "not landed" in rebaser.detail
+
+    text = output.table(result)
+    assert HOT_1 in text and "n/a (Rebaser not landed)" in text
+    page = output.markdown(result, chart=None)
+    assert "| workload |" in page and output.ANALYSIS_START in page
