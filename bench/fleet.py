@@ -36,6 +36,8 @@ class Fleet:
     work_dir: Path
     options: WorkerOptions = field(default_factory=WorkerOptions)
     procs: list[asyncio.subprocess.Process] = field(default_factory=list)
+    per_process: list[int] = field(default_factory=list)
+    """Requests each worker ran, known after :meth:`stop`."""
 
     def _out(self, index: int) -> Path:
         return self.work_dir / f"{self.queue}-w{index}.tsv"
@@ -96,4 +98,5 @@ class Fleet:
         for proc in self.procs:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), 10)
+        self.per_process = [len(read_records([self._out(i)])) for i in range(self.size)]
         return read_records(self._out(i) for i in range(self.size))

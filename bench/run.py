@@ -26,6 +26,7 @@ RAW = "raw JetStream"
 
 HOT_1 = "1. hot keys, 1 process"
 HOT_2 = "1. hot keys, 2 processes"
+HOT_2_16 = "1. hot keys, 2 processes, 16 slots each"
 COLD = "2. cold keys"
 COLD_DEFAULT = "2. cold keys, default 16 slots"
 BULK = "3. bulk enqueue (enqueue_many)"
@@ -48,6 +49,10 @@ Progress = Callable[[str], None]
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def _detail(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
 
 
 def _ratio(row: Row, baseline: float, name: str, goal: float | None) -> Row:
@@ -109,7 +114,7 @@ async def _keyqueue(b: Bench, sizes: Sizes, report: Report, rates: raw.RawRates,
     for processes, name in ((1, HOT_1), (2, HOT_2)):
         say(f"{name}: {sizes.hot_keys} keys x {sizes.hot_per_key} ...")
         hot = await keyed_run(b, f"hot{processes}", interleaved(sizes.hot_keys, sizes.hot_per_key, "h"), processes)
-        row = report.add(Row(name, KQ, hot.rate, "req/s", f"{total:,} requests; {hot.cpu()} {hot.note}".strip(),
+        row = report.add(Row(name, KQ, hot.rate, "req/s", _detail(f"{total:,} requests", hot.cpu(), hot.note),
                              check=hot.check.summary()))
         _ratio(row, rates.fetch_ack, RAW_FETCH, 0.5)
         gaps = handoffs_ms(hot.records)
@@ -118,6 +123,12 @@ async def _keyqueue(b: Bench, sizes: Sizes, report: Report, rates: raw.RawRates,
         report.add(Row(handoff, KQ, p50, "ms", f"p99 {p99:.2f} ms over {len(gaps):,} hand-offs, "
                        f"{sizes.hot_keys} keys busy at once"))
         report.distributions[f"hand-off, {sizes.hot_keys} hot keys, {processes} proc."] = gaps
+
+    say(f"{HOT_2_16} ...")
+    hot = await keyed_run(b, "hot2s16", interleaved(sizes.hot_keys, sizes.hot_per_key, "h"), 2, concurrency=16)
+    row = report.add(Row(HOT_2_16, KQ, hot.rate, "req/s", _detail(f"{total:,} requests", hot.cpu(), hot.note),
+                         check=hot.check.summary()))
+    _ratio(row, rates.fetch_ack, RAW_FETCH, None)
 
     say(f"{HANDOFF_SOLO}: 1 key x {sizes.solo} ...")
     solo = await keyed_run(b, "solo", interleaved(1, sizes.solo, "solo"), 1)
@@ -131,7 +142,7 @@ async def _keyqueue(b: Bench, sizes: Sizes, report: Report, rates: raw.RawRates,
 
     say(f"{COLD}: {sizes.cold_keys} keys x 1 ...")
     cold = await keyed_run(b, "cold", interleaved(sizes.cold_keys, 1, "c"), 1)
-    row = report.add(Row(COLD, KQ, cold.rate, "req/s", f"{sizes.cold_keys:,} keys; {cold.cpu()} {cold.note}".strip(),
+    row = report.add(Row(COLD, KQ, cold.rate, "req/s", _detail(f"{sizes.cold_keys:,} keys", cold.cpu(), cold.note),
                          check=cold.check.summary()))
     _ratio(row, rates.fetch_ack, RAW_FETCH, 0.25)
     say(f"{COLD_DEFAULT} ...")
@@ -142,7 +153,7 @@ async def _keyqueue(b: Bench, sizes: Sizes, report: Report, rates: raw.RawRates,
     finally:
         b.options = slow
     row = report.add(Row(COLD_DEFAULT, KQ, cold16.rate, "req/s",
-                         f"{sizes.cold_keys:,} keys; {cold16.cpu()} {cold16.note}".strip(),
+                         _detail(f"{sizes.cold_keys:,} keys", cold16.cpu(), cold16.note),
                          check=cold16.check.summary()))
     _ratio(row, rates.fetch_ack, RAW_FETCH, None)
 

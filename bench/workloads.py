@@ -102,14 +102,15 @@ class Throughput:
         return f"CPU: workers {self.worker_cpu:.0%}, nats-server {self.server_cpu:.0%} of a core"
 
 
-async def keyed_run(b: Bench, queue: str, requests: list[OutgoingRequest], processes: int) -> Throughput:
+async def keyed_run(b: Bench, queue: str, requests: list[OutgoingRequest], processes: int,
+                    **overrides: Any) -> Throughput:
     """Store every request, then let ``processes`` workers loose on them; rate = first start to last end."""
     config, pub = await b.queue(queue)
     results = await pub.enqueue_many(requests)
     errors = [r for r in results if isinstance(r, Exception)]
     if errors:
         raise RuntimeError(f"enqueue_many refused {len(errors)} requests, first: {errors[0]}")
-    async with b.fleet(queue, processes) as fleet:
+    async with b.fleet(queue, processes, **overrides) as fleet:
         meter = CpuMeter([*fleet.pids], b.server_pid)
         await fleet.go()
         finished = await b.inbox_empty(config, timeout=max(30.0, len(requests) / 100))
@@ -117,6 +118,8 @@ async def keyed_run(b: Bench, queue: str, requests: list[OutgoingRequest], proce
         left = 0 if finished else await b.pending_requests(config)
         records = await fleet.stop()
     note = "" if finished else f"timed out with {left} of {len(requests)} requests not run"
+    if processes > 1:
+        note = f"requests per process {' / '.join(f'{n:,}' for n in fleet.per_process)}; {note}".rstrip("; ")
     return Throughput(span_rate(records), records, check(records, len(requests)), finished, note,
                       worker_cpu, server_cpu)
 
