@@ -31,7 +31,7 @@ from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import KeyqueueError, LeaseLost, Reject, WireError
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
-from keyqueue.jetstream.queue_io import QueueIO
+from keyqueue.jetstream.queue_io import QueueIO, Watch
 from keyqueue.wire import headers as H
 
 log = logging.getLogger("keyqueue.session")
@@ -182,7 +182,11 @@ class KeySession:
 
     async def _work(self) -> str:
         processor = await self._build_processor()
-        watch = await self.io.watch(self.key)
+        # The arrival watch (a core subscription on the key's inbox subject) is opened only when
+        # the session first has to wait: a key released at once (its worker is full and other
+        # keys wait) never pays for it. Opening it is followed by one more read, since a request
+        # may have landed between the last read and the subscription.
+        watch: Watch | None = None
         reason = "quiescent"
         try:
             await processor.open(self.ctx)
@@ -193,17 +197,29 @@ class KeySession:
                     reason = "shutdown"
                     break
                 self.lease.check()
-                if self.buffer or self.more or watch.event.is_set():
-                    watch.event.clear()
+                if self.buffer or self.more or (watch is not None and watch.event.is_set()):
+                    if watch is not None:
+                        watch.event.clear()
                     batch = await self._read(processor)
                     if batch:
                         await self._process(processor, batch)
+                        # With requests read ahead and deletes pipelined, a session can go many
+                        # requests without awaiting I/O: yield, so other keys, keepalives and the
+                        # connection's flusher run between requests.
+                        await asyncio.sleep(0)
                         continue
-                if self.should_yield() or not await self._await_arrival(watch):
+                if self.should_yield():
+                    break
+                if watch is None:
+                    watch = await self.io.watch(self.key)
+                    self.more = True
+                    continue
+                if not await self._await_arrival(watch):
                     break
             return await self._release(processor, reason)
         finally:
-            await watch.close()
+            if watch is not None:
+                await watch.close()
             if self.lease.valid():
                 await processor.close(self.ctx, reason)
 
@@ -211,7 +227,7 @@ class KeySession:
         built = self.factory(self.key)
         return await built if inspect.isawaitable(built) else built
 
-    async def _await_arrival(self, watch: Any) -> bool:
+    async def _await_arrival(self, watch: Watch) -> bool:
         """Wait for a new request; False once ``linger`` passes (or a drain starts) with none."""
         waiters = {asyncio.ensure_future(watch.event.wait()), asyncio.ensure_future(self.draining.wait())}
         try:

@@ -8,10 +8,9 @@ rejected ack, and most token publishes are rejected with 10077 by design.
 from __future__ import annotations
 
 import asyncio
-import collections
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -25,6 +24,7 @@ from keyqueue.errors import (
     TokenPublishFailed,
 )
 from keyqueue.jetstream.api import JetStreamApi, PubAck, parse_pub_ack
+from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.subjects import QueueNames, validate_key
 
 PIPELINE_WINDOW: Final = 512
@@ -101,79 +101,89 @@ class Publisher:
         items = list(requests)
         for item in items:
             validate_key(item.key)
-        results: list[Enqueued | EnqueueError] = []
-        async with Pipeline(self.nc, window=window, timeout=self.timeout) as pipe:
-            acks = [await pipe.publish(self.names.inbox(i.key), i.body, i.headers) for i in items]
-            for item, fut in zip(items, acks, strict=True):
+        mux = RequestMux(self.nc)
+        try:
+            acks = await self._pipeline(mux, [(self.names.inbox(i.key), i.body, i.headers) for i in items], window)
+            results: list[Enqueued | EnqueueError] = []
+            for item, reply in zip(items, acks, strict=True):
                 try:
-                    ack = parse_pub_ack(await fut)
+                    ack = parse_pub_ack(_reply_or_raise(reply, item.key))
                     results.append(Enqueued(item.key, ack.seq, ack.duplicate, item.request_id))
                 except KeyAlreadyScheduled:
                     results.append(BacklogFull(self.names.queue, item.key))
                 except KeyqueueError as e:
                     results.append(EnqueueError(f"request for key {item.key!r} not stored: {e}"))
-            keys = list(dict.fromkeys(i.key for i, r in zip(items, results, strict=True)
-                                      if isinstance(r, Enqueued)))
-            tokens = [await pipe.publish(self.names.token(k), b"", None) for k in keys]
-            failed: dict[str, KeyqueueError] = {}
-            for key, fut in zip(keys, tokens, strict=True):
-                try:
-                    parse_pub_ack(await fut)
-                except KeyAlreadyScheduled:
-                    pass
-                except KeyqueueError as e:
-                    failed[key] = e
+            keys = list(dict.fromkeys(r.key for r in results if isinstance(r, Enqueued)))
+            tokens = await self._pipeline(mux, [(self.names.token(k), b"", None) for k in keys], window)
+        finally:
+            await mux.close()
+        failed: dict[str, KeyqueueError] = {}
+        for key, reply in zip(keys, tokens, strict=True):
+            try:
+                parse_pub_ack(_reply_or_raise(reply, key))
+            except KeyAlreadyScheduled:
+                pass
+            except KeyqueueError as e:
+                failed[key] = e
         for index, result in enumerate(results):
             if isinstance(result, Enqueued) and result.key in failed:
                 results[index] = TokenPublishFailed(self.names.queue, result.key, result.seq, failed[result.key])
         return results
 
+    async def _pipeline(self, mux: RequestMux, messages: list[tuple[str, bytes, Mapping[str, str] | None]],
+                        window: int) -> list[Msg | KeyqueueError]:
+        """Publish in order with at most ``window`` unacknowledged; one reply (or error) per message."""
+        futures: list[asyncio.Future[list[Msg]]] = []
+        for index, (subject, body, headers) in enumerate(messages):
+            if index >= window:
+                oldest = futures[index - window]
+                if not oldest.done():
+                    await asyncio.wait([oldest], timeout=self.timeout)
+            futures.append(await mux.send(subject, body, headers=headers))
+        if futures:
+            await asyncio.wait(futures, timeout=self.timeout)
+        out: list[Msg | KeyqueueError] = []
+        for future, (subject, _, _) in zip(futures, messages, strict=True):
+            if future.done() and not future.cancelled():
+                out.append(future.result()[0])
+            else:
+                future.cancel()
+                out.append(KeyqueueTimeout(f"no acknowledgement for a publish to {subject} within {self.timeout}s"))
+        return out
+
+
+def _reply_or_raise(reply: Msg | KeyqueueError, key: str) -> Msg:
+    if isinstance(reply, KeyqueueError):
+        raise reply
+    return reply
+
 
 class Pipeline:
-    """Ordered, windowed request pipelining on the core client, with its own reply subscription.
+    """Ordered, windowed publishes awaiting acknowledgements later (for callers outside ``enqueue_many``).
 
-    ``publish`` sends at once (in call order, on one connection) and returns a future for the
-    reply; at most ``window`` replies are outstanding, so a publish may wait for the oldest.
+    ``publish`` sends at once, in call order on one connection, and returns an awaitable for the
+    reply; at most ``window`` replies are outstanding, so a publish may first wait for the oldest.
     """
 
     def __init__(self, nc: Client, *, window: int = PIPELINE_WINDOW, timeout: float = 5.0) -> None:
-        self.nc = nc
+        self.mux = RequestMux(nc)
         self.window = window
         self.timeout = timeout
-        self._prefix = nc.new_inbox()
-        self._futures: dict[str, asyncio.Future[Msg]] = {}
-        self._order: collections.deque[asyncio.Future[Msg]] = collections.deque()
-        self._counter = 0
-        self._sub: Any = None
+        self._outstanding: list[asyncio.Future[list[Msg]]] = []
 
     async def __aenter__(self) -> Pipeline:
-        self._sub = await self.nc.subscribe(self._prefix + ".*", cb=self._on_reply)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for fut in self._futures.values():
-            fut.cancel()
-        await self._sub.unsubscribe()
-
-    async def _on_reply(self, msg: Msg) -> None:
-        fut = self._futures.pop(msg.subject, None)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
+        await self.mux.close()
 
     async def publish(self, subject: str, body: bytes, headers: Mapping[str, str] | None) -> Awaitable[Msg]:
-        while len(self._order) >= self.window:
-            await asyncio.wait([self._order[0]], timeout=self.timeout)
-            self._order.popleft()
-        self._counter += 1
-        reply = f"{self._prefix}.{self._counter}"
-        fut: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
-        self._futures[reply] = fut
-        self._order.append(fut)
-        await self.nc.publish(subject, body, reply=reply, headers=dict(headers) if headers else None)
-        return self._result(subject, fut)
+        self._outstanding = [f for f in self._outstanding if not f.done()]
+        if len(self._outstanding) >= self.window:
+            await asyncio.wait([self._outstanding[0]], timeout=self.timeout)
+        future = await self.mux.send(subject, body, headers=headers)
+        self._outstanding.append(future)
+        return self._reply(subject, future)
 
-    async def _result(self, subject: str, fut: asyncio.Future[Msg]) -> Msg:
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.timeout)
-        except TimeoutError as e:
-            raise KeyqueueTimeout(f"no acknowledgement for a publish to {subject} within {self.timeout}s") from e
+    async def _reply(self, subject: str, future: asyncio.Future[list[Msg]]) -> Msg:
+        return (await wait(future, self.timeout, f"a publish to {subject}"))[0]
