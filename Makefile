@@ -4,12 +4,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-quick clean
+.PHONY: demo test lint java-check bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,spark]'
 	@touch $@
 
 demo: $(STAMP)
@@ -28,12 +28,30 @@ bench: $(BENCH_STAMP)
 bench-quick: $(BENCH_STAMP)
 	$(PY) -m bench --quick $(BENCH_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) java-check
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(PY) -m ruff check keyqueue tests
 	$(PY) -m mypy keyqueue
+
+# Spark (the spark extra: tests/spark, keyqueue report / backfill, examples/spark) needs Java 17+.
+# Without it, install Debian's headless JRE (as root, or with sudo).
+JAVA_MIN := 17
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+java-check:
+	@v=$$(java -version 2>&1 | sed -n 's/.*version "\([0-9][0-9]*\).*/\1/p' | head -n 1); \
+	if [ -n "$$v" ] && [ "$$v" -ge $(JAVA_MIN) ]; then exit 0; fi; \
+	echo "java-check: Spark needs Java $(JAVA_MIN)+, found $${v:-no java}; installing openjdk-17-jre-headless (apt-get) ..."; \
+	if command -v apt-get >/dev/null 2>&1 && $(SUDO) apt-get update -qq \
+	   && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq openjdk-17-jre-headless >/dev/null; then \
+	  echo "java-check: installed $$(java -version 2>&1 | head -n 1)"; \
+	else \
+	  echo "java-check: ERROR: could not install Java $(JAVA_MIN). Install a JRE $(JAVA_MIN)+ (e.g. apt-get install" \
+	       "openjdk-17-jre-headless) and put java on PATH, or set JAVA_HOME; then run make again." >&2; \
+	  exit 1; \
+	fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,1 @@
+"""First-party optional plugins of keyqueue, each installed through an extra (``keyqueue[spark]``, ...)."""

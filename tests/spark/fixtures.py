@@ -1,0 +1,54 @@
+"""A known event history, published in the events-stream format (issue 8's contract)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from plugins.keyqueue_spark import _keyqueue as kq
+from plugins.keyqueue_spark.events import event
+
+
+def history(queue: str, *, requests: int = 600, seed: int = 7) -> list[dict[str, Any]]:
+    """Events of ``requests`` requests over two tasks and 40 keys (key-3 hot), with retries,
+    dead letters, superseded requests and DVU runs of known sizes."""
+    rng = random.Random(seed)
+    events: list[dict[str, Any]] = []
+    t0 = 1_790_000_000.0
+    for i in range(requests):
+        task = "Reindex" if i % 3 else "Rebase"
+        key = "key-3" if i % 4 == 0 else f"key-{rng.randrange(40)}"
+        rid = f"r{i}"
+        ts = t0 + i * 0.5
+        common = {"key": key, "request_id": rid, "task": task, "worker": "w1"}
+        events.append(event("enqueued", ts, queue, **common))
+        if i % 25 == 0:
+            events.append(event("superseded", ts + 0.1, queue, reason="latest" if i % 2 else "merged", **common))
+            continue
+        attempts = 2 if i % 10 == 1 else 1
+        for attempt in range(1, attempts + 1):
+            wait = round(rng.uniform(0.01, 3.0), 4)
+            events.append(event("started", ts + wait, queue, attempt=attempt, wait=wait, **common))
+            if attempt < attempts:
+                events.append(event("retried", ts + wait + 0.1, queue, attempt=attempt, reason="TimeoutError: slow",
+                                    **common))
+        run = round(rng.uniform(0.001, 0.5), 4)
+        if i % 50 == 7:
+            events.append(event("dead_lettered", ts + 4, queue, attempt=attempts, run=run, reason="rejected", **common))
+        else:
+            events.append(event("succeeded", ts + 4, queue, attempt=attempts, run=run, **common))
+    for n in range(30):
+        triggers = 1 + n % 5
+        events.append(event("dvu_started", t0 + n * 10, queue, key=f"key-{n}", run_id=f"d{n}"))
+        events.append(event("dvu_finished", t0 + n * 10 + 1, queue, key=f"key-{n}", run_id=f"d{n}",
+                            run=0.25 * triggers, triggers=triggers))
+    return events
+
+
+async def publish_history(url: str, queue: str, events: list[dict[str, Any]]) -> None:
+    nc = await kq.connect_to(url)
+    try:
+        await kq.ensure_events_stream(nc, queue)
+        await kq.publish_events(nc, queue, events)
+    finally:
+        await nc.close()
