@@ -33,7 +33,7 @@ test: $(STAMP) java-check
 
 lint: $(STAMP)
 	$(PY) -m ruff check keyqueue tests
-	$(PY) -m mypy keyqueue
+	$(PY) -m mypy keyqueue tests/typed_usage.py
 
 # Spark (the spark extra: tests/spark, keyqueue report / backfill, examples/spark) needs Java 17+.
 # Without it, install Debian's headless JRE (as root, or with sudo).

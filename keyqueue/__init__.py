@@ -1,0 +1,121 @@
+"""keyqueue: a task queue on NATS JetStream with exclusive, ordered work per key.
+
+::
+
+    import keyqueue
+
+    app = keyqueue.App("shop")
+
+    @app.task(key="{order_id}", max_attempts=5)
+    async def charge(ctx: keyqueue.Context, order_id: str, amount: int) -> dict: ...
+
+    receipt = await charge.enqueue(order_id="o1", amount=5)
+    result = await charge.call(order_id="o1", amount=5, timeout=10)
+
+Everything below is the public API; the sub-packages (``core``, ``jetstream``, ``wire``) are
+the machinery under it.
+"""
+
+from __future__ import annotations
+
+from keyqueue.app import App, default_app, task
+from keyqueue.context import Context
+from keyqueue.core.processor import (
+    BaseProcessor,
+    KeyProcessor,
+    Reply,
+    Request,
+    RequestContext,
+    SessionContext,
+)
+from keyqueue.core.retry import RetryPolicy
+from keyqueue.errors import (
+    BacklogFull,
+    ConfigError,
+    ConnectionFailed,
+    ConsumerNotFound,
+    DeadLettered,
+    EnqueueError,
+    InvalidKey,
+    JetStreamError,
+    KeyAlreadyScheduled,
+    KeyqueueError,
+    KeyqueueTimeout,
+    LeaseLost,
+    MalformedBody,
+    MessageNotFound,
+    MissingHeader,
+    PayloadTooLarge,
+    Reject,
+    RemoteError,
+    ServerNotFound,
+    StreamNotFound,
+    Superseded,
+    TaskFailure,
+    TokenPublishFailed,
+    TopologyMismatch,
+    UnknownMessageType,
+    UnsupportedContentType,
+    UnsupportedVersion,
+    WireError,
+    WrongLastSequence,
+)
+from keyqueue.jetstream.topology import QueueConfig
+from keyqueue.plugins import hookimpl
+from keyqueue.settings import Settings
+from keyqueue.task import Backoff, BatchTask, Policy, Receipt, Task, TaskRequest, TaskSpec
+from keyqueue.worker import Worker
+
+__all__ = [
+    "App",
+    "BacklogFull",
+    "Backoff",
+    "BaseProcessor",
+    "BatchTask",
+    "ConfigError",
+    "ConnectionFailed",
+    "ConsumerNotFound",
+    "Context",
+    "DeadLettered",
+    "EnqueueError",
+    "InvalidKey",
+    "JetStreamError",
+    "KeyAlreadyScheduled",
+    "KeyProcessor",
+    "KeyqueueError",
+    "KeyqueueTimeout",
+    "LeaseLost",
+    "MalformedBody",
+    "MessageNotFound",
+    "MissingHeader",
+    "PayloadTooLarge",
+    "Policy",
+    "QueueConfig",
+    "Receipt",
+    "Reject",
+    "RemoteError",
+    "Reply",
+    "Request",
+    "RequestContext",
+    "RetryPolicy",
+    "ServerNotFound",
+    "SessionContext",
+    "Settings",
+    "StreamNotFound",
+    "Superseded",
+    "Task",
+    "TaskFailure",
+    "TaskRequest",
+    "TaskSpec",
+    "TokenPublishFailed",
+    "TopologyMismatch",
+    "UnknownMessageType",
+    "UnsupportedContentType",
+    "UnsupportedVersion",
+    "WireError",
+    "Worker",
+    "WrongLastSequence",
+    "default_app",
+    "hookimpl",
+    "task",
+]

@@ -1,0 +1,451 @@
+"""``App``: tasks, processors and plugins of one application, and its connection to NATS.
+
+::
+
+    app = keyqueue.App("shop")                       # URL from KEYQUEUE_URL, else the embedded server
+    app = keyqueue.App("shop", url="nats://127.0.0.1:4222")
+
+    @app.task(key="{order_id}", max_attempts=5)
+    async def charge(ctx: keyqueue.Context, order_id: str, amount: int) -> dict: ...
+
+    async with app.worker(concurrency=8):            # a worker, from code
+        print(await charge.call(order_id="o1", amount=5))
+
+The app's name is the default queue of its tasks. An app connects lazily, once per event loop
+(``delay`` runs on a private loop in a thread). ``@keyqueue.task`` declares a task on the
+*default app*: the first ``App`` created in the process (unless ``set_as_default=False``), else
+one named ``default``. That, and the list of such shared tasks, is the only process-wide state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Literal, TypeVar, overload
+
+from keyqueue.arguments import decode_result
+from keyqueue.core.processor import ProcessorFactory, Reply
+from keyqueue.decorators import BatchTaskDecorator, TaskDecorator, declare
+from keyqueue.errors import ConfigError, EnqueueError
+from keyqueue.jetstream.subjects import validate_key, validate_queue_name
+from keyqueue.jetstream.topology import QueueConfig
+from keyqueue.local_server import LocalServer
+from keyqueue.plugins import PluginManager, autoload_disabled
+from keyqueue.settings import Settings
+from keyqueue.task import (
+    DEFAULT_CALL_TIMEOUT,
+    AnyTask,
+    Backoff,
+    BatchTask,
+    KeySpec,
+    Merge,
+    Policy,
+    Receipt,
+    Task,
+    TaskRequest,
+    Transport,
+    _TaskBase,
+)
+from keyqueue.transport import Connections, NatsTransport, Portal
+from keyqueue.wire import Message, encode, to_fields
+from keyqueue.wire import headers as H
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from keyqueue.arguments import Upgrade
+    from keyqueue.worker import Worker
+
+__all__ = ["App", "default_app", "task"]
+
+log = logging.getLogger("keyqueue.app")
+
+T = TypeVar("T")
+
+
+# --- process-wide: the default app and the tasks declared on it -----------------------------------
+
+
+class _Defaults:
+    """The default app and ``@keyqueue.task`` tasks (registered with it once it exists)."""
+
+    def __init__(self) -> None:
+        self.app: App | None = None
+        self.shared: list[AnyTask] = []
+
+    def add_shared(self, task: _TaskBase) -> None:
+        assert isinstance(task, (Task, BatchTask))
+        for other in self.shared:
+            if other.name == task.name:
+                raise ConfigError(f"@keyqueue.task {task.name!r} is declared twice ({other.fn.__module__} and "
+                                  f"{task.fn.__module__}); give one a name= of its own")
+        self.shared.append(task)
+
+
+_DEFAULTS = _Defaults()
+
+
+def default_app() -> App:
+    """The app ``@keyqueue.task`` tasks belong to: the first ``App`` created, else ``App("default")``."""
+    if _DEFAULTS.app is None:
+        App("default")
+    assert _DEFAULTS.app is not None
+    return _DEFAULTS.app
+
+
+@overload
+def task(*, queue: str, key: KeySpec, policy: Literal["batch"], name: str | None = None, max_attempts: int = 5,
+         backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
+         upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100) -> BatchTaskDecorator: ...
+@overload
+def task(*, queue: str, key: KeySpec, policy: Literal["serial", "latest", "merge"] = "serial",
+         name: str | None = None, max_attempts: int = 5, backoff: Backoff | float = ..., timeout: float | None = None,
+         version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
+         merge: Merge | None = None) -> TaskDecorator: ...
+
+
+def task(*, queue: str, key: KeySpec, policy: Policy = "serial", name: str | None = None, max_attempts: int = 5,
+         backoff: Backoff | float = Backoff(), timeout: float | None = None, version: int = 1,  # noqa: B008
+         upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
+         merge: Merge | None = None) -> TaskDecorator | BatchTaskDecorator:
+    """Declare a task on the default app (see ``App.task`` for the options; ``queue`` is required)."""
+    return declare(key=key, queue=queue, name=name, policy=policy, max_attempts=max_attempts, backoff=backoff,
+                   timeout=timeout, version=version, upgrades=upgrades, max_batch=max_batch, merge=merge,
+                   register=_DEFAULTS.add_shared, app=default_app)
+
+
+# --- the app -------------------------------------------------------------------------------------
+
+
+class App:
+    """One application: its tasks and processors by queue, its plugins, its NATS connection."""
+
+    def __init__(self, name: str, url: str | None = None, *, settings: Settings | None = None,
+                 plugins: Sequence[object] = (), autoload_plugins: bool | None = None,
+                 data_dir: str | Path | None = None, set_as_default: bool = True) -> None:
+        """``name`` is the app's name and its tasks' default queue.
+
+        The connection comes from ``settings`` (else ``Settings.from_env()``, i.e. ``KEYQUEUE_*``
+        variables), with ``url`` overriding its URL. With no URL at all the app uses its
+        embedded server (``keyqueue.local_server``), kept under ``data_dir``. ``plugins`` are
+        registered after the built-in and entry-point plugins; ``autoload_plugins=False`` skips
+        the entry points (default: unless ``KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD`` is set).
+        """
+        validate_queue_name(name)
+        self.name = name
+        settings = settings if settings is not None else Settings.from_env()
+        self.settings = settings.with_url(url) if url is not None else settings
+        self._extra_plugins = list(plugins)
+        self._autoload = not autoload_disabled() if autoload_plugins is None else autoload_plugins
+        self._plugins: PluginManager | None = None
+        self._tasks: dict[str, AnyTask] = {}
+        self._processors: dict[str, ProcessorFactory] = {}
+        self._queue_configs: dict[str, QueueConfig] = {}
+        self._connections = Connections(f"keyqueue:{name}", self._settings_with_url, self._reconnected)
+        self._local = LocalServer(name, Path(data_dir) if data_dir is not None else None)
+        self._reconnect_listeners: list[Callable[[], None]] = []
+        self._eager: Transport | None = None
+        self._portal: Portal | None = None
+        self._portal_lock = threading.Lock()
+        if set_as_default and _DEFAULTS.app is None:
+            _DEFAULTS.app = self
+
+    def __repr__(self) -> str:
+        return f"<App {self.name} {self.settings!r}>"
+
+    # --- tasks and processors ---
+
+    @overload
+    def task(self, *, key: KeySpec, policy: Literal["batch"], queue: str | None = None, name: str | None = None,
+             max_attempts: int = 5, backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
+             upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100) -> BatchTaskDecorator: ...
+    @overload
+    def task(self, *, key: KeySpec, policy: Literal["serial", "latest", "merge"] = "serial",
+             queue: str | None = None, name: str | None = None, max_attempts: int = 5,
+             backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
+             upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
+             merge: Merge | None = None) -> TaskDecorator: ...
+
+    def task(self, *, key: KeySpec, policy: Policy = "serial", queue: str | None = None, name: str | None = None,
+             max_attempts: int = 5, backoff: Backoff | float = Backoff(), timeout: float | None = None,  # noqa: B008
+             version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
+             merge: Merge | None = None) -> TaskDecorator | BatchTaskDecorator:
+        """Declare a task of this app.
+
+        ``key``: a template over the arguments (``"{order_id}"``, ``"{user}.{doc}"``) or a callable
+        taking the task's arguments and returning the key. ``queue``: defaults to the app's
+        name. ``name``: the task's name on the wire (``X-MESSAGE-TYPE``), default the function's
+        name. ``policy``: ``serial``, ``batch``, ``latest`` or ``merge`` (``keyqueue.task``).
+        ``max_attempts`` and ``backoff`` (a ``Backoff``, or the first delay in seconds) govern
+        retries; ``timeout`` bounds one attempt. ``version`` is the message version; a task
+        at version N > 1 declares ``upgrades={1: v1_to_v2, ..., N-1: ...}`` for older requests.
+        ``max_batch`` caps the requests one run takes; ``merge`` folds them for ``merge``.
+        """
+        return declare(key=key, queue=queue or self.name, name=name, policy=policy, max_attempts=max_attempts,
+                       backoff=backoff, timeout=timeout, version=version, upgrades=upgrades,
+                       max_batch=max_batch, merge=merge, register=self._register, app=lambda: self)
+
+    def _register(self, task: _TaskBase) -> None:
+        assert isinstance(task, (Task, BatchTask))
+        tasks = self._all_tasks()
+        if task.name in tasks:
+            other = tasks[task.name]
+            raise ConfigError(f"app {self.name} already has a task named {task.name!r} ({other.fn.__module__}."
+                              f"{other.fn.__qualname__}); give one a name= of its own")
+        self._check_queue(task.queue, [*[t for t in tasks.values() if t.queue == task.queue], task])
+        self._tasks[task.name] = task
+
+    def _check_queue(self, queue: str, tasks: Sequence[AnyTask]) -> None:
+        if tasks and queue in self._processors:
+            raise ConfigError(f"queue {queue!r} of app {self.name} has a processor registered; its tasks "
+                              f"({', '.join(t.name for t in tasks)}) would never run: put them in another queue")
+        special = [t for t in tasks if t.spec.policy != "serial"]
+        if special and len(tasks) > 1:
+            # The core hands a processor all available requests of a key and removes them all
+            # after one success, so a batch of mixed tasks could not fail or retry one of them alone.
+            raise ConfigError(
+                f"task {special[0].name} (policy {special[0].spec.policy!r}) must be the only task of its queue "
+                f"{queue!r}, which also has {', '.join(t.name for t in tasks if t is not special[0])}; "
+                "give it a queue of its own (queue=...)"
+            )
+
+    def _all_tasks(self) -> dict[str, AnyTask]:
+        tasks = dict(self._tasks)
+        if _DEFAULTS.app is self:
+            for shared in _DEFAULTS.shared:
+                if shared.name in tasks and tasks[shared.name] is not shared:
+                    raise ConfigError(f"@keyqueue.task {shared.name!r} clashes with app {self.name}'s task of "
+                                      "that name; give one a name= of its own")
+                tasks[shared.name] = shared
+        return tasks
+
+    @property
+    def tasks(self) -> Mapping[str, AnyTask]:
+        """Every task of the app by name (including ``@keyqueue.task`` ones on the default app)."""
+        self.plugins  # noqa: B018 - plugins register their tasks when first loaded
+        return MappingProxyType(self._all_tasks())
+
+    def find_task(self, name: str) -> AnyTask:
+        """The task named ``name`` (``ConfigError`` listing the known ones if there is none)."""
+        tasks = self.tasks
+        if name not in tasks:
+            known = ", ".join(sorted(tasks)) or "none"
+            raise ConfigError(f"app {self.name} has no task {name!r}; its tasks: {known}")
+        return tasks[name]
+
+    def queue_tasks(self, queue: str) -> dict[str, AnyTask]:
+        """The tasks of ``queue`` by name (checked: a non-serial task is alone in its queue)."""
+        tasks = {name: t for name, t in self.tasks.items() if t.queue == queue}
+        self._check_queue(queue, list(tasks.values()))
+        return tasks
+
+    def register_processor(self, queue: str, factory: ProcessorFactory, *, config: QueueConfig | None = None) -> None:
+        """Serve ``queue`` with processors from ``factory(key)`` (a ``KeyProcessor``, maybe awaitable).
+
+        ``config`` sets the queue's stream and consumer configuration (see ``configure_queue``).
+        """
+        validate_queue_name(queue)
+        if queue in self._processors:
+            raise ConfigError(f"queue {queue!r} of app {self.name} already has a processor")
+        tasks = [t for t in self._all_tasks().values() if t.queue == queue]
+        self._processors[queue] = factory
+        try:
+            self._check_queue(queue, tasks)
+        except ConfigError:
+            del self._processors[queue]
+            raise
+        if config is not None:
+            self.configure_queue(config)
+
+    def processor_factory(self, queue: str) -> ProcessorFactory | None:
+        """The factory registered for ``queue`` with ``register_processor``, if any."""
+        return self._processors.get(queue)
+
+    def configure_queue(self, config: QueueConfig) -> None:
+        """Use ``config`` for queue ``config.name`` (every worker and producer must agree on it)."""
+        self._queue_configs[config.name] = config
+
+    def queue_config(self, queue: str) -> QueueConfig:
+        """The queue's configuration: as configured, else the defaults."""
+        return self._queue_configs.get(queue) or QueueConfig(queue)
+
+    @property
+    def queues(self) -> list[str]:
+        """Every queue with tasks or a processor, sorted."""
+        self.plugins  # noqa: B018 - plugins register their processors when first loaded
+        return sorted({t.queue for t in self._all_tasks().values()} | set(self._processors))
+
+    # --- plugins ---
+
+    @property
+    def plugins(self) -> PluginManager:
+        """The app's plugin manager (built, and ``keyqueue_register`` called, on first use)."""
+        if self._plugins is None:
+            self._plugins = PluginManager(autoload=self._autoload, plugins=self._extra_plugins)
+            self._plugins.hook.keyqueue_register(app=self)
+        return self._plugins
+
+    # --- where requests go ---
+
+    def transport(self) -> Transport:
+        """NATS, or the in-process runner while ``keyqueue.testing.eager`` is active."""
+        return self._eager if self._eager is not None else NatsTransport(self._connections, self.queue_config)
+
+    def set_transport(self, transport: Transport | None) -> Transport | None:
+        """Send requests through ``transport`` (``None``: NATS again); returns the one it replaces.
+
+        ``keyqueue.testing.eager`` uses it to run tasks in process.
+        """
+        previous, self._eager = self._eager, transport
+        return previous
+
+    def run_sync(self, make: Callable[[], Awaitable[T]]) -> T:
+        """Run ``make()`` to completion from code without a running event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise ConfigError("this is the sync form, for code without a running event loop; "
+                              "in async code, await the async form (task.enqueue(...))")
+
+        async def run() -> T:
+            return await make()
+
+        if self._eager is not None:
+            return asyncio.run(run())
+        with self._portal_lock:
+            if self._portal is None:
+                self._portal = Portal()
+                atexit.register(self._close_portal)
+        return self._portal.run(run())
+
+    # --- sending requests (tasks use these; so may processor plugins) ---
+
+    async def _publish(self, requests: list[TaskRequest]) -> list[Receipt]:
+        """Store ``requests`` (of one queue) inside their ``keyqueue_wrap_enqueue`` wrappers."""
+        async with AsyncExitStack() as stack:
+            for request in requests:
+                await self.plugins.enter_wrappers(stack, "keyqueue_wrap_enqueue", app=self, request=request)
+            results = await self.transport().enqueue(requests)
+            for request, result in zip(requests, results, strict=True):
+                if not isinstance(result, EnqueueError):
+                    request.receipt = result
+            errors = [r for r in results if isinstance(r, EnqueueError)]
+            if len(requests) == 1 and errors:
+                raise errors[0]
+            if errors:
+                raise EnqueueError(
+                    f"{len(errors)} of {len(requests)} {requests[0].message_type} requests were not stored; "
+                    f"first: {errors[0]}"
+                ) from errors[0]
+        return [r for r in results if isinstance(r, Receipt)]
+
+    async def _ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
+        """Store ``request`` and wait for its reply, inside its ``keyqueue_wrap_enqueue`` wrappers."""
+        async with AsyncExitStack() as stack:
+            await self.plugins.enter_wrappers(stack, "keyqueue_wrap_enqueue", app=self, request=request)
+            return await self.transport().call(request, timeout)
+
+    def _message_request(self, queue: str, key: str, message: Message, request_id: str | None) -> TaskRequest:
+        validate_queue_name(queue)
+        validate_key(key)
+        encoded = encode(message, request_id=request_id)
+        return TaskRequest(queue, key, message.TYPE, encoded.request_id, to_fields(message), encoded.headers,
+                           encoded.body)
+
+    async def enqueue_message(self, queue: str, key: str, message: Message, *,
+                              request_id: str | None = None) -> Receipt:
+        """Store a versioned message (``keyqueue.wire.Message``) for the processor of ``queue``.
+
+        For queues served by a plugin's ``KeyProcessor`` rather than by tasks; the processor
+        decodes it with ``keyqueue.wire.decode`` and its own ``Registry``.
+        """
+        [receipt] = await self._publish([self._message_request(queue, key, message, request_id)])
+        return receipt
+
+    async def call_message(self, queue: str, key: str, message: Message, *, request_id: str | None = None,
+                           timeout: float = DEFAULT_CALL_TIMEOUT) -> Reply:
+        """Like ``enqueue_message``, then wait for the processor's ``Reply`` (its body and headers).
+
+        A dead-lettered or failed request raises ``DeadLettered`` / ``RemoteError`` as ``Task.call`` does.
+        """
+        request = self._message_request(queue, key, message, request_id)
+        headers, body = await self._ask(request, timeout)
+        if headers.get(H.STATUS) != H.STATUS_OK:
+            decode_result(headers, body, request.request_id)  # raises the typed error
+        return Reply(body, headers)
+
+    # --- the connection ---
+
+    async def url(self) -> str:
+        """The NATS URL this app uses (starting or finding the embedded server when none is configured)."""
+        return self.settings.url if self.settings.url is not None else await self._local.url()
+
+    async def connection(self) -> Client:
+        """The app's NATS connection in the running event loop (connecting on first use)."""
+        state = await self._connections.current()
+        assert state.nc is not None
+        return state.nc
+
+    async def _settings_with_url(self) -> Settings:
+        return self.settings if self.settings.url is not None else self.settings.with_url(await self._local.url())
+
+    async def _reconnected(self) -> None:
+        for listener in list(self._reconnect_listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("reconnect listener failed")
+
+    def on_reconnect(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` after every reconnect; returns a function that removes it."""
+        self._reconnect_listeners.append(listener)
+        return lambda: self._reconnect_listeners.remove(listener)
+
+    # --- workers ---
+
+    def worker(self, *, queues: Sequence[str] | None = None, concurrency: int = 16, linger: float = 0.05,
+               ack_wait: float | None = None, drain_timeout: float = 10.0, name: str | None = None) -> Worker:
+        """A worker for ``queues`` (default: all of the app's); use it as ``async with app.worker():``.
+
+        ``concurrency``: keys held at once per queue. ``linger``: seconds a key stays held with no
+        new request. ``ack_wait``: the queue's lease (overrides its ``QueueConfig``).
+        ``drain_timeout``: seconds a stopping worker waits for requests in hand.
+        """
+        from keyqueue.worker import Worker
+
+        return Worker(self, queues=queues, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
+                      drain_timeout=drain_timeout, name=name)
+
+    # --- closing ---
+
+    async def close(self) -> None:
+        """Close the connection of the running loop and of ``delay``; stop an embedded server this app started."""
+        await self._connections.close()
+        await asyncio.to_thread(self._close_portal)
+        await self._local.close()
+
+    def _close_portal(self) -> None:
+        with self._portal_lock:
+            portal, self._portal = self._portal, None
+        if portal is None:
+            return
+        try:
+            portal.run(self._connections.close())
+        except Exception as exc:
+            log.debug("closing the sync connection: %r", exc)
+        portal.close()
+
+    async def __aenter__(self) -> App:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

@@ -1,0 +1,139 @@
+"""A queue's dead-letter queue: list, show and replay dead requests, in order.
+
+Each dead request is a copy of the original (headers and body) plus ``X-KQ-DLQ-*`` headers
+saying why, after how many attempts, and where it was stored. ``replay`` stores each one again
+in its key's inbox, oldest first, then removes it from the DLQ. A replayed request gets a new
+request id derived from its DLQ sequence (``<original id>.replay-<seq>``), so JetStream does not
+drop it as a duplicate of the original, while a replay that is interrupted and run again does not
+store it twice; the original id travels in ``X-KQ-Replay-Of``. Its reply inbox is dropped (the
+original caller is gone). Replayed requests join the back of their key's backlog.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from keyqueue.errors import KeyqueueError, MessageNotFound, WireError
+from keyqueue.jetstream.api import JetStreamApi, StoredMsg
+from keyqueue.jetstream.publish import OutgoingRequest, Publisher
+from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.wire import headers as H
+from keyqueue.wire import loads, peek
+
+__all__ = ["REPLAY_OF", "DeadLetter", "dead_letters", "get_dead_letter", "replay", "replay_request"]
+
+REPLAY_OF: Final = "X-KQ-Replay-Of"
+"""On a replayed request: the request id it was dead-lettered under."""
+
+_DLQ_HEADERS: Final = frozenset(h.lower() for h in (
+    H.DLQ_REASON, H.DLQ_ERROR_TYPE, H.DLQ_ATTEMPTS, H.DLQ_ORIGINAL_SUBJECT, H.DLQ_ORIGINAL_SEQ, H.DLQ_TIME,
+    H.ERROR_MESSAGE, H.ERROR_TYPE, H.REPLY_INBOX, H.MSG_ID, REPLAY_OF,
+))
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One dead request."""
+
+    seq: int
+    """Its sequence in the DLQ stream."""
+    key: str
+    request_id: str
+    message_type: str
+    version: str
+    reason: str
+    error_type: str
+    error_message: str
+    attempts: str
+    original_seq: str
+    time: str
+    headers: Mapping[str, str]
+    data: bytes
+
+    def body(self) -> Any:
+        """The body decoded to plain values (or a short description if it does not decode)."""
+        try:
+            return loads(self.data, peek(self.headers).content_type)
+        except WireError as exc:
+            return f"<{len(self.data)} bytes that do not decode: {exc}>"
+
+
+def _dead_letter(names: QueueNames, msg: StoredMsg) -> DeadLetter:
+    h = msg.headers
+    return DeadLetter(
+        seq=msg.seq,
+        key=names.key_of(msg.subject),
+        request_id=h.get(H.MSG_ID, ""),
+        message_type=h.get(H.MESSAGE_TYPE, ""),
+        version=h.get(H.MESSAGE_VERSION, ""),
+        reason=h.get(H.DLQ_REASON, ""),
+        error_type=h.get(H.DLQ_ERROR_TYPE, ""),
+        error_message=h.get(H.ERROR_MESSAGE, ""),
+        attempts=h.get(H.DLQ_ATTEMPTS, ""),
+        original_seq=h.get(H.DLQ_ORIGINAL_SEQ, ""),
+        time=h.get(H.DLQ_TIME, ""),
+        headers=h,
+        data=msg.data,
+    )
+
+
+async def dead_letters(api: JetStreamApi, queue: str, *, key: str | None = None, limit: int | None = None,
+                       after: int = 0) -> list[DeadLetter]:
+    """Dead requests of ``queue`` (of ``key`` only, if given), oldest first, from sequence ``after + 1``."""
+    names = QueueNames(queue)
+    subject = names.dlq(key) if key is not None else names.dlq_prefix + ">"
+    found: list[DeadLetter] = []
+    seq = after + 1
+    while limit is None or len(found) < limit:
+        msg = await api.get_msg(names.dlq_stream, seq=seq, next_by_subject=subject, direct=False)
+        if msg is None:
+            break
+        found.append(_dead_letter(names, msg))
+        seq = msg.seq + 1
+    return found
+
+
+async def get_dead_letter(api: JetStreamApi, queue: str, seq: int) -> DeadLetter:
+    """The dead request at DLQ sequence ``seq`` (``MessageNotFound`` if there is none)."""
+    names = QueueNames(queue)
+    msg = await api.get_msg(names.dlq_stream, seq=seq, direct=False)
+    if msg is None:
+        raise MessageNotFound(f"queue {queue} has no dead request at sequence {seq}", 404, 10037)
+    return _dead_letter(names, msg)
+
+
+def replay_request(letter: DeadLetter) -> OutgoingRequest:
+    """The request ``replay`` stores for a dead one."""
+    headers = {k: v for k, v in letter.headers.items() if k.lower() not in _DLQ_HEADERS}
+    request_id = f"{letter.request_id or 'unknown'}.replay-{letter.seq}"
+    headers[H.MSG_ID] = request_id
+    if letter.request_id:
+        headers[REPLAY_OF] = letter.request_id
+    return OutgoingRequest(letter.key, headers, letter.data, request_id)
+
+
+async def replay(api: JetStreamApi, publisher: Publisher, queue: str, *, key: str | None = None,
+                 on_replayed: Callable[[DeadLetter], None] | None = None) -> int:
+    """Store every dead request of ``queue`` (or of ``key``) again, oldest first; returns how many.
+
+    Each is removed from the DLQ once it is stored again; ``on_replayed`` is called after each.
+    """
+    names = QueueNames(queue)
+    count = 0
+    after = 0
+    while batch := await dead_letters(api, queue, key=key, limit=100, after=after):
+        for letter in batch:
+            try:
+                await publisher.enqueue(replay_request(letter))
+            except KeyqueueError as exc:
+                raise KeyqueueError(f"replaying dead request {letter.seq} (key {letter.key}) failed after "
+                                    f"{count} replayed: {exc}") from exc
+            await api.delete_msg(names.dlq_stream, letter.seq)
+            count += 1
+            if on_replayed is not None:
+                on_replayed(letter)
+            after = letter.seq
+    return count
+

@@ -1,0 +1,119 @@
+"""The decorators ``App.task(...)`` and ``keyqueue.task(...)`` return, and what they record.
+
+``TaskDecorator`` makes a ``Task[F]`` of any function; ``BatchTaskDecorator`` (``policy="batch"``)
+makes a ``BatchTask[T, R]`` of a function taking ``list[T]``, its overloads telling mypy ``T`` and
+``R``. Either registers the task with whoever asked (an app, or the default app's shared tasks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+from keyqueue.context import Context
+from keyqueue.errors import ConfigError
+from keyqueue.task import Backoff, BatchTask, KeySpec, Merge, Policy, Task, TaskSpec, _TaskBase
+
+if TYPE_CHECKING:
+    from keyqueue.app import App
+    from keyqueue.arguments import Upgrade
+
+__all__ = ["BatchTaskDecorator", "TaskDecorator", "declare"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Declaration:
+    """What a decorator was given, before it sees the function."""
+
+    key: KeySpec
+    queue: str
+    name: str | None
+    policy: Policy
+    max_attempts: int
+    backoff: Backoff | float
+    timeout: float | None
+    version: int
+    upgrades: Mapping[int, Upgrade] | None
+    max_batch: int
+    merge: Merge | None
+
+    def spec(self, fn: Callable[..., Any]) -> TaskSpec:
+        backoff = self.backoff if isinstance(self.backoff, Backoff) else Backoff(base=float(self.backoff))
+        return TaskSpec(
+            name=self.name or fn.__name__, queue=self.queue, policy=self.policy, max_attempts=self.max_attempts,
+            backoff=backoff, timeout=self.timeout, version=self.version, upgrades=dict(self.upgrades or {}),
+            max_batch=self.max_batch, merge=self.merge,
+        )
+
+
+Register = Callable[[_TaskBase], None]
+
+
+def _check_function(fn: Any) -> None:
+    if not callable(fn) or isinstance(fn, _TaskBase):
+        raise ConfigError(f"@task decorates a function, not {fn!r}")
+
+
+class TaskDecorator:
+    """What ``app.task(...)`` returns: apply it to a function to make a ``Task``."""
+
+    def __init__(self, declaration: _Declaration, register: Register, app: Callable[[], App]) -> None:
+        self._declaration = declaration
+        self._register = register
+        self._app = app
+
+    def __call__(self, fn: F) -> Task[F]:
+        _check_function(fn)
+        task = Task(fn, self._declaration.spec(fn), self._declaration.key, self._app)
+        self._register(task)
+        return task
+
+
+class BatchTaskDecorator:
+    """What ``app.task(policy="batch", ...)`` returns: apply it to a function to make a ``BatchTask``."""
+
+    def __init__(self, declaration: _Declaration, register: Register, app: Callable[[], App]) -> None:
+        self._declaration = declaration
+        self._register = register
+        self._app = app
+
+    @overload
+    def __call__(self, fn: Callable[[Context, list[T]], Awaitable[Sequence[R]]]) -> BatchTask[T, R]: ...
+    @overload
+    def __call__(self, fn: Callable[[Context, list[T]], Awaitable[None]]) -> BatchTask[T, None]: ...
+    @overload
+    def __call__(self, fn: Callable[[Context, list[T]], Sequence[R]]) -> BatchTask[T, R]: ...
+    @overload
+    def __call__(self, fn: Callable[[Context, list[T]], None]) -> BatchTask[T, None]: ...
+    @overload
+    def __call__(self, fn: Callable[[list[T]], Awaitable[Sequence[R]]]) -> BatchTask[T, R]: ...
+    @overload
+    def __call__(self, fn: Callable[[list[T]], Awaitable[None]]) -> BatchTask[T, None]: ...
+    @overload
+    def __call__(self, fn: Callable[[list[T]], Sequence[R]]) -> BatchTask[T, R]: ...
+    @overload
+    def __call__(self, fn: Callable[[list[T]], None]) -> BatchTask[T, None]: ...
+
+    def __call__(self, fn: Callable[..., Any]) -> BatchTask[Any, Any]:
+        _check_function(fn)
+        task: BatchTask[Any, Any] = BatchTask(fn, self._declaration.spec(fn), self._declaration.key, self._app)
+        self._register(task)
+        return task
+
+
+def declare(
+    *, key: KeySpec, queue: str, name: str | None, policy: Policy, max_attempts: int, backoff: Backoff | float,
+    timeout: float | None, version: int, upgrades: Mapping[int, Upgrade] | None, max_batch: int, merge: Merge | None,
+    register: Register, app: Callable[[], App],
+) -> TaskDecorator | BatchTaskDecorator:
+    """The decorator for one task declaration (``App.task`` and ``keyqueue.task`` call this)."""
+    declaration = _Declaration(key, queue, name, policy, max_attempts, backoff, timeout, version, upgrades,
+                               max_batch, merge)
+    if policy == "batch":
+        return BatchTaskDecorator(declaration, register, app)
+    return TaskDecorator(declaration, register, app)

@@ -1,0 +1,187 @@
+"""The default processor, which runs a queue's ``@task`` functions, and the built-in plugin around it.
+
+``TaskProcessor`` is a ``KeyProcessor``: the request's ``X-MESSAGE-TYPE`` names the task, its
+body holds the arguments. Anything it cannot read (an unknown task, a newer version, a malformed
+body) raises a ``WireError``, which the key session dead-letters at once with the reason. A
+queue whose task has policy ``batch``, ``latest`` or ``merge`` gets ``batch_size`` = the task's
+``max_batch``, so the session hands it every available request of the key in one call.
+
+As a plugin module (``keyqueue.plugins.BUILTIN_PLUGINS``) it builds processors, retry policies
+and merged arguments, each ``trylast`` so any other plugin can take over.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any, Final, cast
+
+from keyqueue.arguments import decode_arguments, encode_result, result_headers
+from keyqueue.context import Context
+from keyqueue.core.processor import BaseProcessor, KeyProcessor, Reply, Request, RequestContext
+from keyqueue.core.retry import RetryPolicy
+from keyqueue.errors import MalformedBody, Reject, UnknownMessageType, WireError
+from keyqueue.plugins import hookimpl
+from keyqueue.task import BatchTask, Task, TaskSpec
+from keyqueue.wire import headers as H
+from keyqueue.wire import peek
+
+if TYPE_CHECKING:
+    from keyqueue.app import App
+    from keyqueue.task import AnyTask
+    from keyqueue.worker import Worker
+
+__all__ = ["ABSORBED_BY", "TaskProcessor"]
+
+log = logging.getLogger("keyqueue.task")
+
+ABSORBED_BY: Final = "X-KQ-Absorbed-By"
+"""On the replies of a ``merge`` run: the request id of the run (its newest request) that answered them."""
+
+
+class TaskProcessor(BaseProcessor):
+    """Runs the ``@task`` functions of one queue for one key session."""
+
+    def __init__(self, app: App, queue: str, key: str, tasks: Mapping[str, AnyTask],
+                 executor: Executor | None = None) -> None:
+        self.app = app
+        self.queue = queue
+        self.key = key
+        self.tasks = tasks
+        self.executor = executor
+        special = [t for t in tasks.values() if t.spec.policy != "serial"]
+        self.special = special[0] if special else None
+        self.batch_size = self.special.spec.max_batch if self.special is not None else 0
+
+    # --- reading requests ---
+
+    def task_of(self, request: Request) -> AnyTask:
+        """The task a request names (``UnknownMessageType`` if the queue has none of that name)."""
+        envelope = peek(request.headers)
+        task = self.tasks.get(envelope.message_type)
+        if task is None:
+            raise UnknownMessageType(envelope.message_type, tuple(sorted(self.tasks)))
+        return task
+
+    def arguments(self, task: AnyTask, request: Request) -> dict[str, Any]:
+        spec = task.spec
+        return decode_arguments(spec.name, spec.version, spec.upgrades, request.headers, request.data)
+
+    def retry_policy(self, request: Request) -> RetryPolicy | None:
+        try:
+            spec: TaskSpec | None = self.task_of(request).spec
+        except WireError:
+            spec = None  # dead-lettered on its first attempt anyway
+        policy: RetryPolicy | None = self.app.plugins.hook.keyqueue_retry_policy(
+            app=self.app, queue=self.queue, task=spec, request=request)
+        return policy
+
+    # --- replies ---
+
+    def reply(self, task: AnyTask, request: Request, result: Any, extra: Mapping[str, str] | None = None) -> Reply:
+        headers = {**result_headers(task.name, task.spec.version), **(extra or {})}
+        if request.reply_inbox is None:
+            return Reply(b"", headers)
+        try:
+            return Reply(encode_result(result, task.name), headers)
+        except MalformedBody as exc:
+            # The work is done; only the result cannot travel. Tell the caller, keep the request done.
+            log.error("task %s (key %s): %s", task.name, self.key, exc)
+            return Reply(b"", {**headers, H.STATUS: H.STATUS_ERROR, H.ERROR_TYPE: type(exc).__name__,
+                               H.ERROR_MESSAGE: H.header_safe(str(exc))})
+
+    # --- serial ---
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        task = self.task_of(request)
+        if not isinstance(task, Task) or task.spec.policy != "serial":
+            return (await self.handle_batch(ctx, [request]))[0]
+        args, kwargs = task.codec.to_call(self.arguments(task, request))
+        result = await task.run(Context(ctx, task.name, (request.request_id,)), args, kwargs, self.executor)
+        return self.reply(task, request, result)
+
+    # --- batch, latest, merge ---
+
+    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> list[Reply | None]:
+        tasks = [self.task_of(r) for r in requests]
+        task = tasks[0]
+        if any(t is not task for t in tasks) or task.spec.policy == "serial":
+            # Only possible when a serial task was mixed in by hand: run each on its own, in order.
+            return [await self.handle(ctx, r) for r in requests]
+        if isinstance(task, BatchTask):
+            return await self._batch(ctx, task, requests)
+        assert isinstance(task, Task)
+        if task.spec.policy == "latest":
+            return await self._latest(ctx, task, requests)
+        return await self._merge(ctx, task, requests)
+
+    async def _batch(self, ctx: RequestContext, task: BatchTask[Any, Any],
+                     requests: list[Request]) -> list[Reply | None]:
+        items = [task.item_from_fields(self.arguments(task, r)) for r in requests]
+        context = Context(ctx, task.name, tuple(r.request_id for r in requests))
+        results = await task.run(context, [items], {}, self.executor)
+        if results is None:
+            return [self.reply(task, r, None) for r in requests]
+        if not isinstance(results, Sequence) or isinstance(results, str | bytes) or len(results) != len(requests):
+            count = len(results) if isinstance(results, Sequence) else type(results).__name__
+            raise Reject(f"batch task {task.name} must return one result per item ({len(requests)}) or None, "
+                         f"got {count}")
+        return [self.reply(task, r, result) for r, result in zip(requests, results, strict=True)]
+
+    async def _latest(self, ctx: RequestContext, task: Task[Any], requests: list[Request]) -> list[Reply | None]:
+        newest = requests[-1]
+        args, kwargs = task.codec.to_call(self.arguments(task, newest))
+        ids = tuple(r.request_id for r in requests)
+        result = await task.run(Context(ctx, task.name, ids, request_id=newest.request_id), args, kwargs,
+                                self.executor)
+        superseded = {H.STATUS: H.STATUS_SUPERSEDED, H.SUPERSEDED_BY: newest.request_id}
+        replies: list[Reply | None] = [Reply(b"", {**result_headers(task.name, task.spec.version), **superseded})
+                                       for _ in requests[:-1]]
+        return [*replies, self.reply(task, newest, result)]
+
+    async def _merge(self, ctx: RequestContext, task: Task[Any], requests: list[Request]) -> list[Reply | None]:
+        arguments = [self.arguments(task, r) for r in requests]
+        if len(arguments) == 1:
+            merged: dict[str, Any] | None = arguments[0]
+        else:
+            merged = self.app.plugins.hook.keyqueue_merge_arguments(task=task.spec, arguments=arguments)
+        if merged is None:
+            raise Reject(f"nothing merges the requests of task {task.name}: give it merge=... or implement "
+                         "keyqueue_merge_arguments in a plugin")
+        if not isinstance(merged, dict):
+            raise Reject(f"merging {task.name} returned {type(merged).__name__}, not a dict of arguments")
+        args, kwargs = task.codec.to_call(merged)
+        newest = requests[-1]
+        ids = tuple(r.request_id for r in requests)
+        result = await task.run(Context(ctx, task.name, ids, request_id=newest.request_id), args, kwargs,
+                                self.executor)
+        return [self.reply(task, r, result, {ABSORBED_BY: newest.request_id}) for r in requests]
+
+
+# --- the built-in plugin ---------------------------------------------------------------------------
+
+
+@hookimpl(trylast=True)
+def keyqueue_build_processor(app: App, worker: Worker, queue: str, key: str) -> KeyProcessor | None:
+    """The processor registered for the queue, else the queue's tasks."""
+    factory = app.processor_factory(queue)
+    if factory is not None:
+        # A processor or an awaitable of one; the worker awaits it.
+        return cast("KeyProcessor | None", factory(key))
+    tasks = worker.queue_tasks(queue)
+    if not tasks:
+        return None
+    return TaskProcessor(app, queue, key, tasks, worker.executor)
+
+
+@hookimpl(trylast=True)
+def keyqueue_retry_policy(task: TaskSpec | None) -> RetryPolicy | None:
+    """The task's ``max_attempts`` and ``backoff``."""
+    return task.retry_policy() if task is not None else None
+
+
+@hookimpl(trylast=True)
+def keyqueue_merge_arguments(task: TaskSpec, arguments: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The task's own ``merge=`` function."""
+    return task.merge(arguments) if task.merge is not None else None

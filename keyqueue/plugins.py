@@ -1,0 +1,197 @@
+"""The plugin manager: the ``hookimpl`` marker, entry-point loading, and the helper that awaits.
+
+Every ``App`` (and the ``keyqueue`` command line) owns one ``PluginManager``; there is no
+global one. It registers, in this order: the built-in plugins (``BUILTIN_PLUGINS``), the
+entry-point group ``keyqueue`` (skipped when ``KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD`` is set), then
+the plugins passed in. pluggy calls the most recent registration first, so explicit plugins run
+before entry-point plugins, which run before the built-ins.
+
+pluggy does not await; ``PluginManager.first``, ``collect`` and ``notify`` do, and ``notify``
+also isolates observers (a failing lifecycle hook is logged, never raised) and runs closing
+hooks in reverse.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import os
+from collections.abc import Awaitable, Iterable, Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import pluggy
+
+from keyqueue import hookspecs
+from keyqueue.errors import ConfigError
+from keyqueue.hookspecs import PROJECT
+
+__all__ = [
+    "BUILTIN_PLUGINS",
+    "DISABLE_AUTOLOAD_ENV",
+    "ENTRY_POINT_GROUP",
+    "PluginInfo",
+    "PluginManager",
+    "autoload_disabled",
+    "hookimpl",
+    "maybe_await",
+]
+
+T = TypeVar("T")
+
+log = logging.getLogger("keyqueue.plugins")
+
+hookimpl = pluggy.HookimplMarker(PROJECT)
+"""Marks a function as a hook implementation: ``@keyqueue.hookimpl`` (or with ``tryfirst=True``...)."""
+
+ENTRY_POINT_GROUP: Final = "keyqueue"
+"""Entry-point group third-party plugins are loaded from (``[project.entry-points.keyqueue]``)."""
+
+DISABLE_AUTOLOAD_ENV: Final = "KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD"
+"""Set to anything but empty, ``0`` or ``false`` to skip the entry-point plugins."""
+
+BUILTIN_PLUGINS: Final = ("keyqueue.default_processor", "keyqueue.lifecycle_log")
+"""keyqueue's own behaviour, as plugin modules: tasks and retries, and lifecycle logging."""
+
+
+async def maybe_await(value: T | Awaitable[T]) -> T:
+    """``value``, awaited first if it is awaitable (how keyqueue runs hooks that may be async)."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+def autoload_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD`` asks to skip entry-point plugins."""
+    value = (os.environ if environ is None else environ).get(DISABLE_AUTOLOAD_ENV, "")
+    return value.strip().lower() not in ("", "0", "false", "no")
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One registered plugin, as ``keyqueue plugins`` shows it."""
+
+    name: str
+    hooks: tuple[str, ...]
+    distribution: str | None = None
+    """``name version`` of the distribution that provided it (entry-point plugins)."""
+    builtin: bool = False
+
+
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager for keyqueue's hooks, with helpers that await and isolate."""
+
+    def __init__(self, *, autoload: bool = True, plugins: Iterable[object] = ()) -> None:
+        super().__init__(PROJECT)
+        self.add_hookspecs(hookspecs)
+        self.distributions: dict[str, str] = {}
+        """Plugin name -> ``distribution version`` for entry-point plugins."""
+        for module_name in BUILTIN_PLUGINS:
+            self.register(importlib.import_module(module_name), name=module_name)
+        if autoload:
+            self._load_entry_points()
+        for plugin in plugins:
+            self.register(plugin)
+        self._check()
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        try:
+            return super().register(plugin, name)
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            shown = name or getattr(plugin, "__name__", None) or type(plugin).__qualname__
+            detail = " ".join(str(exc).split())  # pluggy's message spans lines
+            raise ConfigError(f"plugin {shown} cannot be registered: {detail}") from exc
+
+    def _load_entry_points(self) -> None:
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if self.get_plugin(ep.name) is not None or self.is_blocked(ep.name):
+                continue
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else None
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                raise ConfigError(
+                    f"plugin {ep.name!r} ({ep.value}{', from ' + dist if dist else ''}) failed to load: "
+                    f"{type(exc).__name__}: {exc}; set {DISABLE_AUTOLOAD_ENV}=1 to start without plugins"
+                ) from exc
+            self.register(plugin, name=ep.name)
+            if dist is not None:
+                self.distributions[ep.name] = dist
+
+    def _check(self) -> None:
+        try:
+            self.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise ConfigError(f"{exc}; keyqueue's hooks are listed in keyqueue.hookspecs") from exc
+        for caller in self.hook.__dict__.values():
+            if not isinstance(caller, pluggy.HookCaller):
+                continue
+            for impl in caller.get_hookimpls():
+                if impl.hookwrapper or impl.wrapper:
+                    raise ConfigError(
+                        f"plugin {impl.plugin_name}: {caller.name} is marked as a pluggy wrapper; keyqueue "
+                        "hooks cannot be pluggy wrappers, use keyqueue_wrap_enqueue / keyqueue_wrap_process"
+                    )
+
+    # --- calling hooks ---------------------------------------------------------------------------
+
+    async def first(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call a ``firstresult`` hook and await its result if it is awaitable."""
+        return await maybe_await(getattr(self.hook, hook_name)(**kwargs))
+
+    async def collect(self, hook_name: str, **kwargs: Any) -> list[Any]:
+        """Call a hook and await each result that is awaitable; results in call order."""
+        return [await maybe_await(result) for result in getattr(self.hook, hook_name)(**kwargs)]
+
+    async def notify(self, hook_name: str, *, reverse: bool = False, **kwargs: Any) -> None:
+        """Call a lifecycle hook, awaiting each implementation in turn; never raises.
+
+        ``reverse`` runs the implementations in the opposite of pluggy's order (closing hooks).
+        A failing implementation is logged with its plugin's name and the rest still run.
+        """
+        impls = getattr(self.hook, hook_name).get_hookimpls()
+        # get_hookimpls() lists implementations in registration order; pluggy calls them last first.
+        for impl in impls if reverse else reversed(impls):
+            try:
+                args = [kwargs[name] for name in impl.argnames]
+                await maybe_await(impl.function(*args))
+            except Exception:
+                log.exception("plugin %s failed in %s; carrying on", impl.plugin_name, hook_name)
+
+    def wrappers(self, hook_name: str, **kwargs: Any) -> list[Any]:
+        """The context managers an around-style hook returned, in call order."""
+        return [w for w in getattr(self.hook, hook_name)(**kwargs) if w is not None]
+
+    async def enter_wrappers(self, stack: AsyncExitStack, hook_name: str, **kwargs: Any) -> None:
+        """Enter every context manager of an around-style hook on ``stack`` (exited in reverse)."""
+        for wrapper in self.wrappers(hook_name, **kwargs):
+            if hasattr(wrapper, "__aenter__"):
+                await stack.enter_async_context(wrapper)
+            elif hasattr(wrapper, "__enter__"):
+                stack.enter_context(wrapper)
+            else:
+                raise ConfigError(f"{hook_name} must return a context manager or None, not {wrapper!r}")
+
+    # --- listing ---------------------------------------------------------------------------------
+
+    def listing(self) -> list[PluginInfo]:
+        """Every registered plugin and the hooks it implements, built-ins last."""
+        hooks_of: dict[str, list[str]] = {}
+        for caller in self.hook.__dict__.values():
+            if isinstance(caller, pluggy.HookCaller):
+                for impl in caller.get_hookimpls():
+                    hooks_of.setdefault(impl.plugin_name, []).append(caller.name)
+        infos = []
+        for name, _plugin in self.list_name_plugin():
+            infos.append(
+                PluginInfo(
+                    name=name,
+                    hooks=tuple(sorted(hooks_of.get(name, []))),
+                    distribution=self.distributions.get(name),
+                    builtin=name in BUILTIN_PLUGINS,
+                )
+            )
+        return sorted(infos, key=lambda info: (info.builtin, info.name))

@@ -1,0 +1,512 @@
+"""Tasks: ``@app.task`` / ``@keyqueue.task``, and ``enqueue`` / ``call`` / ``delay`` / ``enqueue_many``.
+
+``Task[F]`` is generic over the function ``F`` it wraps: its methods are typed by ``F``'s
+parameters (less the optional context) and result, so mypy checks
+``charge.enqueue(order_id="o1", amount=5)`` against ``charge``'s signature and knows what
+``charge.call(...)`` returns. (Generic over the whole function rather than ``P`` and ``R``
+apart because mypy cannot otherwise tell a context parameter from an ordinary one when the
+signature mentions ``Any``.) A task with ``policy="batch"`` is a ``BatchTask[T, R]``: its
+function takes ``list[T]`` and each request carries one ``T``.
+
+Policies (how a key's backlog is consumed, DESIGN.md section 4b):
+
+- ``serial`` (default): every request, one at a time, in order.
+- ``batch``: every available request of the key (up to ``max_batch``) in one call; the function
+  returns one result per item (or ``None``); the requests are removed together afterwards.
+- ``latest``: only the newest available request runs; older ones are removed and their callers
+  get ``Superseded`` naming the request that replaced them.
+- ``merge``: the available requests are folded into one run by ``merge=`` (or a plugin's
+  ``keyqueue_merge_arguments``); every caller gets that run's result.
+
+``call`` accepts ``timeout=`` at run time (seconds to wait for the result) unless the function
+has a parameter of that name. mypy cannot type an extra keyword beside a ``ParamSpec`` (PEP 612),
+so typed code writes ``charge.options(timeout=10).call(...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import typing
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Concatenate, Final, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
+
+from keyqueue.arguments import ArgumentCodec, KeyMaker, Upgrade, check_upgrades, decode_result, takes_context
+from keyqueue.context import Context
+from keyqueue.core.retry import RetryPolicy
+from keyqueue.errors import ConfigError, EnqueueError, MalformedBody
+from keyqueue.invoke import invoke
+from keyqueue.jetstream.subjects import validate_queue_name
+from keyqueue.wire import CBOR, check_plain, dumps, from_fields, new_request_id, to_fields
+from keyqueue.wire import headers as H
+
+if TYPE_CHECKING:
+    from keyqueue.app import App
+
+__all__ = [
+    "DEFAULT_CALL_TIMEOUT",
+    "POLICIES",
+    "Backoff",
+    "BatchTask",
+    "BatchTaskCall",
+    "KeySpec",
+    "Policy",
+    "Receipt",
+    "Task",
+    "TaskCall",
+    "TaskRequest",
+    "TaskSpec",
+    "Transport",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+log = logging.getLogger("keyqueue.task")
+
+Policy = Literal["serial", "batch", "latest", "merge"]
+POLICIES: Final = ("serial", "batch", "latest", "merge")
+"""The per-key policies, ``serial`` first (the default)."""
+
+DEFAULT_CALL_TIMEOUT: Final = 30.0
+"""Seconds ``call`` waits for a result unless told otherwise."""
+
+KeySpec = str | Callable[..., str]
+"""A key template over the task's arguments (``"{order_id}"``) or a callable returning the key."""
+
+Merge = Callable[[Sequence[dict[str, Any]]], dict[str, Any]]
+"""Folds the argument maps of a ``merge`` task's pending requests (oldest first) into one."""
+
+
+# --- values --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff between attempts: ``base * factor ** (attempt - 1)``, capped, with jitter."""
+
+    base: float = 0.5
+    factor: float = 2.0
+    max: float = 60.0
+    jitter: float = 0.2
+    """Fraction of each delay drawn at random (+/-), so retries of many keys do not align."""
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything about a task but its function: what the worker and the plugins see."""
+
+    name: str
+    queue: str
+    policy: Policy = "serial"
+    max_attempts: int = 5
+    backoff: Backoff = field(default_factory=Backoff)
+    timeout: float | None = None
+    """Seconds one attempt may run; a timed-out attempt fails (and is retried)."""
+    version: int = 1
+    upgrades: Mapping[int, Upgrade] = field(default_factory=dict)
+    max_batch: int = 100
+    """Most requests one run takes (``batch``, ``latest``, ``merge``)."""
+    merge: Merge | None = None
+
+    def __post_init__(self) -> None:
+        validate_queue_name(self.queue)
+        if not self.name or any(c.isspace() or ord(c) < 32 for c in self.name):
+            raise ConfigError(f"task name {self.name!r} must be non-empty text without spaces")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"task {self.name}: policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.max_batch < 1:
+            raise ConfigError(f"task {self.name}: max_batch must be at least 1, got {self.max_batch}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ConfigError(f"task {self.name}: timeout must be a positive number of seconds, got {self.timeout}")
+        if self.merge is not None and self.policy != "merge":
+            raise ConfigError(f"task {self.name}: merge= is only used with policy='merge'")
+        check_upgrades(self.name, self.version, self.upgrades)
+        self.retry_policy()  # validates max_attempts and backoff now, not at the first failure
+
+    def retry_policy(self) -> RetryPolicy:
+        """The core's retry policy for this task's attempts and backoff."""
+        b = self.backoff
+        return RetryPolicy(max_attempts=self.max_attempts, base_delay=b.base, factor=b.factor,
+                           max_delay=b.max, jitter=b.jitter)
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """Where an enqueued request was stored."""
+
+    request_id: str
+    key: str
+    seq: int
+    """The request's sequence in the queue's inbox stream."""
+    duplicate: bool
+    """True if a request with this id was already stored (within the duplicate window): nothing new was stored."""
+    queue: str = ""
+    task: str = ""
+
+
+@dataclass
+class TaskRequest:
+    """One request on its way out; ``keyqueue_wrap_enqueue`` hooks may add headers."""
+
+    queue: str
+    key: str
+    message_type: str
+    """``X-MESSAGE-TYPE``: the task's name, or a message type's for ``App.enqueue_message``."""
+    request_id: str
+    arguments: Mapping[str, Any]
+    """The body's plain field map."""
+    headers: dict[str, str]
+    body: bytes
+    task: TaskSpec | None = None
+    """The task, unless the request is a message for a processor (``App.enqueue_message``)."""
+    receipt: Receipt | None = None
+    """Set once the request is stored."""
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """Per-call options: ``options(request_id=..., timeout=...)``."""
+
+    request_id: str | None = None
+    """The request id (``Nats-Msg-Id``): the same id within the duplicate window stores nothing new."""
+    timeout: float | None = None
+    """Seconds ``call`` waits for the result (``DEFAULT_CALL_TIMEOUT`` when unset)."""
+
+
+class Transport(Protocol):
+    """Where requests go: NATS (the ``App``) or the in-process runner (``keyqueue.testing``)."""
+
+    async def enqueue(self, requests: Sequence[TaskRequest]) -> list[Receipt | EnqueueError]:
+        """Store the requests in order; one receipt or error per request."""
+
+    async def call(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
+        """Store the request and wait for its reply: ``(headers, body)``; ``KeyqueueTimeout`` if none."""
+
+
+# --- tasks ---------------------------------------------------------------------------------------
+
+
+class _TaskBase:
+    """What every task has: its function, spec and app, and the send / ask paths."""
+
+    spec: TaskSpec
+
+    def __init__(self, fn: Callable[..., Any], spec: TaskSpec, app: Callable[[], App]) -> None:
+        self.fn = fn
+        self.spec = spec
+        self._app = app
+        self.takes_context = takes_context(fn)
+        functools.update_wrapper(typing.cast(Any, self), fn)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.spec.name} queue={self.spec.queue} policy={self.spec.policy}>"
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def queue(self) -> str:
+        return self.spec.queue
+
+    @property
+    def app(self) -> App:
+        """The app this task belongs to (for ``@keyqueue.task``: the default app)."""
+        return self._app()
+
+    # --- the wire, implemented by each kind of task ---
+
+    def fields_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """``(key, plain argument map)`` for one request."""
+        raise NotImplementedError
+
+    def fields_from_mapping(self, item: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """``(key, plain argument map)`` from one item of ``enqueue_many``."""
+        raise NotImplementedError
+
+    def result_type(self) -> type | None:
+        return None
+
+    # --- sending ---
+
+    def _request(self, key: str, fields: dict[str, Any], request_id: str | None) -> TaskRequest:
+        request_id = request_id or new_request_id()
+        body = dumps(fields, CBOR)
+        headers = {
+            H.CONTENT_TYPE: CBOR,
+            H.MESSAGE_TYPE: self.spec.name,
+            H.MESSAGE_VERSION: str(self.spec.version),
+            H.MSG_ID: request_id,
+        }
+        return TaskRequest(self.spec.queue, key, self.spec.name, request_id, fields, headers, body, self.spec)
+
+    async def _enqueue(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
+        key, fields = self.fields_for(args, kwargs)
+        [receipt] = await self.app._publish([self._request(key, fields, opts.request_id)])
+        return receipt
+
+    async def _call(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        key, fields = self.fields_for(args, kwargs)
+        request = self._request(key, fields, opts.request_id)
+        timeout = opts.timeout if opts.timeout is not None else DEFAULT_CALL_TIMEOUT
+        headers, body = await self.app._ask(request, timeout)
+        return decode_result(headers, body, request.request_id, self.result_type())
+
+    async def _enqueue_many(self, items: Iterable[Any], as_mapping: bool) -> list[Receipt]:
+        requests = []
+        for index, item in enumerate(items):
+            try:
+                key, fields = self.fields_from_mapping(item) if as_mapping else self.fields_for((item,), {})
+            except (TypeError, MalformedBody, ConfigError) as exc:
+                raise type(exc)(f"item {index}: {exc}") from None
+            requests.append(self._request(key, fields, None))
+        if not requests:
+            return []
+        return await self.app._publish(requests)
+
+    def _delay(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
+        return self.app.run_sync(lambda: self._enqueue(opts, args, kwargs))
+
+    # --- running (the worker side) ---
+
+    async def run(self, context: Context | None, args: Sequence[Any], kwargs: Mapping[str, Any],
+                  executor: Executor | None = None) -> Any:
+        """Run the function once with decoded arguments (the default processor calls this)."""
+        if self.takes_context:
+            args = [context, *args]
+        return await invoke(self.spec, self.fn, args, kwargs, executor)
+
+
+_WithContext = Callable[Concatenate[Context, P], Any]
+_AsyncWithContext = Callable[Concatenate[Context, P], Coroutine[Any, Any, R]]
+_SyncWithContext = Callable[Concatenate[Context, P], R]
+_Async = Callable[P, Coroutine[Any, Any, R]]
+_Sync = Callable[P, R]
+
+
+class Task(_TaskBase, Generic[F]):
+    """A task wrapping the function ``F``; ``enqueue`` / ``call`` take ``F``'s arguments, less the context."""
+
+    def __init__(self, fn: F, spec: TaskSpec, key: KeySpec, app: Callable[[], App]) -> None:
+        if spec.policy == "batch":
+            raise ConfigError(f"task {spec.name}: policy='batch' makes a BatchTask")
+        super().__init__(fn, spec, app)
+        self.codec = ArgumentCodec(fn, spec.name)
+        self.keys = KeyMaker(key, spec.name, tuple(self.codec.signature.parameters))
+
+    def fields_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        bound = self.codec.bind(args, kwargs)
+        key = self.keys.make(bound.arguments, bound.args, bound.kwargs)
+        return key, self.codec.to_fields(bound)
+
+    def fields_from_mapping(self, item: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        if not isinstance(item, Mapping):
+            raise TypeError(
+                f"{self.spec.name}: enqueue_many takes maps of keyword arguments, not {type(item).__name__}"
+            )
+        return self.fields_for((), item)
+
+    def result_type(self) -> type | None:
+        return self.codec.result_dataclass
+
+    def options(self, *, request_id: str | None = None, timeout: float | None = None) -> TaskCall[F]:
+        """This task with per-call options: ``await charge.options(timeout=10).call(...)``."""
+        return TaskCall(self, CallOptions(request_id, timeout))
+
+    @overload
+    async def enqueue(self: Task[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
+    @overload
+    async def enqueue(self: Task[Callable[P, Any]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
+
+    async def enqueue(self, *args: Any, **kwargs: Any) -> Receipt:
+        """Store a request; returns once the server has it (not when it has run)."""
+        return await self._enqueue(CallOptions(), args, kwargs)
+
+    @overload
+    async def call(self: Task[_AsyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    async def call(self: Task[_SyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    async def call(self: Task[_Async[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    async def call(self: Task[_Sync[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+    async def call(self, *args: Any, **kwargs: Any) -> Any:
+        """Store a request and wait for its result; remote failures raise typed errors.
+
+        ``RemoteError`` / ``DeadLettered`` carry the remote exception's ``type_name`` and
+        ``message``; ``Superseded`` names the request that replaced this one; ``KeyqueueTimeout``
+        if no result came in time (the request is stored and still runs). ``timeout=`` (seconds)
+        is taken unless the function has a parameter of that name.
+        """
+        timeout = None
+        if "timeout" in kwargs and "timeout" not in self.codec.signature.parameters:
+            kwargs = dict(kwargs)
+            timeout = kwargs.pop("timeout")
+        return await self._call(CallOptions(timeout=timeout), args, kwargs)
+
+    @overload
+    def delay(self: Task[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
+    @overload
+    def delay(self: Task[Callable[P, Any]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
+
+    def delay(self, *args: Any, **kwargs: Any) -> Receipt:
+        """``enqueue`` for code without a running event loop (blocks until stored)."""
+        return self._delay(CallOptions(), args, kwargs)
+
+    async def enqueue_many(self, items: Iterable[Mapping[str, Any]]) -> list[Receipt]:
+        """Store many requests, each a map of keyword arguments, with pipelined publishes.
+
+        Requests of one key are stored in the order given. If some are not stored (a full
+        backlog, say), the others still are and ``EnqueueError`` says how many failed.
+        """
+        return await self._enqueue_many(items, as_mapping=True)
+
+
+class TaskCall(Generic[F]):
+    """A task with per-call options (``Task.options(...)``)."""
+
+    def __init__(self, task: Task[F], options: CallOptions) -> None:
+        self.task = task
+        self.call_options = options
+
+    @overload
+    async def enqueue(self: TaskCall[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
+    @overload
+    async def enqueue(self: TaskCall[Callable[P, Any]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
+
+    async def enqueue(self, *args: Any, **kwargs: Any) -> Receipt:
+        return await self.task._enqueue(self.call_options, args, kwargs)
+
+    @overload
+    async def call(self: TaskCall[_AsyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    async def call(self: TaskCall[_SyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    async def call(self: TaskCall[_Async[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    async def call(self: TaskCall[_Sync[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+    async def call(self, *args: Any, **kwargs: Any) -> Any:
+        return await self.task._call(self.call_options, args, kwargs)
+
+    @overload
+    def delay(self: TaskCall[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
+    @overload
+    def delay(self: TaskCall[Callable[P, Any]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
+
+    def delay(self, *args: Any, **kwargs: Any) -> Receipt:
+        return self.task._delay(self.call_options, args, kwargs)
+
+
+class BatchTask(_TaskBase, Generic[T, R]):
+    """A ``policy="batch"`` task: its function takes ``list[T]``; each request carries one ``T``.
+
+    The function returns one result per item, in order (each caller gets its own), or ``None``.
+    """
+
+    ITEM: Final = "item"
+    """The one field of a batch request's body."""
+
+    def __init__(self, fn: Callable[..., Any], spec: TaskSpec, key: KeySpec, app: Callable[[], App]) -> None:
+        if spec.policy != "batch":
+            raise ConfigError(f"task {spec.name}: a BatchTask needs policy='batch'")
+        super().__init__(fn, spec, app)
+        params = list(inspect.signature(fn).parameters.values())[1 if self.takes_context else 0 :]
+        if len(params) != 1:
+            raise ConfigError(
+                f"batch task {spec.name} must take one list parameter (after the optional context), "
+                f"like def {fn.__name__}(ctx: keyqueue.Context, items: list[Item])"
+            )
+        self.item_type = self._item_type(fn, params[0].name)
+        fields = tuple(f.name for f in dataclasses.fields(self.item_type)) if self.item_type is not None else None
+        self.keys = KeyMaker(key, spec.name, fields)
+
+    @staticmethod
+    def _item_type(fn: Callable[..., Any], param: str) -> type | None:
+        try:
+            hint = typing.get_type_hints(fn).get(param)
+        except Exception:
+            return None
+        args = typing.get_args(hint)
+        item = args[0] if args else None
+        return item if isinstance(item, type) and dataclasses.is_dataclass(item) else None
+
+    def fields_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        [item] = args
+        if isinstance(item, Mapping):
+            values: Mapping[str, Any] = item
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            values = {f.name: getattr(item, f.name) for f in dataclasses.fields(item)}
+        else:
+            values = {self.ITEM: item}
+        key = self.keys.make(values, (item,), {})
+        plain = to_fields(item) if self.item_type is not None and dataclasses.is_dataclass(item) else item
+        check_plain(plain, CBOR, path=f"{self.spec.name}: item")
+        return key, {self.ITEM: plain}
+
+    def fields_from_mapping(self, item: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        return self.fields_for((item,), {})
+
+    def item_from_fields(self, fields: Mapping[str, Any]) -> Any:
+        """One request's item from its decoded body."""
+        if set(fields) != {self.ITEM}:
+            raise MalformedBody(
+                f"{self.spec.name}: a batch request's body is {{'item': ...}}, got fields {sorted(fields)}"
+            )
+        item = fields[self.ITEM]
+        if self.item_type is not None:
+            if not isinstance(item, dict):
+                raise MalformedBody(f"{self.spec.name}: item must be a map of {self.item_type.__name__} fields")
+            return from_fields(self.item_type, item)
+        return item
+
+    def options(self, *, request_id: str | None = None, timeout: float | None = None) -> BatchTaskCall[T, R]:
+        """This task with per-call options."""
+        return BatchTaskCall(self, CallOptions(request_id, timeout))
+
+    async def enqueue(self, item: T) -> Receipt:
+        """Store a request carrying ``item``."""
+        return await self._enqueue(CallOptions(), (item,), {})
+
+    async def call(self, item: T) -> R:
+        """Store a request and wait for its item's result (see ``Task.call``)."""
+        result: R = await self._call(CallOptions(), (item,), {})
+        return result
+
+    def delay(self, item: T) -> Receipt:
+        """``enqueue`` for code without a running event loop."""
+        return self._delay(CallOptions(), (item,), {})
+
+    async def enqueue_many(self, items: Iterable[T]) -> list[Receipt]:
+        """Store one request per item, pipelined (see ``Task.enqueue_many``)."""
+        return await self._enqueue_many(items, as_mapping=False)
+
+
+class BatchTaskCall(Generic[T, R]):
+    """A batch task with per-call options (``BatchTask.options(...)``)."""
+
+    def __init__(self, task: BatchTask[T, R], options: CallOptions) -> None:
+        self.task = task
+        self.call_options = options
+
+    async def enqueue(self, item: T) -> Receipt:
+        return await self.task._enqueue(self.call_options, (item,), {})
+
+    async def call(self, item: T) -> R:
+        result: R = await self.task._call(self.call_options, (item,), {})
+        return result
+
+    def delay(self, item: T) -> Receipt:
+        return self.task._delay(self.call_options, (item,), {})
+
+
+AnyTask = Task[Any] | BatchTask[Any, Any]
+"""Either kind of task."""

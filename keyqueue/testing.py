@@ -1,0 +1,228 @@
+"""Helpers for testing code that uses keyqueue: run tasks in this process, without NATS.
+
+::
+
+    from keyqueue.testing import eager
+
+    async def test_checkout() -> None:
+        with eager(app) as runner:
+            assert await charge.call(order_id="o1", amount=5) == {"charged": 5}
+            await charge.enqueue(order_id="o1", amount=-1)   # raises the task's ValueError
+        assert runner.dead_letters == []
+
+In eager mode ``enqueue``, ``call``, ``delay`` and ``enqueue_many`` hand requests to an
+``EagerRunner`` instead of NATS. Requests travel the same way as in a worker (arguments
+encoded as CBOR, decoded by the default processor, results encoded back), so a non-plain
+argument or a result that cannot travel fails here too. Each key's requests run one at a time
+and in order: a request enqueued for a key while that key runs (from inside a task, say) runs
+after the current one. Retries run at once, without backoff; after ``max_attempts`` a request is
+dead-lettered (``runner.dead_letters``) and, with ``propagate=True`` (the default), its last
+exception is raised from the ``enqueue`` / ``call`` that ran it.
+
+``autorun=False`` keeps requests pending until ``await runner.drain()``, so the ``batch``,
+``latest`` and ``merge`` policies see several requests of a key at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from keyqueue.app import App, default_app
+from keyqueue.core.processor import Request
+from keyqueue.core.retry import RetryPolicy
+from keyqueue.default_processor import TaskProcessor
+from keyqueue.errors import ConfigError, EnqueueError, Reject, WireError
+from keyqueue.task import Receipt, TaskRequest
+from keyqueue.wire import CBOR, loads
+from keyqueue.wire import headers as H
+
+__all__ = ["EagerDeadLetter", "EagerProgress", "EagerRunner", "eager"]
+
+
+@dataclass(frozen=True)
+class EagerDeadLetter:
+    """A request the runner dead-lettered, and why."""
+
+    queue: str
+    key: str
+    request_id: str
+    task: str
+    reason: str
+    """``rejected`` (bad input, unknown task, ``Reject``) or ``max-attempts``."""
+    error: BaseException
+    attempts: int
+
+
+@dataclass(frozen=True)
+class EagerProgress:
+    """One ``ctx.progress(...)`` a task published."""
+
+    queue: str
+    key: str
+    request_id: str
+    value: Any
+
+
+@dataclass
+class _Pending:
+    request: TaskRequest
+    seq: int
+
+
+class _EagerContext:
+    """The core's ``RequestContext`` for one attempt, in process: the lease never runs out."""
+
+    def __init__(self, runner: EagerRunner, queue: str, key: str, request_id: str, attempt: int) -> None:
+        self._runner = runner
+        self.queue, self.key = queue, key
+        self.fencing = (1, 1)
+        self.request_id, self.attempt = request_id, attempt
+        self.log = logging.LoggerAdapter(logging.getLogger("keyqueue.task"), {"queue": queue, "key": key})
+
+    def lease_valid(self) -> bool:
+        return True
+
+    def check_lease(self) -> None:
+        return None
+
+    async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
+        content_type = (headers or {}).get(H.CONTENT_TYPE, CBOR)
+        value = loads(data, content_type) if data else None
+        self._runner.progress.append(EagerProgress(self.queue, self.key, self.request_id, value))
+
+
+@dataclass
+class EagerRunner:
+    """Runs an app's task requests in this process, one at a time and in order per key."""
+
+    app: App
+    propagate: bool = True
+    autorun: bool = True
+    dead_letters: list[EagerDeadLetter] = field(default_factory=list)
+    progress: list[EagerProgress] = field(default_factory=list)
+    succeeded: list[str] = field(default_factory=list)
+    """Request ids in the order they completed."""
+    _pending: dict[tuple[str, str], collections.deque[_Pending]] = field(default_factory=dict)
+    _running: set[tuple[str, str]] = field(default_factory=set)
+    _seen: set[str] = field(default_factory=set)
+    _replies: dict[str, tuple[dict[str, str], bytes]] = field(default_factory=dict)
+    _seq: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    # --- the Transport protocol ---
+
+    async def enqueue(self, requests: Sequence[TaskRequest]) -> list[Receipt | EnqueueError]:
+        receipts: list[Receipt | EnqueueError] = []
+        for request in requests:
+            duplicate = request.request_id in self._seen
+            seq = next(self._seq)
+            if not duplicate:
+                self._seen.add(request.request_id)
+                self._pending.setdefault((request.queue, request.key), collections.deque()).append(
+                    _Pending(request, seq))
+            receipts.append(
+                Receipt(request.request_id, request.key, seq, duplicate, request.queue, request.message_type)
+            )
+        if self.autorun:
+            for queue_key in dict.fromkeys((r.queue, r.key) for r in requests):
+                await self._drain_key(queue_key)
+        return receipts
+
+    async def call(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
+        queue_key = (request.queue, request.key)
+        if queue_key in self._running:
+            raise ConfigError(
+                f"call() for key {request.key!r} from inside a run of that key would wait for itself "
+                "(a worker would time out); use enqueue() for follow-up work on the same key"
+            )
+        request.headers[H.REPLY_INBOX] = f"_INBOX.eager.{request.request_id}"  # so the result is encoded
+        [receipt] = await self.enqueue([request])
+        if isinstance(receipt, EnqueueError):
+            raise receipt
+        await self._drain_key(queue_key)
+        return self._replies.pop(request.request_id)
+
+    # --- running ---
+
+    async def drain(self) -> None:
+        """Run every pending request (and any they enqueue), key by key in order of arrival."""
+        while keys := [k for k, pending in self._pending.items() if pending and k not in self._running]:
+            for queue_key in keys:
+                await self._drain_key(queue_key)
+
+    async def _drain_key(self, queue_key: tuple[str, str]) -> None:
+        if queue_key in self._running:
+            return  # the run in progress picks it up when it is done
+        self._running.add(queue_key)
+        try:
+            queue, key = queue_key
+            processor = TaskProcessor(self.app, queue, key, self.app.queue_tasks(queue))
+            pending = self._pending.get(queue_key)
+            while pending:
+                take = max(1, processor.batch_size)
+                batch = list(itertools.islice(pending, take))
+                try:
+                    await self._process(processor, batch)
+                finally:
+                    for _ in batch:
+                        pending.popleft()
+        finally:
+            self._running.discard(queue_key)
+
+    async def _process(self, processor: TaskProcessor, batch: list[_Pending]) -> None:
+        queue, key = processor.queue, processor.key
+        subject = f"kq.{queue}.in.{key}"
+        requests = [Request(key, p.seq, subject, dict(p.request.headers), p.request.body) for p in batch]
+        head = requests[0]
+        policy = processor.retry_policy(head) or RetryPolicy()
+        attempt = 0
+        while True:
+            attempt += 1
+            ctx = _EagerContext(self, queue, key, head.request_id, attempt)
+            try:
+                if processor.batch_size > 0:
+                    replies = await processor.handle_batch(ctx, requests)
+                else:
+                    replies = [await processor.handle(ctx, head)]
+            except (WireError, Reject) as exc:
+                self._dead_letter(batch, exc, attempt, "rejected")
+                return
+            except Exception as exc:
+                if policy.exhausted(attempt):
+                    self._dead_letter(batch, exc, attempt, "max-attempts")
+                    return
+                continue
+            for request, reply in zip(requests, replies, strict=False):
+                headers = {H.STATUS: H.STATUS_OK, H.REQUEST_ID: request.request_id, **(reply.headers if reply else {})}
+                self._replies[request.request_id] = (headers, reply.data if reply else b"")
+                self.succeeded.append(request.request_id)
+            return
+
+    def _dead_letter(self, batch: list[_Pending], error: BaseException, attempts: int, reason: str) -> None:
+        for pending in batch:
+            request = pending.request
+            self.dead_letters.append(EagerDeadLetter(request.queue, request.key, request.request_id,
+                                                     request.message_type, reason, error, attempts))
+            self._replies[request.request_id] = ({
+                H.STATUS: H.STATUS_DEAD_LETTERED, H.REQUEST_ID: request.request_id,
+                H.ERROR_TYPE: type(error).__name__, H.ERROR_MESSAGE: H.header_safe(str(error)), H.DLQ_REASON: reason,
+            }, b"")
+        if self.propagate:
+            raise error
+
+
+@contextlib.contextmanager
+def eager(app: App | None = None, *, propagate: bool = True, autorun: bool = True) -> Iterator[EagerRunner]:
+    """Run ``app``'s tasks (default: the default app's) in this process while the block lasts."""
+    app = app if app is not None else default_app()
+    runner = EagerRunner(app, propagate=propagate, autorun=autorun)
+    previous = app.set_transport(runner)
+    try:
+        yield runner
+    finally:
+        app.set_transport(previous)

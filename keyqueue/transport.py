@@ -1,0 +1,239 @@
+"""How an app's requests reach NATS: a connection per event loop, replies, and the sync portal.
+
+An ``App`` may be used from several event loops (pytest gives each test its own; ``delay`` runs
+on a private loop in a thread), and a nats-py connection belongs to the loop that made it, so
+``Connections`` keeps one per loop, made on first use. Each has one wildcard subscription that
+routes every ``call``'s reply to its waiter, and remembers the queues whose streams it has
+ensured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from keyqueue.errors import ConnectionFailed, EnqueueError, KeyqueueError, KeyqueueTimeout, PayloadTooLarge
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
+from keyqueue.jetstream.topology import QueueConfig, Topology
+from keyqueue.settings import Settings
+from keyqueue.task import Receipt, TaskRequest
+from keyqueue.wire import header_block_size
+from keyqueue.wire import headers as H
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+
+__all__ = ["Connections", "LoopConnection", "NatsTransport", "Portal", "ReplyRouter", "open_connection"]
+
+T = TypeVar("T")
+
+Reply = tuple[Mapping[str, str], bytes]
+"""A reply's headers and body."""
+
+
+class ReplyRouter:
+    """One wildcard subscription for every ``call`` on a connection; one future per reply subject."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox()
+        self.pending: dict[str, asyncio.Future[Reply]] = {}
+        self.sub: Any = None
+        self._counter = 0
+
+    async def start(self) -> None:
+        self.sub = await self.nc.subscribe(self.prefix + ".*", cb=self._on_reply)
+
+    def expect(self) -> tuple[str, asyncio.Future[Reply]]:
+        self._counter += 1
+        subject = f"{self.prefix}.{self._counter}"
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self.pending[subject] = future
+        return subject, future
+
+    def forget(self, subject: str) -> None:
+        self.pending.pop(subject, None)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        future = self.pending.pop(msg.subject, None)
+        if future is not None and not future.done():
+            future.set_result((dict(msg.headers or {}), msg.data))
+
+
+@dataclass
+class LoopConnection:
+    """The app's connection in one event loop, made on first use."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    nc: Client | None = None
+    router: ReplyRouter | None = None
+    publishers: dict[str, Publisher] = field(default_factory=dict)
+    """Queues whose topology this connection has ensured, with their publisher."""
+
+
+class Connections:
+    """An app's connection in each event loop it is used from."""
+
+    def __init__(self, name: str, settings: Callable[[], Awaitable[Settings]],
+                 reconnected: Callable[[], Awaitable[None]]) -> None:
+        self.name = name
+        self._settings = settings
+        self._reconnected = reconnected
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopConnection] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    async def current(self) -> LoopConnection:
+        """The running loop's connection, connected (again, if it was closed)."""
+        loop = asyncio.get_running_loop()
+        state = self._by_loop.get(loop)
+        if state is None:
+            state = self._by_loop[loop] = LoopConnection()
+        if state.nc is None or state.nc.is_closed:
+            async with state.lock:
+                if state.nc is None or state.nc.is_closed:
+                    state.publishers.clear()
+                    settings = await self._settings()
+                    state.nc = await open_connection(settings, name=self.name, reconnected=self._reconnected)
+                    state.router = ReplyRouter(state.nc)
+                    await state.router.start()
+        return state
+
+    async def close(self) -> None:
+        """Drain and close the running loop's connection, if it has one."""
+        state = self._by_loop.pop(asyncio.get_running_loop(), None)
+        if state is not None and state.nc is not None and not state.nc.is_closed:
+            try:
+                await state.nc.drain()
+            except Exception:  # closing must not fail because the server went away first
+                pass
+
+
+class NatsTransport:
+    """Requests through NATS, on the connection of the running loop."""
+
+    def __init__(self, connections: Connections, queue_config: Callable[[str], QueueConfig]) -> None:
+        self.connections = connections
+        self.queue_config = queue_config
+
+    async def _publisher(self, queue: str) -> tuple[LoopConnection, Publisher]:
+        state = await self.connections.current()
+        publisher = state.publishers.get(queue)
+        if publisher is None:
+            assert state.nc is not None
+            config = self.queue_config(queue)
+            await Topology(JetStreamApi(state.nc), config).ensure()
+            publisher = state.publishers[queue] = Publisher(state.nc, config.names)
+        return state, publisher
+
+    async def enqueue(self, requests: Sequence[TaskRequest]) -> list[Receipt | EnqueueError]:
+        queue = requests[0].queue
+        state, publisher = await self._publisher(queue)
+        assert state.nc is not None
+        outgoing = []
+        for request in requests:
+            size = header_block_size(request.headers) + len(request.body)
+            if size > state.nc.max_payload:
+                raise PayloadTooLarge(size, state.nc.max_payload)
+            outgoing.append(OutgoingRequest(request.key, dict(request.headers), request.body, request.request_id))
+        if len(outgoing) == 1:
+            try:
+                results: list[Enqueued | EnqueueError] = [await publisher.enqueue(outgoing[0])]
+            except EnqueueError as exc:
+                results = [exc]
+        else:
+            results = await publisher.enqueue_many(outgoing)
+        return [r if isinstance(r, EnqueueError) else _receipt(r, requests[0]) for r in results]
+
+    async def call(self, request: TaskRequest, timeout: float) -> Reply:
+        state = await self.connections.current()
+        assert state.router is not None
+        subject, future = state.router.expect()
+        request.headers[H.REPLY_INBOX] = subject
+        try:
+            [result] = await self.enqueue([request])
+            if isinstance(result, EnqueueError):
+                raise result
+            request.receipt = result
+            if result.duplicate:
+                raise EnqueueError(
+                    f"request {request.request_id} was already accepted (a duplicate id): its result goes to "
+                    "the first caller; use a new request id to run it again"
+                )
+            try:
+                return await asyncio.wait_for(future, timeout)
+            except TimeoutError:
+                raise KeyqueueTimeout(
+                    f"no result for {request.message_type} request {request.request_id} (key {request.key!r}) within "
+                    f"{timeout}s; the request is stored and will still run"
+                ) from None
+        finally:
+            state.router.forget(subject)
+
+
+@dataclass(frozen=True)
+class _FirstAttempt:
+    """``settings`` for one connection attempt without retries (see ``open_connection``)."""
+
+    settings: Settings
+
+    def nats_connect_options(self) -> dict[str, Any]:
+        # nats-py gives up on a server only once its attempts exceed a positive max_reconnect_attempts.
+        return {**self.settings.nats_connect_options(), "allow_reconnect": False, "max_reconnect_attempts": 1,
+                "reconnect_time_wait": 0}
+
+
+async def open_connection(settings: Settings, *, name: str = "keyqueue",
+                          reconnected: Callable[[], Awaitable[None]] | None = None) -> Client:
+    """Connect with ``settings`` (which must have a URL); ``ConnectionFailed`` if it is unreachable.
+
+    The connection reconnects forever once made, but the first connect fails fast.
+    """
+    # nats-py retries an unreachable server forever with max_reconnect_attempts=-1, even on the
+    # first connect: one attempt without retries first turns that into a clear error.
+    limit = settings.connect_timeout + 1
+    try:
+        async with asyncio.timeout(limit):
+            probe = await connect(_FirstAttempt(settings), name=name)
+        await probe.close()
+        async with asyncio.timeout(limit):
+            return await connect(settings, name=name, reconnected=reconnected)
+    except TimeoutError:
+        raise ConnectionFailed(
+            f"cannot reach NATS at {settings.url} within {limit:.0f}s; start one with `keyqueue dev-server` "
+            "or set KEYQUEUE_URL"
+        ) from None
+    except KeyqueueError:
+        raise
+    except Exception as exc:  # e.g. an authorization violation, raised by nats-py as is
+        raise ConnectionFailed(f"cannot connect to NATS at {settings.url}: {type(exc).__name__}: {exc}") from exc
+
+
+def _receipt(stored: Enqueued, request: TaskRequest) -> Receipt:
+    return Receipt(stored.request_id, stored.key, stored.seq, stored.duplicate, request.queue, request.message_type)
+
+
+class Portal:
+    """A private event loop in a daemon thread, for sync callers such as ``delay``."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="keyqueue-portal", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()

@@ -1,0 +1,203 @@
+"""The ``keyqueue`` command line: a real worker subprocess serving the quickstart, and its errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import keyqueue
+from keyqueue.cli import main
+
+ROOT = Path(__file__).parents[2]
+KEYQUEUE = str(Path(sys.executable).with_name("keyqueue"))
+
+
+def environment(**values: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYQUEUE_")}
+    env.update({k: v for k, v in values.items() if v is not None})
+    return env
+
+
+class Process:
+    """A subprocess whose stderr is read continuously, so waiting for a line needs no sleeps."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._changed = asyncio.Condition()
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def start(cls, *args: str, env: dict[str, str]) -> Process:
+        proc = await asyncio.create_subprocess_exec(KEYQUEUE, *args, cwd=ROOT, env=env,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        return cls(proc)
+
+    async def _read(self) -> None:
+        assert self.proc.stderr is not None
+        async for raw in self.proc.stderr:
+            async with self._changed:
+                self.lines.append(raw.decode())
+                self._changed.notify_all()
+
+    async def wait_for(self, pattern: str, timeout: float = 30) -> re.Match[str]:
+        async with asyncio.timeout(timeout), self._changed:
+            while True:
+                for line in self.lines:
+                    if match := re.search(pattern, line):
+                        return match
+                if self._reader.done():
+                    raise AssertionError(f"process ended without {pattern!r}:\n{''.join(self.lines)}")
+                await self._changed.wait()
+
+    async def stop(self) -> int:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(self.proc.wait(), 30)
+        await self._reader
+        return code
+
+
+async def run(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(KEYQUEUE, *args, cwd=ROOT, env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+async def quickstart_worker(nats_url: str) -> AsyncIterator[Process]:
+    worker = await Process.start("worker", "examples.quickstart.app:app", "--concurrency", "4",
+                                 env=environment(KEYQUEUE_URL=nats_url))
+    try:
+        await worker.wait_for(r"queue shop: charge, refund")
+        yield worker
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            await worker.stop()
+
+
+async def test_the_quickstart_end_to_end(quickstart_worker: Process, nats_url: str, tmp_path: Path) -> None:
+    env = environment(KEYQUEUE_URL=nats_url)
+    from examples.quickstart import app as quickstart
+
+    quickstart.app.settings = quickstart.app.settings.with_url(nats_url)
+    try:
+        # From Python: a result, a receipt, and a remote exception re-raised with its type and message.
+        assert await quickstart.charge.call(order_id="o1", amount=5) == {"order_id": "o1", "charged": 5, "attempt": 1}
+        receipt = await quickstart.charge.enqueue(order_id="o1", amount=6)
+        assert receipt.key == "o1" and not receipt.duplicate
+        with pytest.raises(keyqueue.DeadLettered) as dead:
+            await quickstart.charge.call(order_id="o2", amount=-1)
+        assert (dead.value.type_name, dead.value.message) == ("ValueError", "amount must be positive, got -1")
+    finally:
+        await quickstart.app.close()
+
+    # From the command line.
+    code, out, _ = await run("enqueue", "examples.quickstart.app:app", "charge", '{"order_id": "o3", "amount": 7}',
+                             "--wait", env=env)
+    assert (code, json.loads(out)) == (0, {"order_id": "o3", "charged": 7, "attempt": 1})
+    code, out, _ = await run("enqueue", "examples.quickstart.app:app", "refund", '{"order_id": "o3", "amount": 7}',
+                             "--wait", env=env)
+    assert (code, json.loads(out)) == (0, {"order_id": "o3", "refunded": 7})
+    lines = tmp_path / "orders.jsonl"
+    lines.write_text("".join(json.dumps({"order_id": f"b{i}", "amount": i + 1}) + "\n" for i in range(3)))
+    code, out, err = await run("enqueue", "examples.quickstart.app:app", "charge", "--from-file", str(lines), env=env)
+    assert (code, out) == (0, "enqueued 3 charge request(s)\n") and "enqueueing charge" in err
+
+    watcher = await Process.start("watch", "shop", "o9", "--count", "1", env=env)
+    await watcher.wait_for("watching shop o9")
+    code, out, _ = await run("enqueue", "examples.quickstart.app:app", "charge", '{"order_id": "o9", "amount": 9}',
+                             env=env)
+    assert code == 0 and json.loads(out)["key"] == "o9"
+    assert await asyncio.wait_for(watcher.proc.wait(), 30) == 0  # --count 1: it ends by itself
+    assert watcher.proc.stdout is not None
+    assert '{"step": "charging", "amount": 9}' in (await watcher.proc.stdout.read()).decode()
+
+    code, out, _ = await run("inspect", "shop", env=env)
+    assert code == 0 and "DLQ 1" in out
+    code, out, _ = await run("dlq", "list", "shop", env=env)
+    assert code == 0 and re.search(r"1\s+o2\s+charge\s+max-attempts\s+3\s+ValueError: amount must be positive", out)
+    code, out, _ = await run("dlq", "show", "shop", "1", env=env)
+    assert code == 0 and json.loads(out)["arguments"] == {"order_id": "o2", "amount": -1}
+    code, out, _ = await run("dlq", "replay", "shop", "--key", "o2", env=env)
+    assert (code, out) == (0, "replayed 1 request(s)\n")
+
+    assert await quickstart_worker.stop() == 0, "".join(quickstart_worker.lines)
+    assert any("SIGTERM: draining" in line for line in quickstart_worker.lines)
+
+
+async def test_without_a_url_the_worker_runs_the_embedded_server_and_producers_find_it(tmp_path: Path) -> None:
+    env = environment(KEYQUEUE_DATA_DIR=str(tmp_path))
+    worker = await Process.start("worker", "examples.quickstart.app:app", env=env)
+    try:
+        started = await worker.wait_for(r"started an embedded nats-server for app 'shop' at (nats://[\d.:]+)")
+        await worker.wait_for(r"queue shop: charge, refund")
+        code, out, err = await run("enqueue", "examples.quickstart.app:app", "charge",
+                                   '{"order_id": "e1", "amount": 2}', "--wait", env=env)
+        assert (code, json.loads(out)["charged"]) == (0, 2)
+        assert f"using app 'shop''s embedded nats-server at {started[1]}" in err
+        code, out, err = await run("inspect", env=env)
+        assert code == 0 and "shop" in out and f"embedded nats-server at {started[1]}" in err
+    finally:
+        assert await worker.stop() == 0
+    assert not (tmp_path / "shop" / "server.json").exists()
+
+
+# --- errors: one line, exit code 1, never a traceback ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["worker", "no_such_module:app"], "cannot import 'no_such_module': no module named 'no_such_module'"),
+        (["worker", "a:b:c"], "'a:b:c' is not MODULE:APP"),
+        (["worker", "examples.quickstart.app:nothing"], "module 'examples.quickstart.app' has no attribute 'nothing'"),
+        (["worker", "examples.quickstart.app:charge"], "examples.quickstart.app:charge is a Task, not a keyqueue.App"),
+        (["enqueue", "examples.quickstart.app:app", "chrage", "{}"],
+         "app shop has no task 'chrage'; its tasks: charge, refund, reprice"),
+        (["enqueue", "examples.quickstart.app:app", "charge", "{order"], "invalid JSON in the arguments"),
+        (["enqueue", "examples.quickstart.app:app", "charge", '{"order_id": "o1"}'],
+         "charge(): missing a required argument: 'amount'"),
+        (["enqueue", "examples.quickstart.app:app", "charge", '["o1", 1]'],
+         "the arguments must be a JSON object of keyword arguments for charge, not list"),
+        (["enqueue", "examples.quickstart.app:app", "charge", '{"order_id": "o1", "amount": 1}', "--url",
+          "nats://127.0.0.1:1"], "cannot reach NATS at nats://127.0.0.1:1"),
+        (["inspect", "--url", "nats://127.0.0.1:1"], "cannot reach NATS at nats://127.0.0.1:1"),
+        (["dlq", "list", "shop", "--url", "nats://127.0.0.1:1"], "cannot reach NATS at nats://127.0.0.1:1"),
+    ],
+)
+def test_user_mistakes_are_one_clear_line(args: list[str], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    result = CliRunner().invoke(main, args, env={"KEYQUEUE_URL": "nats://127.0.0.1:1"})
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Error: ") and message in result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+
+
+def test_a_bad_line_in_a_file_names_the_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    lines = tmp_path / "bad.jsonl"
+    lines.write_text('{"order_id": "o1", "amount": 1}\n\n{"order_id": \n')
+    result = CliRunner().invoke(main, ["enqueue", "examples.quickstart.app:app", "charge", "--from-file", str(lines)])
+    assert result.exit_code == 1 and result.output.startswith("Error: invalid JSON in line 3: ")
+
+
+def test_every_command_has_an_example_in_its_help() -> None:
+    runner = CliRunner()
+    commands = ["worker", "enqueue", "inspect", "dlq", "dlq list", "dlq show", "dlq replay", "watch", "plugins",
+                "dev-server"]
+    for command in commands:
+        result = runner.invoke(main, [*command.split(), "--help"])
+        assert result.exit_code == 0 and "Example" in result.output, command

@@ -1,0 +1,354 @@
+"""The task API against a real nats-server: a worker in this process, policies, hooks, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+import keyqueue
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.publish import OutgoingRequest, Publisher
+from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.wire import CBOR, dumps, loads
+from keyqueue.wire import headers as H
+
+MakeApp = Callable[..., keyqueue.App]
+
+
+@pytest.fixture
+async def make_app(nats_url: str) -> AsyncIterator[MakeApp]:
+    apps: list[keyqueue.App] = []
+
+    def make(name: str = "shop", **options: Any) -> keyqueue.App:
+        app = keyqueue.App(name, url=nats_url, set_as_default=False, autoload_plugins=False, **options)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        await app.close()
+
+
+async def stored(app: keyqueue.App, queue: str, count: int) -> None:
+    """Wait until ``queue``'s inbox holds ``count`` requests (they are enqueued from tasks)."""
+    api = JetStreamApi(await app.connection())
+    async with asyncio.timeout(10):
+        while True:
+            with contextlib.suppress(keyqueue.StreamNotFound):
+                info = await api.stream_info(QueueNames(queue).inbox_stream)
+                if info["state"]["messages"] >= count:
+                    return
+            await asyncio.sleep(0.01)
+
+
+async def test_enqueue_call_and_typed_remote_errors(make_app: MakeApp) -> None:
+    app = make_app()
+    order: list[tuple[str, int]] = []
+
+    @app.task(key="{order_id}", max_attempts=2, backoff=0.01)
+    async def charge(ctx: keyqueue.Context, order_id: str, amount: int) -> dict[str, Any]:
+        if amount < 0:
+            raise ValueError(f"negative amount {amount}")
+        if amount == 0:
+            raise keyqueue.Reject("zero is not an amount")
+        order.append((order_id, amount))
+        return {"order_id": order_id, "charged": amount, "fencing": list(ctx.fencing)}
+
+    @app.task(key="{order_id}")
+    def refund(order_id: str) -> str:
+        return f"refunded {order_id}"
+
+    async with app.worker(concurrency=4):
+        receipt = await charge.enqueue(order_id="o1", amount=1)
+        assert (receipt.key, receipt.duplicate, receipt.queue, receipt.task) == ("o1", False, "shop", "charge")
+        result = await charge.call(order_id="o1", amount=2, timeout=10)
+        assert result["charged"] == 2 and result["fencing"][0] >= 1
+        assert await refund.call(order_id="o2") == "refunded o2"
+        with pytest.raises(keyqueue.DeadLettered) as dead:
+            await charge.call(order_id="o3", amount=-5)
+        assert (dead.value.type_name, dead.value.message) == ("ValueError", "negative amount -5")
+        with pytest.raises(keyqueue.DeadLettered, match="Reject: zero is not an amount"):
+            await charge.call(order_id="o3", amount=0)
+        items = [{"order_id": f"k{i % 2}", "amount": i} for i in range(1, 21)]
+        receipts = await charge.enqueue_many(items)
+        assert [r.seq for r in receipts] == sorted(r.seq for r in receipts)
+        assert await charge.call(order_id="k0", amount=100) is not None  # after the batch, in order
+    for key in ("k0", "k1"):
+        amounts = [a for k, a in order if k == key]
+        assert amounts[:-1] == sorted(amounts[:-1]) and len(amounts) == 10 + (key == "k0")
+
+
+async def test_bad_requests_are_dead_lettered_with_their_reason_and_never_block_the_key(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.task(key="{x}")
+    async def echo(x: str) -> str:
+        return x
+
+    nc = await app.connection()
+    await echo.enqueue(x="k")  # creates the queue's streams
+    publisher = Publisher(nc, QueueNames("shop"))
+    base = {H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: "echo", H.MESSAGE_VERSION: "1"}
+    bad = [
+        ({**base, H.MESSAGE_TYPE: "ehco"}, dumps({"x": "k"}, CBOR)),
+        ({**base, H.MESSAGE_VERSION: "9"}, dumps({"x": "k"}, CBOR)),
+        (base, b"\xff\x00not cbor"),
+        (base, dumps({"y": "k"}, CBOR)),
+    ]
+    for index, (headers, body) in enumerate(bad):
+        await publisher.enqueue(OutgoingRequest("k", {**headers, H.MSG_ID: f"bad{index}"}, body, f"bad{index}"))
+    async with app.worker():
+        assert await echo.call(x="k") == "k"  # behind the four bad ones on the same key
+    letters = [await JetStreamApi(nc).get_msg("KQ_shop_DLQ", seq=seq, direct=False) for seq in range(1, 5)]
+    assert [m.headers[H.DLQ_ERROR_TYPE] for m in letters if m] == [
+        "UnknownMessageType", "UnsupportedVersion", "MalformedBody", "MalformedBody"]
+    assert all(m is not None and m.headers[H.DLQ_REASON] == "rejected" for m in letters)
+    assert letters[0] is not None and "registered types: echo" in letters[0].headers[H.ERROR_MESSAGE]
+    assert letters[3] is not None and "unexpected argument(s) y" in letters[3].headers[H.ERROR_MESSAGE]
+
+
+@dataclass(frozen=True)
+class Reading:
+    sensor: str
+    value: int
+
+
+async def test_batch_takes_every_available_request_in_one_call(make_app: MakeApp) -> None:
+    app = make_app()
+    calls: list[list[int]] = []
+    events: list[str] = []
+
+    class Events:
+        @keyqueue.hookimpl
+        def keyqueue_request_started(self, request_id: str) -> None:
+            events.append("started")
+
+        @keyqueue.hookimpl
+        def keyqueue_request_succeeded(self, message_type: str) -> None:
+            events.append(f"succeeded:{message_type}")
+
+    app = make_app("batching", plugins=[Events()])
+
+    @app.task(key="{sensor}", policy="batch", max_batch=50)
+    async def ingest(ctx: keyqueue.Context, readings: list[Reading]) -> list[int]:
+        assert len(ctx.request_ids) == len(readings)
+        calls.append([r.value for r in readings])
+        return [r.value * 10 for r in readings]
+
+    callers = [asyncio.create_task(ingest.call(Reading("t1", v))) for v in range(5)]
+    await stored(app, "batching", 5)
+    async with app.worker() as worker:
+        results = await asyncio.gather(*callers)
+    assert len(calls) == 1 and sorted(calls[0]) == [0, 1, 2, 3, 4]  # concurrent callers: any order
+    assert results == [0, 10, 20, 30, 40]  # each caller gets its own item's result
+    assert events == ["started"] + ["succeeded:ingest"] * 5
+    assert worker.queue_workers["batching"].counts["started"] == 1
+    info = await JetStreamApi(await app.connection()).stream_info("KQ_batching_INBOX")
+    assert info["state"]["messages"] == 0
+
+
+async def test_latest_runs_the_newest_and_tells_the_others_who_replaced_them(make_app: MakeApp) -> None:
+    superseded: list[tuple[str, str]] = []
+
+    class Watcher:
+        @keyqueue.hookimpl
+        def keyqueue_request_superseded(self, request_id: str, superseded_by: str) -> None:
+            superseded.append((request_id, superseded_by))
+
+    app = make_app("prices", plugins=[Watcher()])
+    ran: list[int] = []
+
+    @app.task(key="{sku}", policy="latest")
+    async def reprice(sku: str, price: int) -> int:
+        ran.append(price)
+        return price
+
+    callers = []
+    for n in range(4):  # one at a time, so the inbox order is p0, p1, p2, p3
+        callers.append(asyncio.create_task(reprice.options(request_id=f"p{n}").call(sku="s1", price=n)))
+        await stored(app, "prices", n + 1)
+    async with app.worker():
+        outcomes = await asyncio.gather(*callers, return_exceptions=True)
+    assert ran == [3]
+    assert outcomes[3] == 3
+    for n, outcome in enumerate(outcomes[:3]):
+        assert isinstance(outcome, keyqueue.Superseded)
+        assert (outcome.request_id, outcome.by) == (f"p{n}", "p3")
+    assert superseded == [("p0", "p3"), ("p1", "p3"), ("p2", "p3")]
+
+
+async def test_merge_folds_the_pending_requests_through_the_hook(make_app: MakeApp) -> None:
+    class Union:
+        @keyqueue.hookimpl
+        def keyqueue_merge_arguments(self, task: keyqueue.TaskSpec, arguments: Sequence[dict[str, Any]]) -> Any:
+            return {"doc": arguments[-1]["doc"], "ids": sorted({i for a in arguments for i in a["ids"]})}
+
+    app = make_app("index", plugins=[Union()])
+    runs: list[list[int]] = []
+
+    @app.task(key="{doc}", policy="merge")
+    async def reindex(doc: str, ids: list[int]) -> int:
+        runs.append(ids)
+        return len(ids)
+
+    callers = [asyncio.create_task(reindex.call(doc="d", ids=ids)) for ids in ([3, 1], [2], [1, 4])]
+    await stored(app, "index", 3)
+    async with app.worker():
+        assert await asyncio.gather(*callers) == [4, 4, 4]
+    assert runs == [[1, 2, 3, 4]]
+
+
+async def test_hooks_nest_in_order_and_a_failing_hook_does_not_stop_the_worker(
+    make_app: MakeApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    log: list[str] = []
+
+    class Plugin:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        @keyqueue.hookimpl
+        def keyqueue_worker_started(self) -> None:
+            log.append(f"{self.name}:worker_started")
+
+        @keyqueue.hookimpl
+        async def keyqueue_key_acquired(self, key: str, fencing: tuple[int, int]) -> None:
+            log.append(f"{self.name}:acquired:{key}")
+
+        @keyqueue.hookimpl
+        def keyqueue_request_succeeded(self, message_type: str) -> None:
+            log.append(f"{self.name}:succeeded:{message_type}")
+
+        @keyqueue.hookimpl
+        def keyqueue_key_released(self, key: str, outcome: str) -> None:
+            log.append(f"{self.name}:released:{outcome}")
+
+        @keyqueue.hookimpl
+        def keyqueue_worker_stopping(self) -> None:
+            log.append(f"{self.name}:worker_stopping")
+
+    class Broken:
+        @keyqueue.hookimpl
+        def keyqueue_key_acquired(self) -> None:
+            raise RuntimeError("broken plugin")
+
+        @keyqueue.hookimpl
+        def keyqueue_request_succeeded(self) -> None:
+            raise RuntimeError("broken plugin")
+
+    class Tracing:
+        @keyqueue.hookimpl
+        def keyqueue_wrap_enqueue(self, request: keyqueue.TaskRequest) -> Any:
+            @contextlib.contextmanager
+            def span() -> Iterator[None]:
+                request.headers[H.TRACEPARENT] = f"00-{'a' * 32}-{'b' * 16}-01"
+                yield
+                log.append(f"enqueued:{request.receipt.seq if request.receipt else None}")
+
+            return span()
+
+        @keyqueue.hookimpl
+        def keyqueue_wrap_process(self, requests: Sequence[keyqueue.Request]) -> Any:
+            @contextlib.contextmanager
+            def span() -> Iterator[None]:
+                log.append(f"process:{requests[0].headers.get(H.TRACEPARENT, '')[:5]}")
+                yield
+
+            return span()
+
+    app = make_app(plugins=[Plugin("A"), Broken(), Plugin("B"), Tracing()])
+
+    @app.task(key="{x}")
+    async def echo(x: str) -> str:
+        return x
+
+    with caplog.at_level(logging.ERROR, logger="keyqueue.plugins"):
+        async with app.worker():
+            assert await echo.call(x="k") == "k"
+            assert await echo.call(x="k") == "k"  # the worker carries on after the broken hooks
+    assert log[:2] == ["B:worker_started", "A:worker_started"]
+    assert log[-2:] == ["A:worker_stopping", "B:worker_stopping"]
+    assert "enqueued:1" in log and "process:00-aa" in log
+    middle = [entry for entry in log if entry.startswith(("A:", "B:"))][2:-2]
+    assert middle[:2] == ["B:acquired:k", "A:acquired:k"]
+    assert middle[2:4] == ["A:succeeded:echo", "B:succeeded:echo"]
+    assert middle[-2:] == ["A:released:released", "B:released:released"]
+    assert caplog.text.count("RuntimeError: broken plugin") >= 3
+
+
+async def test_sync_tasks_run_in_threads_with_progress_and_delay_works_from_threads(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.task(key="{job}")
+    def crunch(ctx: keyqueue.Context, job: str, n: int) -> int:
+        for step in range(n):
+            ctx.progress_sync({"step": step})
+        return n
+
+    nc = await app.connection()
+    progress = await nc.subscribe(QueueNames("shop").progress("j1"))
+    async with app.worker():
+        assert await crunch.call(job="j1", n=3) == 3
+        receipt = await asyncio.to_thread(crunch.delay, job="j2", n=1)
+        assert receipt.key == "j2"
+    steps = [loads((await progress.next_msg(timeout=5)).data, CBOR) for _ in range(3)]
+    assert steps == [{"step": 0}, {"step": 1}, {"step": 2}]
+
+
+async def test_a_timed_out_attempt_fails_like_any_error(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.task(key="{x}", timeout=0.1, max_attempts=1)
+    async def slow(x: str) -> None:
+        await asyncio.sleep(30)
+
+    async with app.worker():
+        with pytest.raises(keyqueue.DeadLettered) as dead:
+            await slow.call(x="a")
+    assert dead.value.type_name == "KeyqueueTimeout"
+    assert "exceeded its timeout of 0.1s" in dead.value.message
+
+
+async def test_the_pinned_client_hook_fires(make_app: MakeApp) -> None:
+    pins: list[tuple[str, str]] = []
+    pinned = asyncio.Event()
+
+    class Pins:
+        @keyqueue.hookimpl
+        def keyqueue_worker_pinned(self, queue: str, pin_id: str) -> None:
+            pins.append((queue, pin_id))
+            pinned.set()
+
+    app = make_app("pinned", plugins=[Pins()])
+    app.configure_queue(keyqueue.QueueConfig("pinned", priority_policy="pinned_client"))
+
+    @app.task(key="{x}")
+    async def echo(x: str) -> str:
+        return x
+
+    async with app.worker():
+        assert await echo.call(x="a") == "a"
+        await asyncio.wait_for(pinned.wait(), 10)
+    assert pins[0][0] == "pinned" and pins[0][1]
+
+
+async def test_a_worker_that_cannot_start_raises_why(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.task(key="{x}")
+    async def echo(x: str) -> str:
+        return x
+
+    await echo.enqueue(x="a")  # creates the consumer with ack_wait 30 s
+    with pytest.raises(keyqueue.TopologyMismatch, match="ack_wait"):
+        async with app.worker(ack_wait=5):
+            pass
+    with pytest.raises(keyqueue.ConfigError, match="no tasks or processors for queue"):
+        async with app.worker(queues=["nope"]):
+            pass

@@ -1,0 +1,114 @@
+"""Typed usage of keyqueue's public API, checked by mypy (``make lint``), never run.
+
+Each ``# type: ignore[...]`` marks a line mypy must reject: with ``warn_unused_ignores`` a line
+that stops being an error fails the check, so the negative cases are tested too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, assert_type
+
+import keyqueue
+from keyqueue.testing import EagerDeadLetter, eager
+
+app = keyqueue.App("typed", url="nats://127.0.0.1:4222")
+
+
+@app.task(key="{order_id}", max_attempts=5)
+async def charge(ctx: keyqueue.Context, order_id: str, amount: int) -> dict[str, Any]:
+    assert_type(ctx.attempt, int)
+    assert_type(ctx.fencing, tuple[int, int])
+    await ctx.progress({"amount": amount})
+    return {"order_id": order_id, "charged": amount}
+
+
+@app.task(key="{order_id}")
+def refund(order_id: str, reason: str = "") -> None:
+    """A sync task without a context."""
+
+
+@app.task(key=lambda sku, price: sku, policy="latest", queue="typed-prices")
+async def reprice(sku: str, price: int) -> int:
+    return price
+
+
+@dataclass(frozen=True)
+class Reading:
+    sensor: str
+    value: float
+
+
+@app.task(key="{sensor}", policy="batch", queue="typed-readings")
+async def ingest(ctx: keyqueue.Context, readings: list[Reading]) -> list[float]:
+    return [r.value for r in readings]
+
+
+@keyqueue.task(queue="typed", key="{user}")
+def notify(user: str) -> str:
+    return user
+
+
+async def producer() -> None:
+    receipt = await charge.enqueue(order_id="o1", amount=5)
+    assert_type(receipt, keyqueue.Receipt)
+    assert_type(receipt.seq, int)
+    assert_type(await charge.call(order_id="o1", amount=5), dict[str, Any])
+    assert_type(await charge.call("o1", 5), dict[str, Any])
+    assert_type(await charge.options(timeout=10, request_id="r1").call(order_id="o1", amount=5), dict[str, Any])
+    assert_type(await refund.call(order_id="o1"), None)
+    assert_type(await reprice.call(sku="s", price=3), int)
+    assert_type(await notify.call(user="u"), str)
+    assert_type(await ingest.call(Reading("s", 1.0)), float)
+    await ingest.enqueue_many([Reading("s", 1.0), Reading("s", 2.0)])
+    receipts = await charge.enqueue_many([{"order_id": "o1", "amount": 1}])
+    assert_type(receipts, list[keyqueue.Receipt])
+
+    await charge.enqueue(order_id="o1", amount="5")  # type: ignore[call-overload]
+    await charge.enqueue(order_id="o1")  # type: ignore[call-overload]
+    await charge.call(order_id=1, amount=5)  # type: ignore[call-overload]
+    await charge.options(timeout=1).call(order_id="o1", amount=None)  # type: ignore[call-overload]
+    await refund.enqueue(order_id="o1", nope=1)  # type: ignore[call-arg]
+    await reprice.call(sku=1, price=3)  # type: ignore[call-overload]
+    await ingest.call({"sensor": "s"})  # type: ignore[arg-type]
+    bad: str = await reprice.call(sku="s", price=3)  # type: ignore[assignment]
+    del bad
+
+    try:
+        await charge.call(order_id="o1", amount=-1)
+    except keyqueue.DeadLettered as exc:
+        assert_type(exc.type_name, str)
+    except keyqueue.Superseded as exc:
+        assert_type(exc.by, str)
+
+
+def sync_producer() -> None:
+    assert_type(refund.delay(order_id="o1"), keyqueue.Receipt)
+    assert_type(charge.delay(order_id="o1", amount=1), keyqueue.Receipt)
+    charge.delay(order_id="o1")  # type: ignore[call-overload]
+
+
+async def worker() -> None:
+    async with app.worker(concurrency=8, queues=["typed"]) as running:
+        assert_type(running, keyqueue.Worker)
+    with eager(app) as runner:
+        assert_type(await charge.call(order_id="o1", amount=5), dict[str, Any])
+        assert_type(runner.dead_letters, list[EagerDeadLetter])
+
+
+class Plugin:
+    @keyqueue.hookimpl
+    def keyqueue_register(self, app: keyqueue.App) -> None:
+        app.register_processor("typed-echo", lambda key: Echo())
+
+    @keyqueue.hookimpl
+    async def keyqueue_request_succeeded(self, queue: str, request_id: str, elapsed: float) -> None:
+        return None
+
+
+class Echo(keyqueue.BaseProcessor):
+    async def handle(self, ctx: keyqueue.RequestContext, request: keyqueue.Request) -> keyqueue.Reply | None:
+        return keyqueue.Reply(request.data)
+
+
+plugged = keyqueue.App("typed-plugged", plugins=[Plugin()], set_as_default=False)

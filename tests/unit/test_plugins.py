@@ -1,0 +1,176 @@
+"""The plugin manager: registration, call order, async hooks, isolation, wrappers, entry points."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+import keyqueue
+from keyqueue.plugins import PluginManager, autoload_disabled
+from keyqueue.task import TaskSpec
+
+
+class Recorder:
+    """A plugin that records the lifecycle hooks it sees under its name."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    @keyqueue.hookimpl
+    def keyqueue_worker_started(self, worker: Any) -> None:
+        self.log.append(f"started:{self.name}")
+
+    @keyqueue.hookimpl
+    async def keyqueue_worker_stopping(self, worker: Any) -> None:
+        self.log.append(f"stopping:{self.name}")
+
+
+def test_closing_hooks_run_in_reverse_of_opening_hooks() -> None:
+    log: list[str] = []
+    manager = PluginManager(autoload=False, plugins=[Recorder("a", log), Recorder("b", log), Recorder("c", log)])
+
+    async def run() -> None:
+        await manager.notify("keyqueue_worker_started", worker=None)
+        await manager.notify("keyqueue_worker_stopping", worker=None, reverse=True)
+
+    import asyncio
+
+    asyncio.run(run())
+    # pluggy calls the latest registration first; closing hooks mirror that.
+    assert log == ["started:c", "started:b", "started:a", "stopping:a", "stopping:b", "stopping:c"]
+
+
+async def test_a_failing_lifecycle_hook_is_logged_and_the_rest_still_run(caplog: pytest.LogCaptureFixture) -> None:
+    log: list[str] = []
+
+    class Broken:
+        @keyqueue.hookimpl
+        def keyqueue_worker_started(self, worker: Any) -> None:
+            raise RuntimeError("plugin bug")
+
+    manager = PluginManager(autoload=False, plugins=[Recorder("a", log), Broken(), Recorder("c", log)])
+    with caplog.at_level(logging.ERROR, logger="keyqueue.plugins"):
+        await manager.notify("keyqueue_worker_started", worker=None)
+    assert log == ["started:c", "started:a"]
+    assert "failed in keyqueue_worker_started; carrying on" in caplog.text
+    assert "RuntimeError: plugin bug" in caplog.text
+
+
+async def test_around_hooks_nest_sync_and_async_context_managers() -> None:
+    log: list[str] = []
+
+    class Span:
+        @keyqueue.hookimpl
+        def keyqueue_wrap_process(self, queue: str, key: str) -> Any:
+            @contextlib.contextmanager
+            def span() -> Iterator[None]:
+                log.append(f"open span {queue}/{key}")
+                yield
+                log.append("close span")
+
+            return span()
+
+    class Timer:
+        @keyqueue.hookimpl
+        def keyqueue_wrap_process(self, requests: Sequence[Any]) -> Any:
+            @contextlib.asynccontextmanager
+            async def timer() -> AsyncIterator[None]:
+                log.append(f"start timer ({len(requests)})")
+                yield
+                log.append("stop timer")
+
+            return timer()
+
+    class Nothing:
+        @keyqueue.hookimpl
+        def keyqueue_wrap_process(self) -> None:
+            return None
+
+    manager = PluginManager(autoload=False, plugins=[Span(), Timer(), Nothing()])
+    async with contextlib.AsyncExitStack() as stack:
+        await manager.enter_wrappers(stack, "keyqueue_wrap_process", queue="q", key="k", requests=[1, 2],
+                                     context=None)
+        log.append("process")
+    assert log == ["start timer (2)", "open span q/k", "process", "close span", "stop timer"]
+
+
+def test_a_later_plugin_overrides_a_builtin_firstresult_hook() -> None:
+    spec = TaskSpec(name="t", queue="q", max_attempts=7)
+
+    class Patient:
+        @keyqueue.hookimpl
+        def keyqueue_retry_policy(self, task: TaskSpec | None) -> keyqueue.RetryPolicy | None:
+            return keyqueue.RetryPolicy(max_attempts=99) if task is not None and task.name == "t" else None
+
+    builtin = PluginManager(autoload=False)
+    assert builtin.hook.keyqueue_retry_policy(app=None, queue="q", task=spec, request=None).max_attempts == 7
+    patched = PluginManager(autoload=False, plugins=[Patient()])
+    assert patched.hook.keyqueue_retry_policy(app=None, queue="q", task=spec, request=None).max_attempts == 99
+
+
+def test_plugins_register_tasks_and_processors_with_an_app() -> None:
+    class Shop:
+        @keyqueue.hookimpl
+        def keyqueue_register(self, app: keyqueue.App) -> None:
+            @app.task(key="{order_id}", queue="orders")
+            def ship(order_id: str) -> None: ...
+
+            app.register_processor("echo", lambda key: keyqueue.BaseProcessor())
+
+    app = keyqueue.App("plugged", url="nats://127.0.0.1:1", plugins=[Shop()], set_as_default=False,
+                       autoload_plugins=False)
+    assert app.queues == ["echo", "orders"]
+    assert app.find_task("ship").queue == "orders"
+    assert app.processor_factory("echo") is not None
+
+
+def test_mistakes_in_plugins_are_config_errors() -> None:
+    class Misspelt:
+        @keyqueue.hookimpl
+        def keyqueue_worker_start(self, worker: Any) -> None: ...
+
+    class WrongArgument:
+        @keyqueue.hookimpl
+        def keyqueue_key_acquired(self, holder: Any) -> None: ...
+
+    class PluggyWrapper:
+        @keyqueue.hookimpl(wrapper=True)
+        def keyqueue_wrap_enqueue(self) -> Iterator[None]:
+            yield
+
+    with pytest.raises(keyqueue.ConfigError, match="unknown hook 'keyqueue_worker_start'"):
+        PluginManager(autoload=False, plugins=[Misspelt()])
+    with pytest.raises(keyqueue.ConfigError, match=r"cannot be registered.*holder"):
+        PluginManager(autoload=False, plugins=[WrongArgument()])
+    with pytest.raises(keyqueue.ConfigError, match="cannot be pluggy wrappers"):
+        PluginManager(autoload=False, plugins=[PluggyWrapper()])
+
+
+def test_an_entry_point_that_fails_to_load_names_itself_and_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = importlib.metadata.EntryPoint(name="broken", value="no_such_module_kq", group="keyqueue")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [broken] if group == "keyqueue" else [])
+    with pytest.raises(keyqueue.ConfigError, match=r"plugin 'broken'.*KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD=1"):
+        PluginManager(autoload=True)
+    assert PluginManager(autoload=False).get_plugin("broken") is None
+
+
+def test_autoload_switch() -> None:
+    assert not autoload_disabled({})
+    assert not autoload_disabled({"KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD": "0"})
+    assert not autoload_disabled({"KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD": "false"})
+    assert autoload_disabled({"KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert autoload_disabled({"KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD": "yes"})
+
+
+def test_the_listing_shows_builtins_last_with_their_hooks() -> None:
+    log: list[str] = []
+    listing = PluginManager(autoload=False, plugins=[Recorder("a", log)]).listing()
+    assert [info.builtin for info in listing] == [False, True, True]
+    assert listing[0].hooks == ("keyqueue_worker_started", "keyqueue_worker_stopping")
+    builtins = {info.name: info.hooks for info in listing[1:]}
+    assert "keyqueue_build_processor" in builtins["keyqueue.default_processor"]

@@ -1,0 +1,246 @@
+"""The task API without a server: declaration checks, keys, argument and result encoding."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+import keyqueue
+from keyqueue import app as app_module
+from keyqueue.arguments import decode_arguments, decode_result, takes_context
+from keyqueue.errors import (
+    ConfigError,
+    DeadLettered,
+    InvalidKey,
+    MalformedBody,
+    RemoteError,
+    Superseded,
+    UnsupportedVersion,
+)
+from keyqueue.wire import CBOR, dumps, loads
+from keyqueue.wire import headers as H
+
+
+@pytest.fixture
+def app() -> keyqueue.App:
+    return keyqueue.App("unit", url="nats://127.0.0.1:1", set_as_default=False, autoload_plugins=False)
+
+
+@pytest.fixture
+def fresh_defaults(monkeypatch: pytest.MonkeyPatch) -> Iterator[app_module._Defaults]:
+    """A clean default app and shared-task list, so @keyqueue.task tests do not leak."""
+    defaults = app_module._Defaults()
+    monkeypatch.setattr(app_module, "_DEFAULTS", defaults)
+    yield defaults
+
+
+@dataclass(frozen=True)
+class Address:
+    city: str
+    zip: str
+
+
+# --- declaring ------------------------------------------------------------------------------------
+
+
+def test_a_task_has_name_queue_and_policy(app: keyqueue.App) -> None:
+    @app.task(key="{order_id}")
+    async def charge(ctx: keyqueue.Context, order_id: str, amount: int = 1) -> int:
+        return amount
+
+    assert (charge.name, charge.queue, charge.spec.policy) == ("charge", "unit", "serial")
+    assert charge.takes_context
+    assert list(charge.codec.signature.parameters) == ["order_id", "amount"]
+    assert app.find_task("charge") is charge
+    assert charge.__name__ == "charge"
+    assert app.queues == ["unit"]
+
+
+def test_the_context_parameter_is_found_by_annotation_or_name() -> None:
+    def annotated(c: keyqueue.Context, x: int) -> None: ...
+    def by_name(ctx, x: int) -> None: ...  # type: ignore[no-untyped-def]
+    def without(x: int) -> None: ...
+    def string_annotation(c: "Context", x: int) -> None: ...  # type: ignore[name-defined]  # noqa: F821, UP037
+
+    assert takes_context(annotated) and takes_context(by_name) and takes_context(string_annotation)
+    assert not takes_context(without)
+
+
+def test_declaration_mistakes_fail_at_import_time(app: keyqueue.App) -> None:
+    with pytest.raises(ConfigError, match="names 'order', which is not one of its parameters"):
+        @app.task(key="{order}")
+        def a(order_id: str) -> None: ...
+    with pytest.raises(ConfigError, match="policy 'fifo' is not one of"):
+        @app.task(key="{x}", policy="fifo")  # type: ignore[call-overload]
+        def b(x: str) -> None: ...
+    with pytest.raises(ConfigError, match="needs upgrades for versions"):
+        @app.task(key="{x}", version=3, upgrades={1: dict})
+        def c(x: str) -> None: ...
+    with pytest.raises(ConfigError, match="max_attempts must be at least 1"):
+        @app.task(key="{x}", max_attempts=0)
+        def d(x: str) -> None: ...
+    with pytest.raises(ConfigError, match="queue name"):
+        @app.task(key="{x}", queue="no spaces")
+        def e(x: str) -> None: ...
+
+
+def test_task_names_are_unique_within_an_app(app: keyqueue.App) -> None:
+    @app.task(key="{x}")
+    def same(x: str) -> None: ...
+
+    with pytest.raises(ConfigError, match="already has a task named 'same'"):
+        @app.task(key="{x}", queue="other")
+        def same(x: str) -> None: ...
+
+
+def test_a_non_serial_task_needs_its_own_queue(app: keyqueue.App) -> None:
+    @app.task(key="{x}")
+    def serial(x: str) -> None: ...
+
+    with pytest.raises(ConfigError, match="must be the only task of its queue 'unit'"):
+        @app.task(key="{x}", policy="latest")
+        def newest(x: str) -> None: ...
+
+    @app.task(key="{x}", policy="latest", queue="prices")
+    def newest_elsewhere(x: str) -> None: ...
+
+    assert app.queues == ["prices", "unit"]
+
+
+def test_a_queue_with_a_processor_takes_no_tasks(app: keyqueue.App) -> None:
+    app.register_processor("echo", lambda key: keyqueue.BaseProcessor())
+    with pytest.raises(ConfigError, match="has a processor registered"):
+        @app.task(key="{x}", queue="echo")
+        def x(x: str) -> None: ...
+
+
+def test_module_level_tasks_belong_to_the_first_app(fresh_defaults: app_module._Defaults) -> None:
+    @keyqueue.task(queue="shared", key="{user}")
+    def notify(user: str) -> None: ...
+
+    first = keyqueue.App("first", url="nats://127.0.0.1:1", autoload_plugins=False)
+    second = keyqueue.App("second", url="nats://127.0.0.1:1", autoload_plugins=False)
+    assert keyqueue.default_app() is first
+    assert notify.app is first
+    assert first.find_task("notify") is notify
+    with pytest.raises(ConfigError, match="has no task 'notify'; its tasks: none"):
+        second.find_task("notify")
+
+
+def test_without_an_app_the_default_app_is_created(fresh_defaults: app_module._Defaults) -> None:
+    @keyqueue.task(queue="shared", key="{user}")
+    def notify(user: str) -> None: ...
+
+    assert notify.app.name == "default"
+
+
+# --- keys and arguments ---------------------------------------------------------------------------
+
+
+def test_keys_come_from_a_template_or_a_function(app: keyqueue.App) -> None:
+    @app.task(key="{user}.{doc}")
+    def edit(user: str, doc: str, text: str = "") -> None: ...
+
+    @app.task(key=lambda sku, price: sku.lower())
+    def reprice(sku: str, price: int) -> None: ...
+
+    @app.task(key="{address.city}")
+    def ship(address: Address) -> None: ...
+
+    assert edit.fields_for(("u1",), {"doc": "d9"}) == ("u1.d9", {"user": "u1", "doc": "d9", "text": ""})
+    assert reprice.fields_for(("ABC", 3), {})[0] == "abc"
+    key, fields = ship.fields_for((Address("Oslo", "0150"),), {})
+    assert (key, fields) == ("Oslo", {"address": {"city": "Oslo", "zip": "0150"}})
+
+
+def test_a_bad_key_value_is_an_invalid_key(app: keyqueue.App) -> None:
+    @app.task(key="{name}")
+    def greet(name: str) -> None: ...
+
+    with pytest.raises(InvalidKey, match="contains ' '"):
+        greet.fields_for(("two words",), {})
+    with pytest.raises(InvalidKey, match="empty"):
+        greet.fields_for(("",), {})
+
+
+def test_arguments_are_bound_like_a_call(app: keyqueue.App) -> None:
+    @app.task(key="{a}")
+    def f(a: str, b: int = 2, *, c: bool = False) -> None: ...
+
+    assert f.fields_for(("x",), {"c": True}) == ("x", {"a": "x", "b": 2, "c": True})
+    with pytest.raises(TypeError, match=r"f\(\): missing a required argument: 'a'"):
+        f.fields_for((), {})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'd'"):
+        f.fields_for(("x",), {"d": 1})
+
+
+def test_non_plain_arguments_are_refused_naming_the_argument(app: keyqueue.App) -> None:
+    @app.task(key="{a}")
+    def f(a: str, when: Any) -> None: ...
+
+    with pytest.raises(MalformedBody, match=r"f: argument 'when'\[0\]: set is not a plain value"):
+        f.fields_for(("x", [{1}]), {})
+
+
+def test_the_worker_rebuilds_the_call_from_the_body(app: keyqueue.App) -> None:
+    @app.task(key="{a}")
+    def f(a: str, /, address: Address, *rest: int, flag: bool = False, **extra: str) -> None: ...
+
+    _, fields = f.fields_for(("x", Address("Oslo", "0150"), 1, 2), {"flag": True, "note": "n"})
+    args, kwargs = f.codec.to_call(loads(dumps(fields, CBOR), CBOR))
+    assert args == ["x", Address("Oslo", "0150"), 1, 2]
+    assert kwargs == {"flag": True, "note": "n"}
+    with pytest.raises(MalformedBody, match="unexpected argument"):
+        f.codec.to_call({**fields, "zzz": 1})
+    with pytest.raises(MalformedBody, match="do not fit its signature"):
+        f.codec.to_call({"address": {"city": "c", "zip": "z"}})
+
+
+def test_old_versions_are_upgraded_and_newer_ones_refused() -> None:
+    upgrades = {1: lambda a: {**a, "currency": "EUR"}, 2: lambda a: {**a, "amount": a["amount"] * 100}}
+    headers = {H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: "charge", H.MESSAGE_VERSION: "1", H.MSG_ID: "r1"}
+    body = dumps({"amount": 5}, CBOR)
+    assert decode_arguments("charge", 3, upgrades, headers, body) == {"amount": 500, "currency": "EUR"}
+    with pytest.raises(UnsupportedVersion, match="charge version 4 is not supported"):
+        decode_arguments("charge", 3, upgrades, {**headers, H.MESSAGE_VERSION: "4"}, body)
+    with pytest.raises(MalformedBody, match="upgrading version 1 to 2 failed: KeyError"):
+        decode_arguments("charge", 2, {1: lambda a: {"x": a["missing"]}}, headers, body)
+
+
+def test_replies_become_results_or_typed_errors() -> None:
+    ok = {H.STATUS: H.STATUS_OK, H.CONTENT_TYPE: CBOR}
+    assert decode_result(ok, dumps({"a": 1}, CBOR), "r") == {"a": 1}
+    assert decode_result(ok, dumps({"city": "c", "zip": "z"}, CBOR), "r", Address) == Address("c", "z")
+    assert decode_result(ok, b"", "r") is None
+    with pytest.raises(Superseded) as superseded:
+        decode_result({H.STATUS: H.STATUS_SUPERSEDED, H.SUPERSEDED_BY: "r9"}, b"", "r1")
+    assert (superseded.value.request_id, superseded.value.by) == ("r1", "r9")
+    dead = {H.STATUS: H.STATUS_DEAD_LETTERED, H.ERROR_TYPE: "ValueError", H.ERROR_MESSAGE: "bad amount"}
+    with pytest.raises(DeadLettered) as dead_lettered:
+        decode_result(dead, b"", "r1")
+    assert (dead_lettered.value.type_name, dead_lettered.value.message) == ("ValueError", "bad amount")
+    with pytest.raises(RemoteError, match="MalformedBody: result"):
+        decode_result({H.STATUS: H.STATUS_ERROR, H.ERROR_TYPE: "MalformedBody", H.ERROR_MESSAGE: "result"}, b"", "r")
+
+
+# --- sync forms -----------------------------------------------------------------------------------
+
+
+async def test_delay_is_refused_inside_a_running_loop(app: keyqueue.App) -> None:
+    @app.task(key="{x}")
+    def f(x: str) -> None: ...
+
+    with pytest.raises(ConfigError, match="in async code, await the async form"):
+        f.delay(x="a")
+
+
+async def test_an_unreachable_server_is_a_clear_error(app: keyqueue.App) -> None:
+    @app.task(key="{x}")
+    def f(x: str) -> None: ...
+
+    with pytest.raises(keyqueue.ConnectionFailed, match=r"cannot reach NATS at nats://127\.0\.0\.1:1"):
+        await asyncio.wait_for(f.enqueue(x="a"), 10)
