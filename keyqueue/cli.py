@@ -34,6 +34,7 @@ from keyqueue.inspection import KEY_LIMIT, QueueReport, inspect_queue, list_queu
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.local_server import running_local_servers
 from keyqueue.plugins import PluginManager, autoload_disabled
 from keyqueue.server import EmbeddedServer
@@ -246,11 +247,18 @@ def _configure_logging(level: str) -> None:
               help="Seconds of a key's lease (default: the queue's configuration, 30).")
 @click.option("--drain-timeout", type=click.FloatRange(0), default=10.0, show_default=True,
               help="Seconds a stopping worker waits for the requests in hand.")
+@click.option("--overflow-min-pending", type=click.IntRange(0), default=0, metavar="N",
+              help="Overflow queues: take keys only while N or more wait for a worker.")
+@click.option("--overflow-min-ack-pending", type=click.IntRange(0), default=0, metavar="N",
+              help="Overflow queues: take keys only while N or more are held fleet-wide.")
+@click.option("--priority", type=click.IntRange(0, 9), default=None, metavar="P",
+              help="Prioritized queues: 0 (served first) to 9. See docs/priority-groups.md.")
 @url_option
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
-           drain_timeout: float, url: str | None, log_level: str) -> None:
+           drain_timeout: float, overflow_min_pending: int, overflow_min_ack_pending: int, priority: int | None,
+           url: str | None, log_level: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
     MODULE:APP names the App, e.g. shop:app for `app` in shop.py (the current directory is
@@ -264,11 +272,13 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     Example:
       $ export KEYQUEUE_URL=nats://127.0.0.1:4222
       $ keyqueue worker examples.quickstart.app:app --concurrency 32
+      $ keyqueue worker shop:app --overflow-min-pending 50     # an overflow pool
     """
     _configure_logging(log_level)
     app = load_app(app_spec, url)
     serving = app.worker(queues=list(queues) or None, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
-                         drain_timeout=drain_timeout)
+                         drain_timeout=drain_timeout, overflow_min_pending=overflow_min_pending,
+                         overflow_min_ack_pending=overflow_min_ack_pending, priority=priority)
 
     async def run() -> None:
         try:
@@ -424,11 +434,69 @@ def inspect_command(queue: str | None, url: str | None) -> None:
             click.echo(f"consumer: ack_pending={c['ack_pending']} redelivered={c['redelivered']} "
                        f"waiting_pulls={c['waiting_pulls']} ack_wait={c['ack_wait_s']:g}s "
                        f"max_ack_pending={c['max_ack_pending']} priority={c['priority_policy']}")
+            if c.get("pinned"):
+                click.echo(f"pinned: {c['pinned']}")
             if r.keys:
                 click.echo()
                 click.echo(_table(["KEY", "BACKLOG", "TOKEN"], [[k.key, k.backlog, k.token] for k in r.keys]))
                 if r.truncated:
                     click.echo(f"(first {KEY_LIMIT} keys)")
+
+    _run(run)
+
+
+@main.command()
+@click.argument("queue")
+@url_option
+def unpin(queue: str, url: str | None) -> None:
+    """Move the pin of a pinned_client queue: the server drops it and pins a worker afresh.
+
+    \b
+    Example:
+      $ keyqueue unpin shop
+    """
+
+    async def run() -> None:
+        names = QueueNames(queue)
+        async with _connection(url) as nc:
+            api = JetStreamApi(nc)
+            info = await api.consumer_info(names.token_stream, names.consumer)
+            groups = info.get("config", {}).get("priority_groups") or []
+            if info.get("config", {}).get("priority_policy") != "pinned_client" or not groups:
+                raise ConfigError(f"queue {queue!r} is not a pinned_client queue; nothing to unpin")
+            for group in groups:
+                await api.unpin(names.token_stream, names.consumer, group)
+            click.echo(f"unpinned queue {queue} (group {', '.join(groups)}); the next delivery pins a worker afresh")
+
+    _run(run)
+
+
+@main.command("recreate-consumer")
+@click.argument("queue")
+@click.option("--app", "app_spec", metavar="MODULE:APP", default=None,
+              help="Take the queue's configuration (priority policy, ack wait) from this app.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@url_option
+def recreate_consumer(queue: str, app_spec: str | None, yes: bool, url: str | None) -> None:
+    """Delete and recreate a queue's token consumer, to change its priority policy or lease.
+
+    Stop every worker of the queue first: the new consumer delivers every remaining token again,
+    so a worker still holding a key would share it. Requests are kept.
+
+    \b
+    Example:
+      $ keyqueue recreate-consumer shop --app shop:app --yes
+    """
+    config = load_app(app_spec, url).queue_config(queue) if app_spec else QueueConfig(queue)
+    if not yes:
+        click.confirm(f"Recreate the token consumer of queue {queue!r} (policy {config.priority_policy})? "
+                      "Every worker of the queue must be stopped", abort=True)
+
+    async def run() -> None:
+        async with _connection(url) as nc:
+            await Topology(JetStreamApi(nc), config).recreate_consumer()
+        click.echo(f"recreated consumer {config.names.consumer} of queue {queue} "
+                   f"(priority policy {config.priority_policy})")
 
     _run(run)
 

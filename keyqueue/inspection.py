@@ -100,6 +100,8 @@ async def inspect_queue(api: JetStreamApi, queue: str) -> QueueReport:
             "ack_wait_s": int(config.get("ack_wait", 0)) / 1e9,
             "max_ack_pending": config.get("max_ack_pending"),
             "priority_policy": config.get("priority_policy", "none"),
+            "pinned": ", ".join(f"{g.get('group')}={g['pinned_client_id']} since {g.get('pinned_ts', '?')}"
+                                for g in consumer.get("priority_groups") or [] if g.get("pinned_client_id")),
         },
     )
 

@@ -33,6 +33,7 @@ from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
 from keyqueue.errors import ConfigError, KeyqueueError, LeaseLost
+from keyqueue.jetstream.pull import PullOptions
 from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
@@ -69,7 +70,12 @@ class Worker:
 
     def __init__(self, app: App, *, queues: Sequence[str] | None = None, concurrency: int = 16,
                  linger: float = 0.05, ack_wait: float | None = None, drain_timeout: float = 10.0,
-                 name: str | None = None) -> None:
+                 name: str | None = None, overflow_min_pending: int = 0, overflow_min_ack_pending: int = 0,
+                 priority: int | None = None) -> None:
+        if priority is not None and not 0 <= priority <= 9:
+            raise ConfigError(f"priority must be 0-9 (0 is served first), got {priority}")
+        self.pull = PullOptions(min_pending=overflow_min_pending, min_ack_pending=overflow_min_ack_pending,
+                                priority=priority)
         if concurrency < 1:
             raise ConfigError(f"concurrency must be at least 1, got {concurrency}")
         if linger < 0 or drain_timeout < 0:
@@ -134,7 +140,8 @@ class Worker:
                 config = dataclasses.replace(config, ack_wait=self.ack_wait)
             settings = SessionSettings(ack_wait=config.ack_wait, linger=self.linger, drain_timeout=self.drain_timeout)
             self.queue_workers[queue] = QueueWorker(nc, config, self._factory(queue), concurrency=self.concurrency,
-                                                    settings=settings, name=self.name, on_event=self._on_event)
+                                                    settings=settings, name=self.name, on_event=self._on_event,
+                                                    pull=self.pull)
         self._unsubscribe = self.app.on_reconnect(self._reconnected)
         self._runner = asyncio.create_task(self._run(), name=f"keyqueue-worker:{self.name}")
         started = asyncio.ensure_future(asyncio.gather(*(w.started() for w in self.queue_workers.values())))

@@ -154,3 +154,58 @@ async def test_changing_the_policy_of_an_existing_queue_is_refused(nc: Client) -
         await queue(nc, "pinned_client")
     assert caught.value.field == "priority_policy"
     assert "recreate-consumer pq" in str(caught.value)
+
+
+def test_cli_unpin_recreate_consumer_and_worker_flags(nats_url: str, tmp_path: Path) -> None:
+    import subprocess
+
+    def kq(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "keyqueue.cli", *args, "--url", nats_url],
+                              capture_output=True, text=True, timeout=60)
+
+    async def make(policy: str) -> None:
+        client = await connect(nats_url)
+        try:
+            await queue(client, policy)
+        finally:
+            await client.close()
+
+    asyncio.run(make("none"))
+    refused = kq("unpin", "pq")
+    assert refused.returncode != 0 and "not a pinned_client queue" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    app_file = tmp_path / "pinned_app.py"
+    app_file.write_text(
+        "import keyqueue\n"
+        "app = keyqueue.App('pinned-app')\n"
+        "app.configure_queue(keyqueue.QueueConfig('pq', ack_wait=2, priority_policy='pinned_client'))\n"
+    )
+    env_path = f"{tmp_path}"
+    done = subprocess.run([sys.executable, "-m", "keyqueue.cli", "recreate-consumer", "pq", "--app",
+                           "pinned_app:app", "--yes", "--url", nats_url], capture_output=True, text=True,
+                          timeout=60, cwd=env_path)
+    assert done.returncode == 0, done.stderr
+    assert "pinned_client" in done.stdout
+    unpinned = kq("unpin", "pq")
+    assert unpinned.returncode == 0, unpinned.stderr
+    shown = kq("inspect", "pq")
+    assert "priority=pinned_client" in shown.stdout
+
+
+async def test_worker_priority_options_need_a_policy(nats_url: str) -> None:
+    import keyqueue
+    from keyqueue.errors import ConfigError
+
+    app = keyqueue.App("plain", url=nats_url)
+
+    @app.task(key="{k}")
+    async def noop(k: str) -> None:
+        return None
+
+    with pytest.raises(ConfigError, match="priority policy"):
+        async with app.worker(overflow_min_pending=5):
+            pass
+    with pytest.raises(ConfigError, match="0-9"):
+        app.worker(priority=12)
+    await app.close()
