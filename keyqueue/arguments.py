@@ -277,6 +277,7 @@ def decode_result(headers: Mapping[str, str], body: bytes, request_id: str, resu
         raise Superseded(request_id, headers.get(H.SUPERSEDED_BY, "unknown"))
     if status == H.STATUS_DEAD_LETTERED:
         reason = headers.get(H.DLQ_REASON, "")
-        raise DeadLettered(error_type or "DeadLettered", message or f"dead-lettered ({reason})", request_id)
+        raise DeadLettered(error_type or "DeadLettered", message or f"dead-lettered ({reason})", request_id,
+                           reason=reason or "")
     raise RemoteError(error_type or "RemoteError", message or f"the worker replied with status {status!r}", request_id)
 

@@ -280,7 +280,14 @@ class RemoteError(TaskFailure):
 
 
 class DeadLettered(RemoteError):
-    """The request was moved to the dead-letter queue; ``reason`` says why."""
+    """The request was moved to the dead-letter queue; ``reason`` says why.
+
+    ``reason`` is ``rejected`` (bad input or :class:`Reject`), ``max-attempts`` or ``crash-loop``.
+    """
+
+    def __init__(self, type_name: str, message: str, request_id: str = "", reason: str = "") -> None:
+        super().__init__(type_name, message, request_id)
+        self.reason = reason
 
 
 class Superseded(TaskFailure):

@@ -44,6 +44,11 @@ async def connect(target: str | ConnectOptions, *, name: str = "keyqueue",
             await disconnected()
 
     try:
+        # nats-py applies max_reconnect_attempts=-1 to the first connect too, so an unreachable
+        # server would hang here forever: probe once without reconnects, then connect for real.
+        probe = await nats.connect(**{**options, "allow_reconnect": False, "max_reconnect_attempts": 1,
+                                      "reconnect_time_wait": 0}, error_cb=error_cb)
+        await probe.close()
         return await nats.connect(error_cb=error_cb, reconnected_cb=on_reconnect,
                                   disconnected_cb=on_disconnect, **options)
     except (OSError, nats.errors.NoServersError, nats.errors.TimeoutError) as e:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import pytest
 from nats.aio.client import Client
 
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
@@ -120,3 +121,15 @@ async def test_reconciler_schedules_a_request_without_token(nats_url: str) -> No
         await wait_until(lambda: len(log) == 1)
     assert worker.reconciler.scheduled_total == 1
     await nc.close()
+
+
+async def test_connect_to_an_unreachable_server_fails_fast() -> None:
+    import socket
+
+    from keyqueue.errors import ConnectionFailed
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionFailed, match="keyqueue dev-server"):
+        await asyncio.wait_for(connect(f"nats://127.0.0.1:{port}"), 15)
