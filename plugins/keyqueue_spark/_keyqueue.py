@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -157,7 +157,7 @@ class StoredMessage:
 
 
 async def read_range(nc: Client, stream: str, first: int, last: int, *, subject: str | None = None,
-                     batch: int = 1000, timeout: float = 10.0) -> AsyncIterator[list[StoredMessage]]:
+                     batch: int = 1000, timeout: float = 10.0) -> AsyncGenerator[list[StoredMessage], None]:
     """Every message of ``stream`` with ``first <= seq <= last``, in order, in lists of up to ``batch``.
 
     Reads through an ephemeral pull consumer with no acks (created here, deleted at the end,

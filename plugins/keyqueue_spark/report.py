@@ -165,8 +165,8 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
         data.tables["dvu_triggers"] = histogram.toPandas()
 
     dvu_row = data.tables["dvu"].iloc[0]
-    runs = int(dvu_row["runs"])
-    triggers = int(dvu_row["triggers"]) if runs and not _missing(dvu_row["triggers"]) else 0
+    dvu_runs = int(dvu_row["runs"])
+    triggers = int(dvu_row["triggers"]) if dvu_runs and not _missing(dvu_row["triggers"]) else 0
     data.summary = {
         "queue": queue,
         "events": total,
@@ -176,9 +176,9 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
         "span_seconds": (hi - lo) if lo is not None else 0.0,
         "keys": int(ev.filter(F.col("key").isNotNull()).select("key").distinct().count()),
         "tasks": sorted(t for t in data.tables["tasks"]["task"].tolist() if t is not None),
-        "dvu_runs": runs,
+        "dvu_runs": dvu_runs,
         "dvu_triggers": triggers,
-        "coalescing_ratio": (triggers / runs) if runs else None,
+        "coalescing_ratio": (triggers / dvu_runs) if dvu_runs else None,
         "bucket_seconds": width,
     }
     ev.unpersist()
@@ -219,7 +219,8 @@ def charts(data: ReportData) -> dict[str, str]:
         times = [datetime.fromtimestamp(b, UTC) for b in series["bucket"]]
         for column, label in (("enqueued", "enqueued"), ("succeeded", "succeeded"), ("dead_lettered", "dead-lettered")):
             if column in series and series[column].sum() > 0:
-                ax.plot(times, series[column] / width, label=label, marker="." if len(series) < 30 else None)
+                rate = series[column] / width
+                ax.plot(times, rate, label=label, marker="." if len(series) < 30 else None)  # type: ignore[arg-type]
         ax.set_ylabel("requests / s")
         ax.set_title(f"Throughput ({width:g}s buckets, UTC)")
         ax.legend(loc="upper right")
@@ -358,11 +359,13 @@ def write_report(data: ReportData, out_dir: Path, progress: Progress | None = No
 def load_events(spark: Any, queue: str, *, url: str | None = None, events_from: str | None = None) -> DataFrame:
     """The events to report on: the live stream of ``queue``, or an exported Parquet."""
     if events_from:
-        return spark.read.parquet(events_from)
+        exported: DataFrame = spark.read.parquet(events_from)
+        return exported
     reader = spark.read.format("keyqueue").option("queue", queue).option("stream", "events")
     if url:
         reader = reader.option("url", url)
-    return reader.load()
+    live: DataFrame = reader.load()
+    return live
 
 
 def run_report(spark: Any, queue: str, out_dir: Path, *, url: str | None = None, events_from: str | None = None,

@@ -199,7 +199,7 @@ class RowIdentity:
 
 
 @dataclass
-class WriteSummary(WriterCommitMessage):  # type: ignore[misc]
+class WriteSummary(WriterCommitMessage):
     """What one partition (or, added up, the whole job) did."""
 
     rows: int = 0
@@ -236,7 +236,7 @@ class WriteSummary(WriterCommitMessage):  # type: ignore[misc]
 # --- the writer --------------------------------------------------------------------------------------
 
 
-class KeyqueueWriter(DataSourceWriter):  # type: ignore[misc]
+class KeyqueueWriter(DataSourceWriter):
     """Writes each partition's rows as requests; commits a summary of the whole job."""
 
     def __init__(self, options: Mapping[str, str], schema: StructType, overwrite: bool) -> None:
@@ -323,7 +323,7 @@ class KeyqueueWriter(DataSourceWriter):  # type: ignore[misc]
             else:
                 summary.error(f"key {request.key!r} request {request.request_id}: {type(result).__name__}: {result}")
 
-    def commit(self, messages: list[WriteSummary | None]) -> None:
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         total = self._total(messages)
         self._report(total, aborted=False)
         limit = self.options.max_errors
@@ -336,14 +336,14 @@ class KeyqueueWriter(DataSourceWriter):  # type: ignore[misc]
                 f"First errors:\n  {samples}"
             )
 
-    def abort(self, messages: list[WriteSummary | None]) -> None:
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         self._report(self._total(messages), aborted=True)
 
     @staticmethod
-    def _total(messages: list[WriteSummary | None]) -> WriteSummary:
+    def _total(messages: list[WriterCommitMessage | None]) -> WriteSummary:
         total = WriteSummary()
         for message in messages:
-            if message is not None:
+            if isinstance(message, WriteSummary):
                 total.add(message)
         return total
 

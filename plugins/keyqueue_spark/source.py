@@ -158,7 +158,7 @@ class SourceOptions:
 
 
 @dataclass(frozen=True)
-class SequenceRange(InputPartition):  # type: ignore[misc]
+class SequenceRange(InputPartition):
     """One Spark partition: the stream sequences ``first``..``last``, both included."""
 
     first: int
@@ -278,7 +278,7 @@ def read_rows(url: str, stream: str, part: SequenceRange, subject: str | None, s
         try:
             while True:
                 try:
-                    page = runner.run(anext(pages))
+                    page = runner.run(pages.__anext__())
                 except StopAsyncIteration:
                     break
                 for message in page:
@@ -301,7 +301,7 @@ def current_bounds(url: str, stream: str) -> kq.StreamBounds:
 # --- the data source ---------------------------------------------------------------------------------
 
 
-class KeyqueueDataSource(DataSource):  # type: ignore[misc]
+class KeyqueueDataSource(DataSource):
     """``format("keyqueue")``: a queue's events, inbox or DLQ as a DataFrame; requests written to a queue."""
 
     def __init__(self, options: dict[str, str]) -> None:
@@ -329,7 +329,7 @@ class KeyqueueDataSource(DataSource):  # type: ignore[misc]
         return KeyqueueWriter(self.options, schema, overwrite)
 
 
-class KeyqueueBatchReader(DataSourceReader):  # type: ignore[misc]
+class KeyqueueBatchReader(DataSourceReader):
     """A batch read of one stream, cut into sequence ranges read in parallel."""
 
     def __init__(self, options: SourceOptions, schema: StructType) -> None:
@@ -344,12 +344,13 @@ class KeyqueueBatchReader(DataSourceReader):  # type: ignore[misc]
         # Spark needs at least one partition; an empty range reads nothing.
         return ranges or [SequenceRange(1, 0)]
 
-    def read(self, partition: SequenceRange) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        assert isinstance(partition, SequenceRange)
         yield from read_rows(self.source.url, self.source.stream, partition, self.source.subject, self.schema,
                              self.source.events)
 
 
-class KeyqueueStreamReader(DataSourceStreamReader):  # type: ignore[misc]
+class KeyqueueStreamReader(DataSourceStreamReader):
     """Micro-batches of new messages; offsets are stream sequences (``{"seq": last read}``)."""
 
     def __init__(self, options: SourceOptions, schema: StructType) -> None:
@@ -391,7 +392,8 @@ class KeyqueueStreamReader(DataSourceStreamReader):  # type: ignore[misc]
         first, last = int(start["seq"]) + 1, int(end["seq"])
         return plan_partitions(first, last, self.source)
 
-    def read(self, partition: SequenceRange) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        assert isinstance(partition, SequenceRange)
         yield from read_rows(self.source.url, self.source.stream, partition, self.source.subject, self.schema,
                              self.source.events)
 
