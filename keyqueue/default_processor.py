@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from keyqueue.arguments import decode_arguments, encode_result, result_headers
 from keyqueue.context import Context
-from keyqueue.core.processor import BaseProcessor, KeyProcessor, Reply, Request, RequestContext
+from keyqueue.core.processor import BaseProcessor, BatchOutcome, KeyProcessor, Reply, Request, RequestContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import MalformedBody, Reject, UnknownMessageType, WireError
 from keyqueue.plugins import hookimpl
@@ -96,14 +96,17 @@ class TaskProcessor(BaseProcessor):
     async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
         task = self.task_of(request)
         if not isinstance(task, Task) or task.spec.policy != "serial":
-            return (await self.handle_batch(ctx, [request]))[0]
+            outcome = (await self.handle_batch(ctx, [request]))[0]
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
         args, kwargs = task.codec.to_call(self.arguments(task, request))
         result = await task.run(Context(ctx, task.name, (request.request_id,)), args, kwargs, self.executor)
         return self.reply(task, request, result)
 
     # --- batch, latest, merge ---
 
-    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> list[Reply | None]:
+    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
         tasks = [self.task_of(r) for r in requests]
         task = tasks[0]
         if any(t is not task for t in tasks) or task.spec.policy == "serial":

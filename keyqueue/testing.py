@@ -197,7 +197,10 @@ class EagerRunner:
                     self._dead_letter(batch, exc, attempt, "max-attempts")
                     return
                 continue
-            for request, reply in zip(requests, replies, strict=False):
+            for pending_item, request, reply in zip(batch, requests, replies, strict=False):
+                if isinstance(reply, BaseException):  # the processor rejected this request alone
+                    self._dead_letter([pending_item], reply, attempt, "rejected")
+                    continue
                 headers = {H.STATUS: H.STATUS_OK, H.REQUEST_ID: request.request_id, **(reply.headers if reply else {})}
                 self._replies[request.request_id] = (headers, reply.data if reply else b"")
                 self.succeeded.append(request.request_id)

@@ -28,7 +28,15 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
-from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request, RequestContext, SessionContext
+from keyqueue.core.processor import (
+    BatchOutcome,
+    KeyProcessor,
+    ProcessorFactory,
+    Reply,
+    Request,
+    RequestContext,
+    SessionContext,
+)
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
@@ -346,12 +354,15 @@ class _ObservedProcessor:
 
     async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
         [reply] = await self._attempt(ctx, [request], batch=False)
+        if isinstance(reply, BaseException):
+            raise reply
         return reply
 
-    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> list[Reply | None]:
+    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
         return await self._attempt(ctx, requests, batch=True)
 
-    async def _attempt(self, ctx: RequestContext, requests: list[Request], *, batch: bool) -> list[Reply | None]:
+    async def _attempt(self, ctx: RequestContext, requests: list[Request], *,
+                       batch: bool) -> Sequence[BatchOutcome]:
         for request in requests:
             self.worker.note(request)
         try:
@@ -368,7 +379,7 @@ class _ObservedProcessor:
             self.worker.failed(self.queue, ctx.key, requests[0].request_id, ctx.attempt, exc)
             raise
         for request, reply in zip(requests, replies, strict=False):
-            if reply is not None and reply.headers.get(H.STATUS) == H.STATUS_SUPERSEDED:
+            if isinstance(reply, Reply) and reply.headers.get(H.STATUS) == H.STATUS_SUPERSEDED:
                 self.worker.superseded(request.request_id, reply.headers.get(H.SUPERSEDED_BY, ""))
         return replies
 

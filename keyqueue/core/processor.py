@@ -9,7 +9,7 @@ background work such as a DVU), and ``close`` last.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -41,6 +41,10 @@ class Reply:
 
     data: bytes = b""
     headers: Mapping[str, str] = field(default_factory=dict)
+
+
+BatchOutcome = Reply | BaseException | None
+"""One request's outcome in ``handle_batch``: a reply, nothing, or an exception that rejects it alone."""
 
 
 class SessionContext(Protocol):
@@ -80,7 +84,14 @@ class KeyProcessor(Protocol):
 
     async def handle(self, ctx: RequestContext, request: Request) -> Reply | None: ...
 
-    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> list[Reply | None]: ...
+    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
+        """Handle ``requests`` (the key's next ones, in order); return one outcome per request handled.
+
+        Returning fewer outcomes than requests handles only that prefix: the rest stay at the head
+        of the key, in order, for the next call. An exception *returned* in a request's place
+        dead-letters that request alone (reason ``rejected``); an exception *raised* retries (or
+        dead-letters) the whole batch.
+        """
 
     async def idle(self, ctx: SessionContext) -> None:
         """The key has no more requests: finish owed background work before the key is released."""
@@ -102,7 +113,7 @@ class BaseProcessor:
     async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
         raise NotImplementedError
 
-    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> list[Reply | None]:
+    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
         return [await self.handle(ctx, r) for r in requests]
 
     async def idle(self, ctx: SessionContext) -> None:

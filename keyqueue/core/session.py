@@ -265,12 +265,15 @@ class KeySession:
             self.ctx.request_id, self.ctx.attempt = head.request_id, attempt
             started = time.monotonic()
             self.emit("started", key=self.key, request_id=head.request_id, seq=head.seq, attempt=attempt,
-                      batch=len(requests))
+                      batch=len(requests), message_type=head.headers.get(H.MESSAGE_TYPE, ""))
             try:
                 if getattr(processor, "batch_size", 0) > 0:
-                    replies = await processor.handle_batch(self.ctx, requests)
+                    outcomes = await processor.handle_batch(self.ctx, requests)
+                    if not 0 < len(outcomes) <= len(requests):
+                        raise TypeError(f"handle_batch returned {len(outcomes)} outcomes for {len(requests)} "
+                                        "requests; return one per request handled, at least one")
                 else:
-                    replies = [await processor.handle(self.ctx, head)]
+                    outcomes = [await processor.handle(self.ctx, head)]
             except LeaseLost:
                 raise
             except (WireError, Reject) as e:
@@ -284,11 +287,24 @@ class KeySession:
                     return
                 delay = policy.delay(attempt)
                 self.emit("retried", key=self.key, request_id=head.request_id, attempt=attempt,
-                          delay=delay, error=f"{type(e).__name__}: {e}")
+                          delay=delay, error=f"{type(e).__name__}: {e}",
+                          message_type=head.headers.get(H.MESSAGE_TYPE, ""))
                 if not await self._backoff(delay):
                     return  # draining: the request stays at the head for the next holder
                 continue
-            await self._succeeded(batch, requests, replies, time.monotonic() - started)
+            # A batch processor may handle a prefix of the batch (the rest stays at the head, in
+            # order) and may reject single requests by returning the exception in their place.
+            handled = len(outcomes)
+            self.buffer.extendleft(reversed(batch[handled:]))
+            batch, requests = batch[:handled], requests[:handled]
+            for msg, outcome in zip(batch, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    await self._dead_letter([msg], outcome, attempt, reason="rejected")
+            done = [(m, r, o) for m, r, o in zip(batch, requests, outcomes, strict=True)
+                    if o is None or isinstance(o, Reply)]
+            if done:
+                await self._succeeded([d[0] for d in done], [d[1] for d in done], [d[2] for d in done],
+                                      time.monotonic() - started, through=batch[-1].seq)
             return
 
     async def _backoff(self, delay: float) -> bool:
@@ -300,10 +316,10 @@ class KeySession:
         return False
 
     async def _succeeded(self, batch: list[StoredMsg], requests: list[Request], replies: list[Reply | None],
-                         elapsed: float) -> None:
+                         elapsed: float, through: int) -> None:
         self.lease.check()
-        last = batch[-1].seq
-        if len(batch) == 1:
+        last = through
+        if len(batch) == 1 and batch[0].seq == through:
             # Pipelined: the next request starts without waiting for this delete's reply; every
             # delete is confirmed before the token is acked.
             self.deletes.append(await self.io.delete_soon(last))
@@ -320,7 +336,7 @@ class KeySession:
                                                           **(reply.headers if reply else {})},
                                     reply.data if reply else b"")
             self.emit("succeeded", key=self.key, request_id=request.request_id, seq=request.seq,
-                      elapsed=elapsed)
+                      elapsed=elapsed, message_type=request.headers.get(H.MESSAGE_TYPE, ""))
 
     async def _settle_deletes(self) -> None:
         deletes, self.deletes = self.deletes, []
@@ -349,7 +365,8 @@ class KeySession:
                                             H.ERROR_MESSAGE: H.header_safe(str(error)),
                                             H.DLQ_REASON: reason}, b"")
             self.emit("dead_lettered", key=self.key, request_id=msg.headers.get(H.MSG_ID, ""), seq=msg.seq,
-                      reason=reason, attempts=attempts, error=f"{type(error).__name__}: {error}")
+                      reason=reason, attempts=attempts, error=f"{type(error).__name__}: {error}",
+                      message_type=msg.headers.get(H.MESSAGE_TYPE, ""))
 
     async def _break_crash_loop(self) -> None:
         head = await self.io.next_request(self.key, self.cursor)

@@ -133,3 +133,36 @@ async def test_connect_to_an_unreachable_server_fails_fast() -> None:
         port = s.getsockname()[1]
     with pytest.raises(ConnectionFailed, match="keyqueue dev-server"):
         await asyncio.wait_for(connect(f"nats://127.0.0.1:{port}"), 15)
+
+
+class PrefixBatches(BaseProcessor):
+    """Takes at most two requests per call and rejects the one whose body is b"bad"."""
+
+    batch_size = 10
+
+    def __init__(self, calls: list[list[bytes]]) -> None:
+        self.calls = calls
+
+    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> list[Reply | BaseException | None]:
+        taken = requests[:2]
+        self.calls.append([r.data for r in requests])
+        return [ValueError("bad body") if r.data == b"bad" else Reply(r.data) for r in taken]
+
+
+async def test_batch_processor_handles_a_prefix_and_rejects_one_request(nats_url: str) -> None:
+    nc = await connect(nats_url)
+    config = QueueConfig("t5", ack_wait=2)
+    api = JetStreamApi(nc)
+    await Topology(api, config).ensure()
+    pub = Publisher(nc, config.names)
+    await pub.enqueue_many([request("k", body) for body in (b"1", b"2", b"bad", b"4", b"5")])
+    calls: list[list[bytes]] = []
+    async with running(nc, config, lambda key: PrefixBatches(calls)) as worker:
+        await wait_until(lambda: worker.counts.get("succeeded", 0) == 4)
+    assert calls[0] == [b"1", b"2", b"bad", b"4", b"5"]
+    assert calls[1] == [b"bad", b"4", b"5"]
+    assert calls[2] == [b"5"]
+    dead = await api.get_msg(config.names.dlq_stream, seq=1)
+    assert dead is not None and dead.data == b"bad" and dead.headers[H.DLQ_REASON] == "rejected"
+    assert (await api.stream_info(config.names.inbox_stream))["state"]["messages"] == 0
+    await nc.close()
