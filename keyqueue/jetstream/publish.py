@@ -59,6 +59,7 @@ class Publisher:
         self.names = names
         self.api = JetStreamApi(nc, timeout=timeout)
         self.timeout = timeout
+        self._mux: RequestMux | None = None
 
     async def _publish(self, subject: str, body: bytes, headers: Mapping[str, str] | None) -> PubAck:
         msg = await self.api._request(subject, body, self.timeout, dict(headers) if headers else None)
@@ -82,13 +83,39 @@ class Publisher:
         return True
 
     async def enqueue(self, request: OutgoingRequest) -> Enqueued:
-        """Store the request, then schedule its key. A duplicate request id stores nothing new."""
-        stored = await self.store(request)
+        """Store the request and schedule its key. A duplicate request id stores nothing new.
+
+        Both publishes go out back to back and their acknowledgements are awaited together: one
+        round trip instead of two. The server may then store the token first; a worker that takes
+        it before the request is stored finds the inbox empty, and the session's arrival watch or
+        its re-check after the ack picks the request up, so nothing is stranded. A token whose
+        request was refused (a full backlog) only costs a worker an empty session.
+        """
+        validate_key(request.key)
+        if self._mux is None:
+            self._mux = RequestMux(self.nc)
+        stored_f = await self._mux.send(self.names.inbox(request.key), request.body, headers=request.headers)
+        token_f = await self._mux.send(self.names.token(request.key), b"", headers=None)
+        await asyncio.wait([stored_f, token_f], timeout=self.timeout)
         try:
-            await self.schedule(request.key)
+            ack = parse_pub_ack(_reply_or_raise(_first(stored_f, self.names.inbox(request.key), self.timeout),
+                                                request.key))
+        except KeyAlreadyScheduled as e:  # 10077 on the inbox: the per-key backlog cap
+            raise BacklogFull(self.names.queue, request.key) from e
+        try:
+            parse_pub_ack(_reply_or_raise(_first(token_f, self.names.token(request.key), self.timeout),
+                                          request.key))
+        except KeyAlreadyScheduled:
+            pass
         except KeyqueueError as e:
-            raise TokenPublishFailed(self.names.queue, request.key, stored.seq, e) from e
-        return stored
+            raise TokenPublishFailed(self.names.queue, request.key, ack.seq, e) from e
+        return Enqueued(request.key, ack.seq, ack.duplicate, request.request_id)
+
+    async def close(self) -> None:
+        """Drop the reply subscription single enqueues share (the connection stays open)."""
+        if self._mux is not None:
+            await self._mux.close()
+            self._mux = None
 
     async def enqueue_many(self, requests: Iterable[OutgoingRequest],
                            window: int = PIPELINE_WINDOW) -> list[Enqueued | EnqueueError]:
@@ -150,6 +177,13 @@ class Publisher:
                 future.cancel()
                 out.append(KeyqueueTimeout(f"no acknowledgement for a publish to {subject} within {self.timeout}s"))
         return out
+
+
+def _first(future: asyncio.Future[list[Msg]], subject: str, timeout: float) -> Msg | KeyqueueError:
+    if future.done() and not future.cancelled():
+        return future.result()[0]
+    future.cancel()
+    return KeyqueueTimeout(f"no acknowledgement for a publish to {subject} within {timeout}s")
 
 
 def _reply_or_raise(reply: Msg | KeyqueueError, key: str) -> Msg:
