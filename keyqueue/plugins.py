@@ -53,8 +53,8 @@ ENTRY_POINT_GROUP: Final = "keyqueue"
 DISABLE_AUTOLOAD_ENV: Final = "KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD"
 """Set to anything but empty, ``0`` or ``false`` to skip the entry-point plugins."""
 
-BUILTIN_PLUGINS: Final = ("keyqueue.default_processor", "keyqueue.lifecycle_log")
-"""keyqueue's own behaviour, as plugin modules: tasks and retries, and lifecycle logging."""
+BUILTIN_PLUGINS: Final = ("keyqueue.default_processor", "keyqueue.lifecycle_log", "keyqueue.events")
+"""keyqueue's own behaviour, as plugin modules: tasks and retries, lifecycle logging and events."""
 
 
 async def maybe_await(value: T | Awaitable[T]) -> T:

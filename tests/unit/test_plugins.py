@@ -170,7 +170,7 @@ def test_autoload_switch() -> None:
 def test_the_listing_shows_builtins_last_with_their_hooks() -> None:
     log: list[str] = []
     listing = PluginManager(autoload=False, plugins=[Recorder("a", log)]).listing()
-    assert [info.builtin for info in listing] == [False, True, True]
+    assert [info.builtin for info in listing] == [False, True, True, True]
     assert listing[0].hooks == ("keyqueue_worker_started", "keyqueue_worker_stopping")
     builtins = {info.name: info.hooks for info in listing[1:]}
     assert "keyqueue_build_processor" in builtins["keyqueue.default_processor"]

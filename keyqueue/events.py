@@ -1,0 +1,354 @@
+"""The built-in plugin that publishes lifecycle events to the queue's events stream.
+
+Stream ``KQ_<queue>_EVENTS`` (limits retention: 7 days, 1 GiB, oldest dropped first), subjects
+``kq.<queue>.events.<event>``. Each message has the headers ``X-CONTENT-TYPE:
+application/cbor``, ``X-MESSAGE-TYPE: KeyqueueEvent``, ``X-MESSAGE-VERSION: 1`` and a CBOR map
+body with every field of :data:`EVENT_FIELDS` (null where it does not apply). This is the
+contract ``plugins.keyqueue_spark.events`` reads (``keyqueue report``); the constants here
+mirror that module's exactly.
+
+Events are best-effort telemetry: they go out as plain core publishes (no ack round trip on
+the hot path), so a broken connection or a full server may lose some, and the order of events
+from different processes in the stream is the order they reached the server; sort by ``ts``.
+
+On by default. ``KEYQUEUE_EVENTS=0`` (or ``false``/``no``/``off``), read when an app first
+publishes an event, turns it off for that app; ``app.plugins.unregister(name="keyqueue.events")``
+does so from code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
+
+from keyqueue.errors import KeyqueueTimeout, StreamNotFound, TaskFailure
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.plugins import hookimpl
+from keyqueue.wire import CBOR, dumps
+from keyqueue.wire import headers as H
+
+if TYPE_CHECKING:
+    import click
+    from nats.aio.client import Client
+
+    from keyqueue.app import App
+    from keyqueue.core.processor import Request, RequestContext
+    from keyqueue.task import TaskRequest
+    from keyqueue.worker import Worker
+
+__all__ = [
+    "ENABLE_ENV",
+    "EVENT_FIELDS",
+    "EVENT_FIELD_NAMES",
+    "EVENT_MESSAGE_TYPE",
+    "EVENT_NAMES",
+    "EVENT_VERSION",
+    "MAX_AGE",
+    "MAX_BYTES",
+    "ensure_events_stream",
+    "event",
+    "events_stream",
+    "events_subject",
+    "stream_config",
+]
+
+log = logging.getLogger("keyqueue.events")
+
+ENABLE_ENV: Final = "KEYQUEUE_EVENTS"
+"""``0``, ``false``, ``no`` or ``off`` turns the events plugin off."""
+
+EVENT_NAMES: Final = (
+    "enqueued", "acquired", "started", "succeeded", "retried", "dead_lettered",
+    "superseded", "released", "dvu_started", "dvu_finished",
+)
+"""Every value the ``event`` field takes (the ``dvu_*`` events come from DVU processors)."""
+
+EVENT_FIELDS: Final = (
+    ("event", "string", "one of EVENT_NAMES"),
+    ("ts", "double", "when it happened, Unix seconds"),
+    ("queue", "string", "the queue"),
+    ("key", "string", "the key, or null for queue-wide events"),
+    ("request_id", "string", "the request's Nats-Msg-Id, or null"),
+    ("task", "string", "the task (X-MESSAGE-TYPE of the request), or null"),
+    ("worker", "string", "the worker's name, or null"),
+    ("attempt", "long", "1 for the first run of a request, 2 for its first retry, ...; or null"),
+    ("wait", "double", "on started: seconds from enqueue to handler start; else null"),
+    ("run", "double", "on succeeded/dead_lettered: handler seconds; on dvu_finished: DVU seconds; else null"),
+    ("reason", "string", "DLQ reason, retry error or superseded/merged reason; or null"),
+    ("triggers", "long", "on dvu_finished: how many requests/triggers the DVU run covered; else null"),
+    ("run_id", "string", "DVU run id, or null"),
+)
+"""The body fields of a ``KeyqueueEvent`` v1: (name, type, meaning). Every field is nullable."""
+
+EVENT_FIELD_NAMES: Final = tuple(name for name, _, _ in EVENT_FIELDS)
+
+EVENT_MESSAGE_TYPE: Final = "KeyqueueEvent"
+EVENT_VERSION: Final = 1
+
+MAX_AGE: Final = 7 * 24 * 3600.0
+"""Seconds an event is kept."""
+
+MAX_BYTES: Final = 1 << 30
+"""Bytes the events stream of one queue may hold (oldest events are dropped first)."""
+
+_HEADERS: Final = {H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: EVENT_MESSAGE_TYPE, H.MESSAGE_VERSION: str(EVENT_VERSION)}
+
+_RUNS_KEPT: Final = 10_000
+"""Most attempt durations remembered (for the ``run`` of a ``dead_lettered`` event)."""
+
+
+# --- the format ------------------------------------------------------------------------------------
+
+
+def events_stream(queue: str) -> str:
+    """``KQ_<queue>_EVENTS``."""
+    QueueNames(queue)
+    return f"KQ_{queue}_EVENTS"
+
+
+def events_subject(queue: str, event: str) -> str:
+    """``kq.<queue>.events.<event>``."""
+    return f"kq.{queue}.events.{event}"
+
+
+def event(name: str, ts: float, queue: str, **fields: Any) -> dict[str, Any]:
+    """An event body with every field of the contract (unset ones null); raises on unknown fields."""
+    unknown = set(fields) - set(EVENT_FIELD_NAMES)
+    if unknown:
+        raise ValueError(f"not event fields: {', '.join(sorted(unknown))}")
+    if name not in EVENT_NAMES:
+        raise ValueError(f"{name!r} is not one of {', '.join(EVENT_NAMES)}")
+    body: dict[str, Any] = dict.fromkeys(EVENT_FIELD_NAMES)
+    body.update(fields, event=name, ts=float(ts), queue=queue)
+    return body
+
+
+def stream_config(queue: str, *, max_age: float = MAX_AGE, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
+    """The events stream's configuration (limits retention, file storage, oldest discarded)."""
+    return {"name": events_stream(queue), "subjects": [f"kq.{queue}.events.>"], "retention": "limits",
+            "storage": "file", "num_replicas": 1, "max_age": int(max_age * 1e9), "max_bytes": max_bytes,
+            "allow_direct": True, "discard": "old"}
+
+
+async def ensure_events_stream(nc: Client, queue: str, *, max_age: float = MAX_AGE,
+                               max_bytes: int = MAX_BYTES) -> None:
+    """Create ``KQ_<queue>_EVENTS`` if it does not exist (an existing one is used as it is)."""
+    api = JetStreamApi(nc)
+    try:
+        await api.stream_info(events_stream(queue))
+    except StreamNotFound:
+        await api.add_stream(stream_config(queue, max_age=max_age, max_bytes=max_bytes))
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KEYQUEUE_EVENTS`` leaves the events plugin on (the default)."""
+    value = (os.environ if environ is None else environ).get(ENABLE_ENV, "")
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _enqueued_at(request_id: str) -> float | None:
+    """Unix seconds from a ULID request id (keyqueue's default ids), else None."""
+    if len(request_id) != 26:
+        return None
+    try:
+        from ulid import ULID
+
+        return float(ULID.from_str(request_id).timestamp)
+    except (ValueError, TypeError):
+        return None
+
+
+# --- the publisher ---------------------------------------------------------------------------------
+
+
+class _AppEvents:
+    """One app's event publisher: whether it is on, and which queues' streams exist."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.on = enabled()
+        self.ensured: set[str] = set()
+
+    async def publish(self, body: dict[str, Any]) -> None:
+        if not self.on or self.app._eager is not None:
+            return
+        queue = body["queue"]
+        try:
+            nc = await self.app.connection()
+            if queue not in self.ensured:
+                await ensure_events_stream(nc, queue)
+                self.ensured.add(queue)
+            await nc.publish(events_subject(queue, body["event"]), dumps(body, CBOR), headers=dict(_HEADERS))
+        except Exception as exc:  # telemetry must never fail the work
+            log.debug("event %s of queue %s not published: %r", body.get("event"), queue, exc)
+
+
+_APPS: weakref.WeakKeyDictionary[App, _AppEvents] = weakref.WeakKeyDictionary()
+_RUNS: collections.OrderedDict[str, float] = collections.OrderedDict()
+"""request id -> seconds its last attempt ran (read by the ``dead_lettered`` event)."""
+
+
+def _of(app: App) -> _AppEvents:
+    state = _APPS.get(app)
+    if state is None:
+        state = _APPS[app] = _AppEvents(app)
+    return state
+
+
+async def _emit(worker: Worker, name: str, queue: str, key: str | None, **fields: Any) -> None:
+    state = _of(worker.app)
+    if state.on:
+        await state.publish(event(name, time.time(), queue, key=key, worker=worker.name, **fields))
+
+
+# --- enqueue ---------------------------------------------------------------------------------------
+
+
+class _Enqueue:
+    """Around one request's publish: an ``enqueued`` event once it is stored (not for duplicates).
+
+    ``enqueue_many`` enters every request's wrapper before the publish and exits them in reverse;
+    the events of one such batch are published together, in request order, when the last exits.
+    """
+
+    _open: weakref.WeakKeyDictionary[asyncio.Task[Any], list[tuple[TaskRequest, float, list[bool]]]] = (
+        weakref.WeakKeyDictionary())
+
+    def __init__(self, state: _AppEvents, request: TaskRequest) -> None:
+        self.state = state
+        self.request = request
+        self.stored = [False]
+
+    async def __aenter__(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._open.setdefault(task, []).append((self.request, time.time(), self.stored))
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        receipt = self.request.receipt
+        if receipt is not None:
+            self.stored[0] = not receipt.duplicate
+        else:  # call(): no receipt, but a reply or a remote error means it was stored
+            self.stored[0] = exc is None or isinstance(exc, TaskFailure | KeyqueueTimeout)
+        task = asyncio.current_task()
+        pending = self._open.get(task) if task is not None else None
+        if not pending or pending[0][0] is not self.request:
+            return  # an inner wrapper of a batch: the first request's wrapper publishes them all
+        del self._open[task]  # type: ignore[arg-type]
+        for request, ts, stored in pending:
+            if stored[0]:
+                await self.state.publish(event("enqueued", ts, request.queue, key=request.key,
+                                               request_id=request.request_id, task=request.message_type))
+
+
+@hookimpl(trylast=True)
+def keyqueue_wrap_enqueue(app: App, request: TaskRequest) -> _Enqueue | None:
+    state = _of(app)
+    if not state.on or app._eager is not None:
+        return None
+    return _Enqueue(state, request)
+
+
+# --- processing ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _timed(request_id: str) -> Any:
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        _RUNS[request_id] = time.monotonic() - started
+        _RUNS.move_to_end(request_id)
+        while len(_RUNS) > _RUNS_KEPT:
+            _RUNS.popitem(last=False)
+
+
+@hookimpl(trylast=True)
+def keyqueue_wrap_process(queue: str, key: str, requests: Sequence[Request], context: RequestContext) -> Any:
+    request_id = getattr(requests[0], "request_id", None) if requests else None
+    return _timed(request_id) if isinstance(request_id, str) and request_id else None
+
+
+@hookimpl(trylast=True)
+def keyqueue_worker_started(worker: Worker) -> Any:
+    state = _of(worker.app)
+    if not state.on:
+        return None
+
+    async def ensure() -> None:
+        for queue in worker.queues:
+            if queue not in state.ensured:
+                with contextlib.suppress(Exception):
+                    await ensure_events_stream(await worker.app.connection(), queue)
+                    state.ensured.add(queue)
+
+    return ensure()
+
+
+@hookimpl(trylast=True)
+async def keyqueue_key_acquired(worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> None:
+    await _emit(worker, "acquired", queue, key)
+
+
+@hookimpl(trylast=True)
+async def keyqueue_key_released(worker: Worker, queue: str, key: str, outcome: str) -> None:
+    await _emit(worker, "released", queue, key, reason=outcome)
+
+
+@hookimpl(trylast=True)
+async def keyqueue_request_started(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                                   attempt: int) -> None:
+    enqueued_at = _enqueued_at(request_id)
+    wait = max(0.0, time.time() - enqueued_at) if enqueued_at is not None else None
+    await _emit(worker, "started", queue, key, request_id=request_id, task=message_type, attempt=attempt,
+                wait=wait)
+
+
+@hookimpl(trylast=True)
+async def keyqueue_request_retried(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                                   attempt: int, delay: float, error: str) -> None:
+    await _emit(worker, "retried", queue, key, request_id=request_id, task=message_type, attempt=attempt,
+                reason=error)
+
+
+@hookimpl(trylast=True)
+async def keyqueue_request_succeeded(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                                     elapsed: float) -> None:
+    _RUNS.pop(request_id, None)
+    await _emit(worker, "succeeded", queue, key, request_id=request_id, task=message_type, run=elapsed)
+
+
+@hookimpl(trylast=True)
+async def keyqueue_request_superseded(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                                      superseded_by: str) -> None:
+    _RUNS.pop(request_id, None)
+    await _emit(worker, "superseded", queue, key, request_id=request_id, task=message_type,
+                reason=f"superseded by {superseded_by}")
+
+
+@hookimpl(trylast=True)
+async def keyqueue_request_dead_lettered(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                                         reason: str, attempts: int, error: str) -> None:
+    await _emit(worker, "dead_lettered", queue, key, request_id=request_id, task=message_type, attempt=attempts,
+                run=_RUNS.pop(request_id, None), reason=reason)
+
+
+# --- keyqueue events tail --------------------------------------------------------------------------
+
+
+@hookimpl(trylast=True)
+def keyqueue_add_commands(cli: click.Group) -> None:
+    from keyqueue.events_cli import events
+
+    cli.add_command(events)

@@ -1,0 +1,176 @@
+"""The built-in events plugin against a real nats-server: what a known workload leaves in KQ_<queue>_EVENTS."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import keyqueue
+from keyqueue import events as ev
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.wire import CBOR, loads
+
+MakeApp = Callable[..., keyqueue.App]
+KEYQUEUE = str(Path(sys.executable).with_name("keyqueue"))
+
+
+@pytest.fixture
+async def make_app(nats_url: str) -> AsyncIterator[MakeApp]:
+    apps: list[keyqueue.App] = []
+
+    def make(name: str = "shop") -> keyqueue.App:
+        app = keyqueue.App(name, url=nats_url, set_as_default=False, autoload_plugins=False)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        await app.close()
+
+
+async def read_events(app: keyqueue.App, queue: str) -> list[dict[str, Any]]:
+    api = JetStreamApi(await app.connection())
+    info = await api.stream_info(ev.events_stream(queue))
+    out = []
+    for seq in range(int(info["state"]["first_seq"]), int(info["state"]["last_seq"]) + 1):
+        msg = await api.get_msg(ev.events_stream(queue), seq=seq, direct=False)
+        if msg is None:
+            continue
+        assert msg.headers["X-CONTENT-TYPE"] == CBOR
+        assert (msg.headers["X-MESSAGE-TYPE"], msg.headers["X-MESSAGE-VERSION"]) == ("KeyqueueEvent", "1")
+        body = loads(msg.data, CBOR)
+        assert tuple(body) == ev.EVENT_FIELD_NAMES and msg.subject == f"kq.{queue}.events.{body['event']}"
+        out.append(body)
+    return out
+
+
+async def events_until(app: keyqueue.App, queue: str, done: Callable[[list[dict[str, Any]]], bool]
+                       ) -> list[dict[str, Any]]:
+    async with asyncio.timeout(15):
+        while True:
+            await (await app.connection()).flush()
+            try:
+                found = await read_events(app, queue)
+            except keyqueue.StreamNotFound:
+                found = []
+            if done(found):
+                return found
+            await asyncio.sleep(0.05)
+
+
+def workload(app: keyqueue.App) -> Any:
+    failed: set[int] = set()
+
+    @app.task(key="{order_id}", max_attempts=3, backoff=0.01)
+    async def charge(order_id: str, n: int) -> int:
+        if n == 2 and n not in failed:
+            failed.add(n)
+            raise ValueError("flaky")
+        await asyncio.sleep(0.01)
+        return n
+
+    return charge
+
+
+async def test_a_known_workload_leaves_exactly_its_events(make_app: MakeApp) -> None:
+    app = make_app()
+    charge = workload(app)
+    receipts = [await charge.enqueue(order_id="o1", n=n) for n in (1, 2, 3)]
+    # A duplicate (same request id) stores nothing and publishes no event.
+    await charge.options(request_id=receipts[0].request_id).enqueue(order_id="o1", n=1)
+    async with app.worker(name="w1", linger=0.05):
+        found = await events_until(app, "shop", lambda es: any(e["event"] == "released" for e in es))
+    by_request: dict[str, list[dict[str, Any]]] = {}
+    for e in sorted(found, key=lambda e: e["ts"]):
+        assert (e["queue"], e["key"]) == ("shop", "o1")
+        by_request.setdefault(e["request_id"], []).append(e)
+    keys = by_request.pop(None)
+    assert [e["event"] for e in keys] == ["acquired", "released"]
+    assert keys[1]["reason"] == "released" and all(e["worker"] == "w1" for e in keys)
+    ids = [r.request_id for r in receipts]
+    assert list(by_request) == ids
+    assert [(e["event"], e["attempt"]) for e in by_request[ids[0]]] == [
+        ("enqueued", None), ("started", 1), ("succeeded", None)]
+    assert [(e["event"], e["attempt"]) for e in by_request[ids[1]]] == [
+        ("enqueued", None), ("started", 1), ("retried", 1), ("started", 2), ("succeeded", None)]
+    assert [(e["event"], e["attempt"]) for e in by_request[ids[2]]] == [
+        ("enqueued", None), ("started", 1), ("succeeded", None)]
+    for events in by_request.values():
+        enqueued, started, *_, succeeded = events
+        assert enqueued["task"] == started["task"] == succeeded["task"] == "charge"
+        assert enqueued["worker"] is None and started["worker"] == "w1"
+        assert started["wait"] is not None and 0 <= started["wait"] < 10
+        assert succeeded["run"] is not None and 0.005 < succeeded["run"] < 5
+        assert all(e[f] is None for e in events for f in ("triggers", "run_id"))
+    assert by_request[ids[1]][2]["reason"] == "ValueError: flaky"
+
+
+async def test_dead_lettered_events_carry_the_reason_and_run_time(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.task(key="{k}", max_attempts=1)
+    async def boom(k: str) -> None:
+        raise RuntimeError("no")
+
+    async with app.worker(name="w1"):
+        with pytest.raises(keyqueue.DeadLettered):
+            await boom.call(k="a", timeout=10)  # call(): the enqueued event comes from the wrapper too
+        found = await events_until(app, "shop", lambda es: any(e["event"] == "dead_lettered" for e in es))
+    names = [e["event"] for e in sorted(found, key=lambda e: e["ts"]) if e["request_id"]]
+    assert names == ["enqueued", "started", "dead_lettered"]
+    [dead] = [e for e in found if e["event"] == "dead_lettered"]
+    assert (dead["reason"], dead["attempt"], dead["task"]) == ("max-attempts", 1, "boom")
+    assert dead["run"] is not None and dead["run"] >= 0
+
+
+async def test_switched_off_nothing_is_published(make_app: MakeApp, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEYQUEUE_EVENTS", "0")
+    app = make_app()
+    charge = workload(app)
+    nc = await app.connection()
+    seen: list[str] = []
+
+    async def on_msg(msg: Any) -> None:
+        seen.append(msg.subject)
+
+    await nc.subscribe("kq.shop.events.>", cb=on_msg)
+    async with app.worker():
+        for n in (1, 2, 3):
+            await charge.call(order_id="o1", n=n, timeout=10)
+    await nc.flush()
+    await asyncio.sleep(0.1)
+    assert seen == []
+    with pytest.raises(keyqueue.StreamNotFound):
+        await JetStreamApi(nc).stream_info(ev.events_stream("shop"))
+
+
+async def test_events_tail_prints_events_live(make_app: MakeApp, nats_url: str) -> None:
+    app = make_app()
+    charge = workload(app)
+    tail = await asyncio.create_subprocess_exec(
+        KEYQUEUE, "events", "tail", "shop", "--url", nats_url, "--count", "4", "--timeout", "30",
+        "-e", "enqueued", "-e", "succeeded", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert tail.stderr is not None and tail.stdout is not None
+    async with asyncio.timeout(20):
+        assert "tailing events of shop" in (await tail.stderr.readline()).decode()
+    async with app.worker():
+        await charge.call(order_id="o1", n=1, timeout=10)
+        await charge.call(order_id="o1", n=3, timeout=10)
+    assert await asyncio.wait_for(tail.wait(), 20) == 0
+    lines = (await tail.stdout.read()).decode().splitlines()
+    # call() publishes its enqueued event when it returns (with the ts of the enqueue): sort by ts.
+    assert sorted(line.split()[1] for line in lines) == ["enqueued", "enqueued", "succeeded", "succeeded"]
+    assert all(" o1 " in line and " charge " in line for line in lines)
+    assert all("run=" in line for line in lines if " succeeded " in line)
+
+
+def test_the_format_matches_the_spark_readers_contract() -> None:
+    spark_events = pytest.importorskip("plugins.keyqueue_spark.events")
+    assert ev.EVENT_FIELDS == spark_events.EVENT_FIELDS
+    assert ev.EVENT_NAMES == spark_events.EVENT_NAMES
+    assert (ev.EVENT_MESSAGE_TYPE, ev.EVENT_VERSION) == (spark_events.EVENT_MESSAGE_TYPE, spark_events.EVENT_VERSION)
