@@ -28,6 +28,12 @@ log = logging.getLogger("keyqueue.pull")
 NS: Final = 1_000_000_000
 PENDING_MESSAGES: Final = "Nats-Pending-Messages"
 """Header on 408/409 statuses: how many messages of that pull request were not delivered."""
+PULLS_PER_WORKER: Final = 8
+"""A worker's free slots are requested in about this many pull requests (see TokenPuller.run)."""
+OUTSTANDING_CHUNKS: Final = 2
+"""Chunks a worker keeps requested at once."""
+PULL_CHUNK_MIN: Final = 4
+"""Smallest batch of one pull request when a worker has more free slots than that."""
 PIN_ID: Final = "Nats-Pin-Id"
 """Header on messages of a pinned priority group: the pin this client must send on its pulls."""
 
@@ -143,6 +149,7 @@ class TokenPuller:
         self._stopped = False
         self._inbox = nc.new_inbox()
         self._resubscribe = False
+        self._chunk = PULL_CHUNK_MIN
         self._generation = 0
         self.dropped = 0
         """Deliveries ignored because they answered abandoned pull requests."""
@@ -191,13 +198,25 @@ class TokenPuller:
                                 self.names.queue)
                     self.state.reset()
                     await self._check_consumer()
-                want = self.state.wanted(self.capacity())
-                if want > 0 and self.nc.is_connected:
+                capacity = self.capacity()
+                # The server fills waiting pull requests in arrival order, each up to its batch:
+                # one pull for every free slot would hand a burst of keys to one worker while the
+                # others sit idle. A worker keeps about two chunks requested at a time, so its
+                # next pull queues behind other workers' waiting pulls and keys spread out.
+                chunk = self._chunk = max(PULL_CHUNK_MIN, -(-capacity // PULLS_PER_WORKER))
+                want = self.state.wanted(capacity)
+                if self.options.priority is None:
+                    # (With priorities the server must see every free slot of a better tier
+                    # waiting, or a worse tier gets keys first: no throttle there.)
+                    want = min(want, OUTSTANDING_CHUNKS * chunk - self.state.pending)
+                while want > 0 and self.nc.is_connected:
+                    batch = min(want, chunk)
                     n += 1
-                    body = self.options.request(want, self.state.pin_id)
-                    self.state.requested(want, now)
+                    body = self.options.request(batch, self.state.pin_id)
+                    self.state.requested(batch, now)
                     await self.nc.publish(self._next_subject, json.dumps(body).encode(),
                                           reply=f"{self._inbox}.{n}")
+                    want -= batch
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.options.heartbeat)
@@ -233,6 +252,8 @@ class TokenPuller:
         status = headers.get(STATUS)
         if not status:
             self.state.delivered(now)
+            if self.state.pending < self._chunk:
+                self._wake.set()  # a chunk was used up: request the next one
             pin = headers.get(PIN_ID)
             if pin and pin != self.state.pin_id:
                 self.state.pin_id = pin
