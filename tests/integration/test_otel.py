@@ -1,13 +1,20 @@
-"""The OpenTelemetry plugin against a real nats-server, producer and worker in this process.
+"""The OpenTelemetry plugin against a real nats-server.
 
 Spans go to the SDK's InMemorySpanExporter and metrics to an InMemoryMetricReader, through an
-``OtelPlugin`` with its own providers (the global ones are left alone).
+``OtelPlugin`` with its own providers (the global ones are left alone). Most tests run producer
+and worker in this process; one runs the worker as a ``keyqueue worker`` subprocess configured
+only by OTEL_* variables.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -167,3 +174,47 @@ def test_without_an_sdk_the_entry_point_plugin_records_nothing() -> None:
 
     if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         assert plugin.tracer() is None
+
+
+async def test_the_trace_crosses_processes_with_a_worker_configured_from_otel_env(nats_url: str) -> None:
+    """A ``keyqueue worker`` subprocess set up only by OTEL_* variables (console exporter) continues
+    the trace of an enqueue made in this process."""
+    root = Path(__file__).parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KEYQUEUE_", "OTEL_"))}
+    env.update(KEYQUEUE_URL=nats_url, OTEL_TRACES_EXPORTER="console", OTEL_METRICS_EXPORTER="none",
+               OTEL_LOGS_EXPORTER="none", OTEL_SERVICE_NAME="kq-worker")
+    worker = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("keyqueue")), "worker", "examples.quickstart.app:app", "--queue", "shop",
+        cwd=root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert worker.stderr is not None and worker.stdout is not None
+    telemetry = Telemetry()
+    app = keyqueue.App("shop", url=nats_url, set_as_default=False, autoload_plugins=False,
+                       plugins=[telemetry.plugin])
+
+    @app.task(key="{order_id}")
+    async def charge(order_id: str, amount: int) -> dict[str, Any]:
+        raise AssertionError("runs in the worker")
+
+    try:
+        async with asyncio.timeout(30):
+            while b"queue shop:" not in await worker.stderr.readline():
+                pass
+        assert (await charge.call(order_id="t1", amount=3, timeout=20))["charged"] == 3
+    finally:
+        await app.close()
+        if worker.returncode is None:
+            worker.send_signal(signal.SIGTERM)
+        out, _ = await asyncio.wait_for(worker.communicate(), 30)
+    [producer] = [s for s in telemetry.spans() if s.kind == SpanKind.PRODUCER]
+    text, decoder, spans = out.decode(), json.JSONDecoder(), []
+    index = text.find("{")
+    while index >= 0:
+        span, end = decoder.raw_decode(text, index)
+        spans.append(span)
+        index = text.find("{", end)
+    [process] = [s for s in spans if s["name"] == "process shop"]
+    assert process["kind"] == "SpanKind.CONSUMER"
+    assert process["context"]["trace_id"] == f"0x{producer.context.trace_id:032x}"
+    assert process["parent_id"] == f"0x{producer.context.span_id:016x}"
+    assert process["attributes"]["keyqueue.key"] == "t1" and process["attributes"]["keyqueue.attempt"] == 1
+    assert process["resource"]["attributes"]["service.name"] == "kq-worker"
