@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: $(STAMP)
-	$(PY) -m examples.demo
+	$(PY) -m examples.rebaser
 
 # The benchmarks (bench/, docs/benchmarks.md) need matplotlib for the chart: the bench extra.
 BENCH_STAMP := $(VENV)/.installed-bench

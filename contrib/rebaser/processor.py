@@ -104,8 +104,12 @@ class RebaserProcessor(BaseProcessor):
         self._ctx = ctx
         self.state, self.revision = await self.store.load(ctx.key)
         if self.state.fencing > ctx.fencing:
-            raise LeaseLost(f"change set {ctx.key}: the snapshot was written by a newer holder "
-                            f"(fencing {self.state.fencing} > ours {ctx.fencing})")
+            # Either this holder is already stale, or the queue's token stream was recreated (its
+            # sequences restart). Refusing would strand the change set in the second case; the
+            # revision check on every write keeps a stale holder out in the first.
+            log.warning("change set %s: stored by fencing token %s, newer than this holder's %s (was the token "
+                        "stream recreated?)", ctx.key, self.state.fencing, ctx.fencing)
+            ctx.check_lease()
         self._dvu = SerialDvuTask(ctx.key, owed=lambda: self.state.dvu_owed, run=self._run_dvu,
                                   lease_valid=ctx.lease_valid, max_failures=self.settings.dvu_max_failures,
                                   base_delay=self.settings.dvu_base_delay)

@@ -12,7 +12,9 @@ every change applied meanwhile (see :meth:`ChangeSetState.commit_dvu`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
 from typing import Any, Final
 
 import cbor2
@@ -33,7 +35,7 @@ __all__ = ["FORMAT", "ChangeSetState", "DvuPlan", "DvuRun", "Waiter", "decode_st
 FORMAT: Final = 1
 """Version of the stored state's layout."""
 
-HISTORY: Final = 32
+HISTORY: Final = 16
 """DVU runs kept in the state's history."""
 
 EVENT_SESSIONS: Final = 32
@@ -228,8 +230,13 @@ class ChangeSetState:
 # through keyqueue's strict decoder, so a damaged or foreign value is refused, never trusted.
 
 
+_FIELD_NAMES: Final[Mapping[type, tuple[str, ...]]] = MappingProxyType({
+    cls: tuple(f.name for f in fields(cls)) for cls in (ChangeSetState, DvuRun, Waiter, EnqueueUpdatesResponse)
+})
+
+
 def _flat(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+    return {name: getattr(obj, name) for name in _FIELD_NAMES[type(obj)]}
 
 
 def _node(node: Node) -> dict[str, Any]:

@@ -73,7 +73,7 @@ class ChangeSetModel:
             roll = rng.random()
             plain = [name for name, node in self.nodes.items() if not node.computed]
             if roll < 0.70 and plain:
-                value: Any = rng.randint(-50, 50) if rng.random() < 0.97 else "oops"  # a string breaks sum/min/max
+                value: Any = rng.randint(-50, 50) if rng.random() < 0.98 else "oops"  # a string breaks sum/min/max
                 updates.append(Update.set_value(rng.choice(plain), value))
             elif roll < 0.82:
                 self.extra += 1
@@ -86,7 +86,7 @@ class ChangeSetModel:
                                 and not any(name in other.inputs for other in self.nodes.values()))
                 if leaves:
                     updates.append(Update.remove_node(rng.choice(leaves)))
-            elif roll < 0.95:
+            elif roll < 0.97:
                 extras = sorted(name for name, node in self.nodes.items() if name.startswith("x") and node.computed)
                 if extras:
                     updates.append(Update.remove_dependency(rng.choice(extras)))

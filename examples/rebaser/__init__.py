@@ -1,0 +1,1 @@
+"""The Rebaser demo: ``python -m examples.rebaser`` (``make demo``)."""
