@@ -1,6 +1,6 @@
 """The built-in plugin that publishes lifecycle events to the queue's events stream.
 
-Stream ``KQ_<queue>_EVENTS`` (limits retention: 7 days, 1 GiB, oldest dropped first), subjects
+Stream ``KQ_<queue>_EVENTS`` (limits retention: 7 days, 5 million events, oldest dropped first), subjects
 ``kq.<queue>.events.<event>``. Each message has the headers ``X-CONTENT-TYPE:
 application/cbor``, ``X-MESSAGE-TYPE: KeyqueueEvent``, ``X-MESSAGE-VERSION: 1`` and a CBOR map
 body with every field of :data:`EVENT_FIELDS` (null where it does not apply). This is the
@@ -29,11 +29,13 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
+import cbor2
+
 from keyqueue.errors import KeyqueueTimeout, StreamNotFound, TaskFailure
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.plugins import hookimpl
-from keyqueue.wire import CBOR, dumps
+from keyqueue.wire import CBOR
 from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
@@ -53,7 +55,7 @@ __all__ = [
     "EVENT_NAMES",
     "EVENT_VERSION",
     "MAX_AGE",
-    "MAX_BYTES",
+    "MAX_MSGS",
     "ensure_events_stream",
     "event",
     "events_stream",
@@ -97,8 +99,12 @@ EVENT_VERSION: Final = 1
 MAX_AGE: Final = 7 * 24 * 3600.0
 """Seconds an event is kept."""
 
-MAX_BYTES: Final = 1 << 30
-"""Bytes the events stream of one queue may hold (oldest events are dropped first)."""
+MAX_MSGS: Final = 5_000_000
+"""Events the stream of one queue keeps (oldest dropped first): about 1 GiB at ~200 bytes an event.
+
+A count rather than ``max_bytes``: nats-server reserves a stream's ``max_bytes`` against the
+JetStream storage limit up front, so 1 GiB per queue would soon leave no room to create the
+queues' own streams (the embedded server's store is 4 GB)."""
 
 _HEADERS: Final = {H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: EVENT_MESSAGE_TYPE, H.MESSAGE_VERSION: str(EVENT_VERSION)}
 
@@ -132,21 +138,28 @@ def event(name: str, ts: float, queue: str, **fields: Any) -> dict[str, Any]:
     return body
 
 
-def stream_config(queue: str, *, max_age: float = MAX_AGE, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
-    """The events stream's configuration (limits retention, file storage, oldest discarded)."""
-    return {"name": events_stream(queue), "subjects": [f"kq.{queue}.events.>"], "retention": "limits",
-            "storage": "file", "num_replicas": 1, "max_age": int(max_age * 1e9), "max_bytes": max_bytes,
-            "allow_direct": True, "discard": "old"}
+def stream_config(queue: str, *, max_age: float = MAX_AGE, max_msgs: int = MAX_MSGS,
+                  max_bytes: int | None = None) -> dict[str, Any]:
+    """The events stream's configuration (limits retention, file storage, oldest discarded).
+
+    ``max_bytes`` is left out unless given: the server reserves it up front (see ``MAX_MSGS``).
+    """
+    config = {"name": events_stream(queue), "subjects": [f"kq.{queue}.events.>"], "retention": "limits",
+              "storage": "file", "num_replicas": 1, "max_age": int(max_age * 1e9), "max_msgs": max_msgs,
+              "allow_direct": True, "discard": "old"}
+    if max_bytes is not None:
+        config["max_bytes"] = max_bytes
+    return config
 
 
-async def ensure_events_stream(nc: Client, queue: str, *, max_age: float = MAX_AGE,
-                               max_bytes: int = MAX_BYTES) -> None:
+async def ensure_events_stream(nc: Client, queue: str, *, max_age: float = MAX_AGE, max_msgs: int = MAX_MSGS,
+                               max_bytes: int | None = None) -> None:
     """Create ``KQ_<queue>_EVENTS`` if it does not exist (an existing one is used as it is)."""
     api = JetStreamApi(nc)
     try:
         await api.stream_info(events_stream(queue))
     except StreamNotFound:
-        await api.add_stream(stream_config(queue, max_age=max_age, max_bytes=max_bytes))
+        await api.add_stream(stream_config(queue, max_age=max_age, max_msgs=max_msgs, max_bytes=max_bytes))
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -155,16 +168,21 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+_CROCKFORD: Final = {c: i for i, c in enumerate("0123456789ABCDEFGHJKMNPQRSTVWXYZ")}
+
+
 def _enqueued_at(request_id: str) -> float | None:
-    """Unix seconds from a ULID request id (keyqueue's default ids), else None."""
+    """Unix seconds from a ULID request id (keyqueue's default ids: 10 base32 characters of
+    milliseconds, then randomness), else None."""
     if len(request_id) != 26:
         return None
+    ms = 0
     try:
-        from ulid import ULID
-
-        return float(ULID.from_str(request_id).timestamp)
-    except (ValueError, TypeError):
+        for c in request_id[:10].upper():
+            ms = ms * 32 + _CROCKFORD[c]
+    except KeyError:
         return None
+    return ms / 1000.0 if ms < 1 << 48 else None
 
 
 # --- the publisher ---------------------------------------------------------------------------------
@@ -177,19 +195,35 @@ class _AppEvents:
         self.app = app
         self.on = enabled()
         self.ensured: set[str] = set()
+        self._nc: tuple[asyncio.AbstractEventLoop, Client] | None = None
+
+    async def _connection(self) -> Client:
+        loop = asyncio.get_running_loop()
+        cached = self._nc
+        if cached is not None and cached[0] is loop and cached[1].is_connected:
+            return cached[1]
+        nc = await self.app.connection()
+        self._nc = (loop, nc)
+        return nc
 
     async def publish(self, body: dict[str, Any]) -> None:
-        if not self.on or self.app._eager is not None:
+        await self.publish_many(body["queue"], [body])
+
+    async def publish_many(self, queue: str, bodies: Sequence[dict[str, Any]]) -> None:
+        """Publish events of one queue, in order (core publishes: buffered, no ack awaited)."""
+        if not self.on or self.app._eager is not None or not bodies:
             return
-        queue = body["queue"]
         try:
-            nc = await self.app.connection()
+            nc = await self._connection()
             if queue not in self.ensured:
                 await ensure_events_stream(nc, queue)
                 self.ensured.add(queue)
-            await nc.publish(events_subject(queue, body["event"]), dumps(body, CBOR), headers=dict(_HEADERS))
+            prefix = f"kq.{queue}.events."
+            for body in bodies:
+                # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
+                await nc.publish(prefix + body["event"], cbor2.dumps(body), headers=_HEADERS)
         except Exception as exc:  # telemetry must never fail the work
-            log.debug("event %s of queue %s not published: %r", body.get("event"), queue, exc)
+            log.debug("events of queue %s not published: %r", queue, exc)
 
 
 _APPS: weakref.WeakKeyDictionary[App, _AppEvents] = weakref.WeakKeyDictionary()
@@ -204,10 +238,15 @@ def _of(app: App) -> _AppEvents:
     return state
 
 
-async def _emit(worker: Worker, name: str, queue: str, key: str | None, **fields: Any) -> None:
-    state = _of(worker.app)
+async def _emit(worker: Worker, name: str, queue: str, key: str | None, request_id: str | None = None,
+                task: str | None = None, attempt: int | None = None, wait: float | None = None,
+                run: float | None = None, reason: str | None = None) -> None:
+    state = _APPS.get(worker.app) or _of(worker.app)
     if state.on:
-        await state.publish(event(name, time.time(), queue, key=key, worker=worker.name, **fields))
+        # event() with its checks, spelt out: this runs several times per request.
+        await state.publish({"event": name, "ts": time.time(), "queue": queue, "key": key,
+                             "request_id": request_id, "task": task, "worker": worker.name, "attempt": attempt,
+                             "wait": wait, "run": run, "reason": reason, "triggers": None, "run_id": None})
 
 
 # --- enqueue ---------------------------------------------------------------------------------------
@@ -245,10 +284,11 @@ class _Enqueue:
         if not pending or pending[0][0] is not self.request:
             return  # an inner wrapper of a batch: the first request's wrapper publishes them all
         del self._open[task]  # type: ignore[arg-type]
-        for request, ts, stored in pending:
-            if stored[0]:
-                await self.state.publish(event("enqueued", ts, request.queue, key=request.key,
-                                               request_id=request.request_id, task=request.message_type))
+        await self.state.publish_many(self.request.queue, [
+            {"event": "enqueued", "ts": ts, "queue": request.queue, "key": request.key,
+             "request_id": request.request_id, "task": request.message_type, "worker": None, "attempt": None,
+             "wait": None, "run": None, "reason": None, "triggers": None, "run_id": None}
+            for request, ts, stored in pending if stored[0]])
 
 
 @hookimpl(trylast=True)

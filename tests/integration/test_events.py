@@ -108,6 +108,10 @@ async def test_a_known_workload_leaves_exactly_its_events(make_app: MakeApp) -> 
         assert succeeded["run"] is not None and 0.005 < succeeded["run"] < 5
         assert all(e[f] is None for e in events for f in ("triggers", "run_id"))
     assert by_request[ids[1]][2]["reason"] == "ValueError: flaky"
+    config = (await JetStreamApi(await app.connection()).stream_info("KQ_shop_EVENTS"))["config"]
+    assert (config["retention"], config["max_age"]) == ("limits", 7 * 24 * 3600 * 10**9)
+    assert config["max_msgs"] == ev.MAX_MSGS
+    assert config["max_bytes"] == -1  # a max_bytes would be reserved up front against the server's store
 
 
 async def test_dead_lettered_events_carry_the_reason_and_run_time(make_app: MakeApp) -> None:
