@@ -1,8 +1,8 @@
 """keyqueue's OpenTelemetry metrics (instrument names and units are listed in docs/observability.md).
 
 Every instrument carries ``keyqueue.queue``; request instruments also ``keyqueue.task``.
-Instruments are created from the global meter provider unless one is given; created before the
-SDK is configured, they start recording once it is (the API's proxy meter).
+``OtelPlugin`` creates them from its meter provider, else from the global one once an SDK has
+set it (until then nothing is counted, at no cost).
 """
 
 from __future__ import annotations

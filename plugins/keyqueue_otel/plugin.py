@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
+from opentelemetry import metrics as otel_metrics
 from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
@@ -137,8 +138,9 @@ class _Enqueue:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         receipt = self.request.receipt
-        if self.owner.metrics is not None and (receipt is not None and not receipt.duplicate):
-            self.owner.metrics.enqueued(self.request.queue, self.request.message_type)
+        meters = self.owner.meters()
+        if meters is not None and receipt is not None and not receipt.duplicate:
+            meters.enqueued(self.request.queue, self.request.message_type)
         span = self.span
         if span is None:
             return
@@ -161,11 +163,9 @@ class OtelPlugin:
         self.tracing = tracing
         self._tracer: trace.Tracer | None = None
         self._tracer_of: object = None
-        self.metrics: Metrics | None = None
-        if metrics:
-            from plugins.keyqueue_otel.metrics import Metrics
-
-            self.metrics = Metrics(meter_provider)
+        self.metrics = metrics
+        self._meters: Metrics | None = None
+        self._meters_of: object = None
 
     def tracer(self) -> trace.Tracer | None:
         """The tracer, or None while tracing is off or no tracer provider is configured."""
@@ -179,6 +179,20 @@ class OtelPlugin:
             self._tracer_of = provider
         return self._tracer
 
+    def meters(self) -> Metrics | None:
+        """The instruments, or None while metrics are off or no meter provider is configured."""
+        if not self.metrics:
+            return None
+        provider = self.meter_provider or otel_metrics.get_meter_provider()
+        if isinstance(provider, otel_metrics.NoOpMeterProvider) or type(provider).__name__ == "_ProxyMeterProvider":
+            return None
+        if self._meters_of is not provider:
+            from plugins.keyqueue_otel.metrics import Metrics
+
+            self._meters = Metrics(provider)
+            self._meters_of = provider
+        return self._meters
+
     # --- hooks: tracing ---
 
     @hookimpl
@@ -189,7 +203,7 @@ class OtelPlugin:
     @hookimpl
     def keyqueue_wrap_enqueue(self, app: App, request: TaskRequest) -> _Enqueue | None:
         tracer = self.tracer()
-        if tracer is None and self.metrics is None:
+        if tracer is None and self.meters() is None:
             return None
         return _Enqueue(self, tracer, request)
 
@@ -231,43 +245,51 @@ class OtelPlugin:
 
     @hookimpl
     def keyqueue_key_acquired(self, worker: Worker, queue: str, key: str) -> None:
-        if self.metrics is not None:
-            self.metrics.keys_held(queue, +1)
+        meters = self.meters()
+        if meters is not None:
+            meters.keys_held(queue, +1)
 
     @hookimpl
     def keyqueue_key_released(self, worker: Worker, queue: str, key: str) -> None:
-        if self.metrics is not None:
-            self.metrics.keys_held(queue, -1)
+        meters = self.meters()
+        if meters is not None:
+            meters.keys_held(queue, -1)
 
     @hookimpl
     def keyqueue_request_started(self, queue: str, request_id: str, message_type: str, attempt: int) -> None:
-        if self.metrics is not None and attempt == 1:
-            self.metrics.started(queue, message_type, request_id)
+        meters = self.meters()
+        if meters is not None and attempt == 1:
+            meters.started(queue, message_type, request_id)
 
     @hookimpl
     def keyqueue_request_failed(self, queue: str, message_type: str, error: BaseException) -> None:
-        if self.metrics is not None:
-            self.metrics.failed(queue, message_type, type(error).__name__)
+        meters = self.meters()
+        if meters is not None:
+            meters.failed(queue, message_type, type(error).__name__)
 
     @hookimpl
     def keyqueue_request_retried(self, queue: str, message_type: str) -> None:
-        if self.metrics is not None:
-            self.metrics.retried(queue, message_type)
+        meters = self.meters()
+        if meters is not None:
+            meters.retried(queue, message_type)
 
     @hookimpl
     def keyqueue_request_succeeded(self, queue: str, message_type: str, elapsed: float) -> None:
-        if self.metrics is not None:
-            self.metrics.succeeded(queue, message_type, elapsed)
+        meters = self.meters()
+        if meters is not None:
+            meters.succeeded(queue, message_type, elapsed)
 
     @hookimpl
     def keyqueue_request_superseded(self, queue: str, message_type: str) -> None:
-        if self.metrics is not None:
-            self.metrics.superseded(queue, message_type)
+        meters = self.meters()
+        if meters is not None:
+            meters.superseded(queue, message_type)
 
     @hookimpl
     def keyqueue_request_dead_lettered(self, queue: str, message_type: str, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.dead_lettered(queue, message_type, reason)
+        meters = self.meters()
+        if meters is not None:
+            meters.dead_lettered(queue, message_type, reason)
 
 
 plugin = OtelPlugin()

@@ -170,10 +170,15 @@ async def test_metrics_for_a_known_workload(setup: tuple[keyqueue.App, Telemetry
 
 
 def test_without_an_sdk_the_entry_point_plugin_records_nothing() -> None:
+    from opentelemetry import metrics
+
     from plugins.keyqueue_otel import plugin
 
     if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         assert plugin.tracer() is None
+    if type(metrics.get_meter_provider()).__name__ == "_ProxyMeterProvider":
+        assert plugin.meters() is None
+    assert OtelPlugin(metrics=False, tracing=False).keyqueue_wrap_enqueue(None, None) is None  # type: ignore[arg-type]
 
 
 async def test_the_trace_crosses_processes_with_a_worker_configured_from_otel_env(nats_url: str) -> None:
