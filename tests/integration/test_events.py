@@ -178,3 +178,26 @@ def test_the_format_matches_the_spark_readers_contract() -> None:
     assert ev.EVENT_FIELDS == spark_events.EVENT_FIELDS
     assert ev.EVENT_NAMES == spark_events.EVENT_NAMES
     assert (ev.EVENT_MESSAGE_TYPE, ev.EVENT_VERSION) == (spark_events.EVENT_MESSAGE_TYPE, spark_events.EVENT_VERSION)
+
+
+async def test_latest_policy_supersedes_with_the_newest_request_named(make_app: MakeApp) -> None:
+    app = make_app("prices")
+
+    @app.task(key="{sku}", policy="latest")
+    async def reprice(sku: str, price: int) -> int:
+        return price
+
+    receipts = [await reprice.enqueue(sku="s1", price=p) for p in (1, 2, 3)]
+    async with app.worker(name="w1"):
+        found = await events_until(app, "prices", lambda es: any(e["event"] == "released" for e in es))
+    by_request: dict[str, list[dict[str, Any]]] = {}
+    for e in sorted(found, key=lambda e: e["ts"]):
+        if e["request_id"]:
+            by_request.setdefault(e["request_id"], []).append(e)
+    ids = [r.request_id for r in receipts]
+    # One attempt took the three: its started event names the first; each has its own outcome.
+    assert [e["event"] for e in by_request[ids[0]]] == ["enqueued", "started", "superseded"]
+    assert [e["event"] for e in by_request[ids[1]]] == ["enqueued", "superseded"]
+    assert [e["event"] for e in by_request[ids[2]]] == ["enqueued", "succeeded"]
+    for old in ids[:2]:
+        assert by_request[old][-1]["reason"] == f"superseded by {ids[2]}"
