@@ -5,6 +5,8 @@ the globally configured propagator): ``keyqueue_wrap_enqueue`` injects the produ
 context, ``keyqueue_wrap_process`` extracts it, so the process span is the enqueue span's child
 and one trace runs from the producer into the task (spans the task opens are children of the
 process span). A batch's process span is parented on its first request and linked to the others.
+Each key session is a ``key session <queue>`` span of its own (a trace root, INTERNAL), from the
+key's acquisition to its release.
 
 ``plugin`` (the entry-point object) uses the global tracer and meter providers and does nothing
 while none is configured; ``OtelPlugin(tracer_provider=..., meter_provider=...)`` uses its own
@@ -108,6 +110,9 @@ class _HeaderGetter(Getter[Mapping[str, str]]):
 
 _GETTER: Final = _HeaderGetter()
 
+_ROOT: Final = trace.set_span_in_context(trace.INVALID_SPAN)
+"""A context without a span: key-session spans start traces of their own."""
+
 
 def _inbox_subject(queue: str, key: str) -> str:
     return f"kq.{queue}.in.{key}"
@@ -163,6 +168,8 @@ class OtelPlugin:
         self.tracing = tracing
         self._tracer: trace.Tracer | None = None
         self._tracer_of: object = None
+        self._sessions: dict[tuple[int, str, str], trace.Span] = {}
+        """Open key-session spans by (worker, queue, key)."""
         self.metrics = metrics
         self._meters: Metrics | None = None
         self._meters_of: object = None
@@ -244,16 +251,32 @@ class OtelPlugin:
     # --- hooks: metrics ---
 
     @hookimpl
-    def keyqueue_key_acquired(self, worker: Worker, queue: str, key: str) -> None:
+    def keyqueue_key_acquired(self, worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> None:
         meters = self.meters()
         if meters is not None:
             meters.keys_held(queue, +1)
+        tracer = self.tracer()
+        if tracer is not None:
+            span = tracer.start_span(
+                f"key session {queue}", kind=SpanKind.INTERNAL, context=_ROOT,
+                attributes={"messaging.system": SYSTEM, "keyqueue.queue": queue, "keyqueue.key": key,
+                            "keyqueue.fencing": [int(fencing[0]), int(fencing[1])], "keyqueue.worker": worker.name})
+            old = self._sessions.pop((id(worker), queue, key), None)
+            if old is not None:
+                old.end()
+            self._sessions[(id(worker), queue, key)] = span
 
     @hookimpl
-    def keyqueue_key_released(self, worker: Worker, queue: str, key: str) -> None:
+    def keyqueue_key_released(self, worker: Worker, queue: str, key: str, outcome: str) -> None:
         meters = self.meters()
         if meters is not None:
             meters.keys_held(queue, -1)
+        span = self._sessions.pop((id(worker), queue, key), None)
+        if span is not None:
+            span.set_attribute("keyqueue.outcome", outcome)
+            if outcome not in ("released", "handed-off"):
+                span.set_status(Status(StatusCode.ERROR, outcome))
+            span.end()
 
     @hookimpl
     def keyqueue_request_started(self, queue: str, request_id: str, message_type: str, attempt: int) -> None:

@@ -129,6 +129,11 @@ async def test_one_trace_runs_from_enqueue_to_processing(setup: tuple[keyqueue.A
     o2 = next(p for p in producers.values() if p.attributes["keyqueue.key"] == "o2")
     assert o2.status.status_code == StatusCode.UNSET
 
+    # Each key session is a span of its own, from acquisition to release.
+    sessions = [s for s in spans if s.name == "key session shop"]
+    assert {s.attributes["keyqueue.key"] for s in sessions} == {"o1", "o2"}
+    assert all(s.parent is None and s.attributes["keyqueue.outcome"] in ("released", "handed-off") for s in sessions)
+
     # Spans the task opens are children of its process span.
     charging = {s.name: s for s in spans if s.name.startswith("charging ")}
     [process_1] = consumers[receipts[0].request_id]
