@@ -153,14 +153,14 @@ async def test_quiescence_race_through_the_client_strands_nothing(client: Rebase
 
     async def producer(p: int) -> None:
         rng = random.Random(p)
-        for j in range(150):
+        for j in range(100):
             cs = rng.choice(change_sets)
             await client.enqueue_updates("w", cs, [Update.set_value(f"p{p}", j)], wait=False)
             last[(cs, p)] = j
-            await asyncio.sleep(rng.random() * 0.03)  # gaps, so sessions keep releasing between requests
+            await asyncio.sleep(rng.random() * 0.05)  # gaps, so sessions keep releasing between requests
 
     await asyncio.gather(*(producer(p) for p in producers))
-    total = len(change_sets) + 150 * len(producers)
+    total = len(change_sets) + 100 * len(producers)
     log = await fleet.wait_for(lambda log: len(rebaser_events(log, "applied")) >= total, timeout=60,
                                what="every request applied")
     assert len(rebaser_events(log, "applied")) == total, "a request was applied twice"
@@ -173,5 +173,5 @@ async def test_quiescence_race_through_the_client_strands_nothing(client: Rebase
     inbox = await JetStreamApi(client.nc).stream_info("KQ_rebaser_INBOX")
     assert inbox["state"]["messages"] == 0, "a request was stranded in the inbox"
     released = session_events(log, "released", outcome="released")
-    assert len(released) > 40, f"sessions did not release often enough to exercise the race: {len(released)}"
+    assert len(released) > 30, f"sessions did not release often enough to exercise the race: {len(released)}"
     print(f"quiescence race: {len(released)} key sessions released while requests kept arriving")
