@@ -60,6 +60,7 @@ __all__ = [
     "event",
     "events_stream",
     "events_subject",
+    "publish_event",
     "stream_config",
 ]
 
@@ -247,6 +248,18 @@ async def _emit(worker: Worker, name: str, queue: str, key: str | None, request_
         await state.publish({"event": name, "ts": time.time(), "queue": queue, "key": key,
                              "request_id": request_id, "task": task, "worker": worker.name, "attempt": attempt,
                              "wait": wait, "run": run, "reason": reason, "triggers": None, "run_id": None})
+
+
+async def publish_event(app: App, name: str, queue: str, key: str | None = None, *, ts: float | None = None,
+                        **fields: Any) -> None:
+    """Publish one event of ``queue`` through ``app``'s events plugin (nothing if it is off).
+
+    For processors with lifecycle steps of their own, e.g. a DVU's ``dvu_started`` /
+    ``dvu_finished`` (with ``run``, ``triggers``, ``run_id``). ``fields`` are event fields
+    (``ValueError`` for others); ``ts`` defaults to now. Best effort, like every event.
+    """
+    body = event(name, time.time() if ts is None else ts, queue, key=key, **fields)
+    await _of(app).publish(body)
 
 
 # --- enqueue ---------------------------------------------------------------------------------------

@@ -201,3 +201,14 @@ async def test_latest_policy_supersedes_with_the_newest_request_named(make_app: 
     assert [e["event"] for e in by_request[ids[2]]] == ["enqueued", "succeeded"]
     for old in ids[:2]:
         assert by_request[old][-1]["reason"] == f"superseded by {ids[2]}"
+
+
+async def test_processors_publish_their_own_events(make_app: MakeApp) -> None:
+    app = make_app()
+    workload(app)
+    await ev.publish_event(app, "dvu_finished", "shop", "o1", run=0.5, triggers=3, run_id="r1", worker="w9")
+    with pytest.raises(ValueError, match="not event fields: colour"):
+        await ev.publish_event(app, "dvu_started", "shop", "o1", colour="red")
+    [found] = await events_until(app, "shop", lambda es: len(es) == 1)
+    assert (found["event"], found["key"], found["run"], found["triggers"], found["run_id"], found["worker"]) == (
+        "dvu_finished", "o1", 0.5, 3, "r1", "w9")
