@@ -1,14 +1,14 @@
-"""The Rebaser as a keyqueue plugin: it serves queue ``rebaser`` with a :class:`RebaserProcessor` per change set.
+"""The Rebaser as a keyqueue plugin: queue ``rebaser``, a :class:`RebaserProcessor` per change set.
 
 Run a worker with keyqueue's own command line, from the repository root::
 
     keyqueue worker contrib.rebaser.app:app --url nats://127.0.0.1:4222 --concurrency 64
 
-``contrib.rebaser.app:app`` is a ``keyqueue.App`` with this plugin. To add the Rebaser to an app of your own, pass
-``RebaserPlugin()`` in ``App(plugins=[...])``, or install the ``keyqueue-rebaser`` distribution
-(``contrib/rebaser/pyproject.toml``), whose ``keyqueue`` entry point registers
-:data:`plugin` with every app. Registering twice (entry point and explicit) is harmless: the
-first registration wins.
+``contrib.rebaser.app:app`` is a ``keyqueue.App`` with this plugin. To add the Rebaser to an app
+of your own, pass ``RebaserPlugin()`` in ``App(plugins=[...])``, or install the
+``keyqueue-rebaser`` distribution (``contrib/rebaser/pyproject.toml``), whose ``keyqueue`` entry
+point registers :data:`plugin` with every app. Registering twice (entry point and explicit) is
+harmless: the first registration wins.
 """
 
 from __future__ import annotations
