@@ -30,6 +30,9 @@ from keyqueue import (
     WrongLastSequence,
 )
 from keyqueue import hookimpl as keyqueue_hookimpl
+
+# Lifecycle events of a processor's own (the DVU's), in keyqueue's events stream.
+from keyqueue.events import publish_event
 from keyqueue.jetstream.api import JetStreamApi
 
 # --- core seams the public API does not cover yet ----------------------------------------------
@@ -91,6 +94,7 @@ __all__ = [
     "keyqueue_hookimpl",
     "loads_map",
     "peek",
+    "publish_event",
     "validate_key",
     "wire_headers",
 ]

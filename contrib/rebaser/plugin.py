@@ -21,9 +21,18 @@ from typing import Any
 
 import click
 
-from contrib.rebaser._keyqueue import App, Client, KeyProcessor, QueueConfig, Worker, connect, keyqueue_hookimpl
+from contrib.rebaser._keyqueue import (
+    App,
+    Client,
+    KeyProcessor,
+    QueueConfig,
+    Worker,
+    connect,
+    keyqueue_hookimpl,
+    publish_event,
+)
 from contrib.rebaser.functions import FunctionRegistry, load_functions
-from contrib.rebaser.processor import Observer, RebaserProcessor, RebaserSettings
+from contrib.rebaser.processor import Observer, PublishEvent, RebaserProcessor, RebaserSettings
 from contrib.rebaser.store import SnapshotStore
 
 __all__ = ["RebaserPlugin", "RebaserProcessors", "plugin", "queue_config"]
@@ -38,20 +47,24 @@ class RebaserProcessors:
     """Builds a :class:`RebaserProcessor` per key session; all share one snapshot store per connection."""
 
     def __init__(self, nc: Client, store: SnapshotStore, functions: FunctionRegistry, *,
-                 settings: RebaserSettings | None = None, observer: Observer | None = None) -> None:
+                 settings: RebaserSettings | None = None, observer: Observer | None = None,
+                 publish_event: PublishEvent | None = None) -> None:
         self.nc = nc
         self.store = store
         self.functions = functions
         self.settings = settings or RebaserSettings()
         self.observer = observer
+        self.publish_event = publish_event
 
     @classmethod
     async def open(cls, nc: Client, *, settings: RebaserSettings | None = None,
-                   functions: FunctionRegistry | None = None, observer: Observer | None = None) -> RebaserProcessors:
+                   functions: FunctionRegistry | None = None, observer: Observer | None = None,
+                   publish_event: PublishEvent | None = None) -> RebaserProcessors:
         """The factory, with the snapshot bucket created if missing and the functions loaded from plugins."""
         settings = settings or RebaserSettings()
         store = await SnapshotStore.open(nc, settings.bucket)
-        return cls(nc, store, functions or load_functions(), settings=settings, observer=observer)
+        return cls(nc, store, functions or load_functions(), settings=settings, observer=observer,
+                   publish_event=publish_event)
 
     async def _send(self, inbox: str, headers: Mapping[str, str], body: bytes) -> None:
         await self.nc.publish(inbox, body, headers=dict(headers))
@@ -60,7 +73,8 @@ class RebaserProcessors:
         settings = self.settings
         if worker is not None and worker != settings.worker:
             settings = replace(settings, worker=worker)
-        return RebaserProcessor(self.store, self.functions, self._send, settings=settings, observer=self.observer)
+        return RebaserProcessor(self.store, self.functions, self._send, settings=settings, observer=self.observer,
+                                publish_event=self.publish_event)
 
 
 class RebaserPlugin:
@@ -86,8 +100,13 @@ class RebaserPlugin:
         if factory is None or factory.nc is not nc:
             if self.functions is None:
                 self.functions = load_functions()
+            queue = self.settings.queue
+
+            async def publish(name: str, key: str, fields: dict[str, Any]) -> None:
+                await publish_event(app, name, queue, key, **fields)
+
             factory = await RebaserProcessors.open(nc, settings=self.settings, functions=self.functions,
-                                                   observer=self.observer)
+                                                   observer=self.observer, publish_event=publish)
             self._factories[id(nc)] = factory
         return factory
 

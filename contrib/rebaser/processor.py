@@ -65,6 +65,9 @@ Observer = Callable[[str, dict[str, Any]], None]
 SendReply = Callable[[str, Mapping[str, str], bytes], Awaitable[None]]
 """Publishes a message to a caller's inbox (the DVU's follow-up responses)."""
 
+PublishEvent = Callable[[str, str, dict[str, Any]], Awaitable[None]]
+"""``publish(event, key, fields)``: a ``dvu_started`` / ``dvu_finished`` event to keyqueue's events stream."""
+
 
 @dataclass(frozen=True)
 class RebaserSettings:
@@ -86,12 +89,14 @@ class RebaserProcessor(BaseProcessor):
     """Serves one change set for one key session."""
 
     def __init__(self, store: SnapshotStore, functions: FunctionRegistry, send_reply: SendReply, *,
-                 settings: RebaserSettings | None = None, observer: Observer | None = None) -> None:
+                 settings: RebaserSettings | None = None, observer: Observer | None = None,
+                 publish_event: PublishEvent | None = None) -> None:
         self.store = store
         self.functions = functions
         self.send_reply = send_reply
         self.settings = settings or RebaserSettings()
         self.observer = observer
+        self.publish_event = publish_event
         self.state = ChangeSetState()
         self.revision = 0
         self.lock = asyncio.Lock()
@@ -196,6 +201,8 @@ class RebaserProcessor(BaseProcessor):
         number = self.state.dvu_runs + 1
         started = time.time()
         self._emit("dvu_started", run=number, roots=len(plan.roots), triggers=plan.triggers, covered=plan.covered)
+        await self._event("dvu_started", ctx.key, ts=started, run_id=f"{ctx.key}#{number}",
+                          worker=self.settings.worker or None)
         # Functions are user code and may be slow: compute in a thread so keepalives keep flowing.
         result = await asyncio.to_thread(recompute, plan.nodes, plan.roots, self.functions)
         async with self.lock:
@@ -214,8 +221,19 @@ class RebaserProcessor(BaseProcessor):
         self._emit("dvu_finished", run=run.run, covered=run.covered, triggers=run.triggers, roots=run.roots,
                    recomputed=run.recomputed, errors=len(run.errors), elapsed=round(run.finished - run.started, 4),
                    waiters=len(served))
+        await self._event("dvu_finished", ctx.key, ts=run.finished, run=run.finished - run.started,
+                          triggers=run.triggers, run_id=f"{ctx.key}#{run.run}", worker=run.worker or None)
         for waiter in served:
             await self._notify(waiter, run)
+
+    async def _event(self, name: str, key: str, **fields: Any) -> None:
+        """Best effort, like every keyqueue event: a failure is logged, never raised."""
+        if self.publish_event is None:
+            return
+        try:
+            await self.publish_event(name, key, fields)
+        except Exception as e:
+            log.debug("change set %s: %s event not published: %r", key, name, e)
 
     async def _notify(self, waiter: Waiter, run: DvuRun) -> None:
         """Tell a caller that a DVU covering its request finished (at most once per run; losing it is logged)."""

@@ -83,6 +83,33 @@ class RebaserFleet(Fleet):
         return worker
 
 
+async def dvu_events(app: App, key: str, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The key's ``dvu_finished`` events in keyqueue's events stream, once ``count`` of them are there."""
+    from keyqueue import events as ev
+    from keyqueue.errors import StreamNotFound
+    from keyqueue.jetstream.api import JetStreamApi
+    from keyqueue.wire import CBOR, loads
+
+    api = JetStreamApi(await app.connection())
+    stream = ev.events_stream("rebaser")
+    async with asyncio.timeout(timeout):
+        while True:
+            await (await app.connection()).flush()
+            found = []
+            try:
+                info = await api.stream_info(stream)
+                for seq in range(int(info["state"]["first_seq"]), int(info["state"]["last_seq"]) + 1):
+                    msg = await api.get_msg(stream, seq=seq, direct=False)
+                    body = loads(msg.data, CBOR) if msg is not None else None
+                    if body and body["event"] == "dvu_finished" and body["key"] == key:
+                        found.append(body)
+            except StreamNotFound:
+                pass
+            if len(found) >= count:
+                return found
+            await asyncio.sleep(0.05)
+
+
 def rebaser_events(log: list[dict[str, Any]], event: str, **match: Any) -> list[dict[str, Any]]:
     return [r for r in log if r["kind"] == "rebaser" and r["event"] == event
             and all(r.get(k) == v for k, v in match.items())]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Self
 
 import pytest
-from rebaser_harness import InProcessRebaser
+from rebaser_harness import InProcessRebaser, dvu_events
 
 from contrib.rebaser import (
     EnqueueUpdatesRequestV1,
@@ -91,6 +91,11 @@ async def test_a_burst_during_a_slow_dvu_coalesces_into_one_more_run(nats_url: s
         expected = await asyncio.to_thread(model.expected)  # it runs `slow` too: not on the worker's loop
         assert compare(state.nodes, expected) == [] and not state.dvu_owed
         assert (state.triggers, state.dvu_runs) == (201, 2)
+        # The same runs in keyqueue's events stream, where `keyqueue report` reads the coalescing ratio.
+        published = await dvu_events(worker.app, "w1.hot", 2)
+        assert [(e["run_id"], e["triggers"], e["worker"]) for e in published] == [
+            ("w1.hot#1", 1, "inproc"), ("w1.hot#2", 200, "inproc")]
+        assert all(e["run"] >= 2.0 for e in published), "each run took the slow function's 2 s"
 
 
 # --- versions and bad input ----------------------------------------------------------------------
