@@ -207,6 +207,15 @@ class _AppEvents:
         self._nc = (loop, nc)
         return nc
 
+    async def ensure(self, nc: Client, queue: str) -> None:
+        """Create the queue's events stream once; a failure is logged once, not retried per event."""
+        self.ensured.add(queue)
+        try:
+            await ensure_events_stream(nc, queue)
+        except Exception as exc:
+            log.warning("events of queue %s may be lost: cannot check or create stream %s: %s: %s",
+                        queue, events_stream(queue), type(exc).__name__, exc)
+
     async def publish(self, body: dict[str, Any]) -> None:
         await self.publish_many(body["queue"], [body])
 
@@ -217,8 +226,7 @@ class _AppEvents:
         try:
             nc = await self._connection()
             if queue not in self.ensured:
-                await ensure_events_stream(nc, queue)
-                self.ensured.add(queue)
+                await self.ensure(nc, queue)
             prefix = f"kq.{queue}.events."
             for body in bodies:
                 # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
@@ -342,9 +350,7 @@ def keyqueue_worker_started(worker: Worker) -> Any:
     async def ensure() -> None:
         for queue in worker.queues:
             if queue not in state.ensured:
-                with contextlib.suppress(Exception):
-                    await ensure_events_stream(await worker.app.connection(), queue)
-                    state.ensured.add(queue)
+                await state.ensure(await worker.app.connection(), queue)
 
     return ensure()
 
