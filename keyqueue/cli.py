@@ -247,6 +247,8 @@ def _configure_logging(level: str) -> None:
               help="Seconds of a key's lease (default: the queue's configuration, 30).")
 @click.option("--drain-timeout", type=click.FloatRange(0), default=10.0, show_default=True,
               help="Seconds a stopping worker waits for the requests in hand.")
+@click.option("--name", default=None, metavar="NAME",
+              help="This worker's name in logs, events and inspect (default: host:pid).")
 @click.option("--overflow-min-pending", type=click.IntRange(0), default=0, metavar="N",
               help="Overflow queues: take keys only while N or more wait for a worker.")
 @click.option("--overflow-min-ack-pending", type=click.IntRange(0), default=0, metavar="N",
@@ -257,8 +259,8 @@ def _configure_logging(level: str) -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
-           drain_timeout: float, overflow_min_pending: int, overflow_min_ack_pending: int, priority: int | None,
-           url: str | None, log_level: str) -> None:
+           drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
+           priority: int | None, url: str | None, log_level: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
     MODULE:APP names the App, e.g. shop:app for `app` in shop.py (the current directory is
@@ -277,7 +279,7 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     _configure_logging(log_level)
     app = load_app(app_spec, url)
     serving = app.worker(queues=list(queues) or None, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
-                         drain_timeout=drain_timeout, overflow_min_pending=overflow_min_pending,
+                         drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
                          overflow_min_ack_pending=overflow_min_ack_pending, priority=priority)
 
     async def run() -> None:

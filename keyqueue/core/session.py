@@ -39,6 +39,9 @@ log = logging.getLogger("keyqueue.session")
 READ_AHEAD: Final = 32
 """Requests read per round trip (a batched direct get)."""
 
+ARRIVAL_GRACE: Final = 0.1
+"""Seconds to keep re-reading after an arrival on the key's subject found no stored request."""
+
 MAX_UNCONFIRMED_DELETES: Final = 64
 """Deletes in flight before the session waits for their confirmations."""
 
@@ -198,9 +201,12 @@ class KeySession:
                     break
                 self.lease.check()
                 if self.buffer or self.more or (watch is not None and watch.event.is_set()):
+                    woken = watch is not None and watch.event.is_set() and not self.buffer and not self.more
                     if watch is not None:
                         watch.event.clear()
                     batch = await self._read(processor)
+                    if not batch and woken:
+                        batch = await self._read_after_arrival(processor)
                     if batch:
                         await self._process(processor, batch)
                         # With requests read ahead and deletes pipelined, a session can go many
@@ -220,8 +226,9 @@ class KeySession:
         finally:
             if watch is not None:
                 await watch.close()
-            if self.lease.valid():
-                await processor.close(self.ctx, reason)
+            # Always closed, so a processor can stop its background work; a processor must not
+            # write anything on "lease-lost" (another worker may own the key now).
+            await processor.close(self.ctx, reason if self.lease.valid() else "lease-lost")
 
     async def _build_processor(self) -> KeyProcessor:
         built = self.factory(self.key)
@@ -237,6 +244,19 @@ class KeySession:
             for w in waiters:
                 w.cancel()
         return watch.event.is_set() and not self.draining.is_set()
+
+    async def _read_after_arrival(self, processor: KeyProcessor) -> list[StoredMsg]:
+        """Read again, briefly, after an arrival found nothing: core subscribers can see a
+        publish before the stream has stored it."""
+        delay = 0.001
+        while delay < ARRIVAL_GRACE:
+            await asyncio.sleep(delay)
+            self.more = True
+            batch = await self._read(processor)
+            if batch:
+                return batch
+            delay *= 2
+        return []
 
     async def _read(self, processor: KeyProcessor) -> list[StoredMsg]:
         """The next request (or, for a batch processor, all available up to its batch size).

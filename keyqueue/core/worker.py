@@ -118,19 +118,26 @@ class QueueWorker:
             return
         self._tokens_waiting = token.pending > 0
         held = self._held.get(token.key)
+        previous: asyncio.Task[str] | None = None
         if held is not None:
-            # The server redelivered a key we still think we hold: our session's hold is stale.
-            held.lease.lose("the server redelivered the key's token")
-            log.warning("key %s redelivered while this worker's session still runs: that session lost its "
-                        "lease", token.key)
-        if self.draining.is_set() or self._tg is None or held is not None:
-            # Not ours to start: hand it straight back so another worker takes the key now.
+            if held.token.stream_seq == token.stream_seq:
+                # The server redelivered the token we hold: our session's hold is stale. Hand the
+                # fresh delivery straight back so another worker takes the key now.
+                held.lease.lose("the server redelivered the key's token")
+                log.warning("key %s redelivered while this worker's session still runs: that session lost "
+                            "its lease", token.key)
+                await self.io.nak(token)
+                return
+            # A new token: our session acked the old one, found a request at its re-check and
+            # scheduled the key again, and is still closing. Start after it has finished.
+            previous = self.sessions.get(token.key)
+        if self.draining.is_set() or self._tg is None:
             await self.io.nak(token)
             return
         token = dataclasses.replace(token, received_at=token.received_at - age)
         session = KeySession(self.io, token, self.factory, self.settings, emit=self.emit,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name)
-        task = self._tg.create_task(self._run_session(session), name=f"session:{token.key}")
+        task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session
 
@@ -141,12 +148,15 @@ class QueueWorker:
         elif was is not None:
             self.emit("unpinned", key=None, pin_id=was)
 
-    async def _run_session(self, session: KeySession) -> str:
+    async def _run_session(self, session: KeySession, previous: asyncio.Task[str] | None = None) -> str:
         try:
+            if previous is not None:
+                await asyncio.wait([previous])
             return await session.run()
         finally:
-            self.sessions.pop(session.key, None)
-            self._held.pop(session.key, None)
+            if self._held.get(session.key) is session:
+                self.sessions.pop(session.key, None)
+                del self._held[session.key]
             self.puller.wake()
 
     # --- lifecycle -------------------------------------------------------------------------------

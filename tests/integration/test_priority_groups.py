@@ -197,7 +197,7 @@ async def test_worker_priority_options_need_a_policy(nats_url: str) -> None:
     import keyqueue
     from keyqueue.errors import ConfigError
 
-    app = keyqueue.App("plain", url=nats_url)
+    app = keyqueue.App("plain", url=nats_url, set_as_default=False)
 
     @app.task(key="{k}")
     async def noop(k: str) -> None:

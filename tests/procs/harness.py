@@ -67,7 +67,9 @@ class Fleet:
         if not self.log_path.exists():
             return []
         out = []
-        for line in self.log_path.read_text().splitlines():
+        text = self.log_path.read_text()
+        # A worker may be half-way through writing its last line: only complete lines count.
+        for line in text[: text.rfind("\n") + 1].splitlines():
             if line.strip():
                 out.append(json.loads(line))
         return out
