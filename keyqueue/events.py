@@ -33,6 +33,7 @@ import cbor2
 
 from keyqueue.errors import KeyqueueTimeout, StreamNotFound, TaskFailure
 from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.fastpub import StaticHeaders, publish_static
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.plugins import hookimpl
 from keyqueue.wire import CBOR
@@ -107,7 +108,8 @@ A count rather than ``max_bytes``: nats-server reserves a stream's ``max_bytes``
 JetStream storage limit up front, so 1 GiB per queue would soon leave no room to create the
 queues' own streams (the embedded server's store is 4 GB)."""
 
-_HEADERS: Final = {H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: EVENT_MESSAGE_TYPE, H.MESSAGE_VERSION: str(EVENT_VERSION)}
+_HEADERS: Final = StaticHeaders({H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: EVENT_MESSAGE_TYPE,
+                                 H.MESSAGE_VERSION: str(EVENT_VERSION)})
 
 _RUNS_KEPT: Final = 10_000
 """Most attempt durations remembered (for the ``run`` of a ``dead_lettered`` event)."""
@@ -230,7 +232,7 @@ class _AppEvents:
             prefix = f"kq.{queue}.events."
             for body in bodies:
                 # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
-                await nc.publish(prefix + body["event"], cbor2.dumps(body), headers=_HEADERS)
+                await publish_static(nc, prefix + body["event"], cbor2.dumps(body), _HEADERS)
         except Exception as exc:  # telemetry must never fail the work
             log.debug("events of queue %s not published: %r", queue, exc)
 
