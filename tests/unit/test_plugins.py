@@ -174,3 +174,15 @@ def test_the_listing_shows_builtins_last_with_their_hooks() -> None:
     assert listing[0].hooks == ("keyqueue_worker_started", "keyqueue_worker_stopping")
     builtins = {info.name: info.hooks for info in listing[1:]}
     assert "keyqueue_build_processor" in builtins["keyqueue.default_processor"]
+
+
+def test_spark_commands_come_through_the_entry_point() -> None:
+    """The spark plugin's entry point adds `report` and `backfill` to the keyqueue CLI."""
+    from click.testing import CliRunner
+
+    from keyqueue.cli import main
+
+    listed = CliRunner().invoke(main, ["--help"])
+    assert "report" in listed.output and "backfill" in listed.output
+    helped = CliRunner().invoke(main, ["report", "--help"])
+    assert helped.exit_code == 0 and "--events-from" in helped.output
