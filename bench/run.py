@@ -92,7 +92,15 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
         finally:
             await nc.close()
 
-    report.add(Row(REBASER, KQ, math.nan, "", "n/a (Rebaser not landed)"))
+        per_change_set = 40 if sizes.mode == "full" else 10
+        say(f"7. Rebaser: 50 change sets x {per_change_set} updates ...")
+        from bench.rebaser import rebaser_run
+
+        rb = await rebaser_run(server.url, 50, per_change_set)
+        report.add(Row(REBASER, KQ, rb.rate, "req/s",
+                       f"{rb.requests:,} update requests on {rb.change_sets} change sets, end to end to the "
+                       f"covering DVU; {rb.triggers:,} DVU triggers ran as {rb.runs:,} runs "
+                       f"({rb.triggers / max(rb.runs, 1):.1f} per run)"))
     if peers:
         from bench.peers import run_peers
 

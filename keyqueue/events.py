@@ -13,7 +13,9 @@ from different processes in the stream is the order they reached the server; sor
 
 On by default. ``KEYQUEUE_EVENTS=0`` (or ``false``/``no``/``off``), read when an app first
 publishes an event, turns it off for that app; ``app.plugins.unregister(name="keyqueue.events")``
-does so from code.
+does so from code. ``KEYQUEUE_EVENTS_SAMPLE=0.1`` keeps the events of one request in ten (chosen
+by a hash of the request id, so a kept request's history is complete; events without a request
+are sampled by key): counts in reports are then of the sample.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import logging
 import os
 import time
 import weakref
+import zlib
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
@@ -57,17 +60,22 @@ __all__ = [
     "EVENT_VERSION",
     "MAX_AGE",
     "MAX_MSGS",
+    "SAMPLE_ENV",
     "ensure_events_stream",
     "event",
     "events_stream",
     "events_subject",
     "publish_event",
+    "sample_rate",
+    "sampled",
     "stream_config",
 ]
 
 log = logging.getLogger("keyqueue.events")
 
 ENABLE_ENV: Final = "KEYQUEUE_EVENTS"
+SAMPLE_ENV: Final = "KEYQUEUE_EVENTS_SAMPLE"
+"""Fraction (0 < f <= 1) of requests whose events are published; default 1 (all)."""
 """``0``, ``false``, ``no`` or ``off`` turns the events plugin off."""
 
 EVENT_NAMES: Final = (
@@ -171,6 +179,26 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+def sample_rate(environ: Mapping[str, str] | None = None) -> float:
+    """The fraction of requests ``KEYQUEUE_EVENTS_SAMPLE`` keeps (1.0 when unset or invalid)."""
+    raw = (os.environ if environ is None else environ).get(SAMPLE_ENV, "").strip()
+    try:
+        rate = float(raw) if raw else 1.0
+    except ValueError:
+        log.warning("%s=%r is not a number; publishing every event", SAMPLE_ENV, raw)
+        return 1.0
+    return min(1.0, rate) if rate > 0 else 1.0
+
+
+def sampled(identity: str | None, rate: float) -> bool:
+    """Whether the events of a request (or, without one, of a key) are kept at ``rate``.
+
+    Decided by a hash of the id, so every process keeps or drops all of one request's events
+    alike and the kept requests have complete histories.
+    """
+    return rate >= 1.0 or zlib.crc32((identity or "").encode()) % 10_000 < rate * 10_000
+
+
 _CROCKFORD: Final = {c: i for i, c in enumerate("0123456789ABCDEFGHJKMNPQRSTVWXYZ")}
 
 
@@ -197,6 +225,7 @@ class _AppEvents:
     def __init__(self, app: App) -> None:
         self.app = app
         self.on = enabled()
+        self.rate = sample_rate()
         self.ensured: set[str] = set()
         self._nc: tuple[asyncio.AbstractEventLoop, Client] | None = None
 
@@ -231,6 +260,8 @@ class _AppEvents:
                 await self.ensure(nc, queue)
             prefix = f"kq.{queue}.events."
             for body in bodies:
+                if self.rate < 1.0 and not sampled(body.get("request_id") or body.get("key"), self.rate):
+                    continue
                 # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
                 await publish_static(nc, prefix + body["event"], cbor2.dumps(body), _HEADERS)
         except Exception as exc:  # telemetry must never fail the work
@@ -253,7 +284,7 @@ async def _emit(worker: Worker, name: str, queue: str, key: str | None, request_
                 task: str | None = None, attempt: int | None = None, wait: float | None = None,
                 run: float | None = None, reason: str | None = None) -> None:
     state = _APPS.get(worker.app) or _of(worker.app)
-    if state.on:
+    if state.on and (state.rate >= 1.0 or sampled(request_id or key, state.rate)):
         # event() with its checks, spelt out: this runs several times per request.
         await state.publish({"event": name, "ts": time.time(), "queue": queue, "key": key,
                              "request_id": request_id, "task": task, "worker": worker.name, "attempt": attempt,

@@ -58,7 +58,13 @@ class QueueIO:
         self.api = JetStreamApi(nc)
         self.publisher = Publisher(nc, self.names)
         self.direct = config.replicas == 1
+        # Two reply subscriptions: nats-py hands one subscription's messages to its callback one
+        # at a time, so a read's reply would otherwise queue behind thousands of pipelined
+        # deletes' replies, and a new key would wait for every busy key's deletes.
         self.mux = RequestMux(nc)
+        """Deletes (bulk, pipelined)."""
+        self.read_mux = RequestMux(nc)
+        """Reads (latency-critical)."""
         self.timeout = self.api.timeout
 
     # --- the key's requests ----------------------------------------------------------------------
@@ -75,7 +81,7 @@ class QueueIO:
             one = await self.next_request(key, from_seq)
             return ([one] if one else []), bool(one) and limit > 1
         payload = json.dumps({"seq": max(1, from_seq), "batch": limit, "next_by_subj": self.names.inbox(key)})
-        replies = await self.mux.request(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}",
+        replies = await self.read_mux.request(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}",
                                          payload.encode(), timeout=self.timeout, multi=True)
         msgs: list[StoredMsg] = []
         more = False

@@ -212,3 +212,16 @@ async def test_processors_publish_their_own_events(make_app: MakeApp) -> None:
     [found] = await events_until(app, "shop", lambda es: len(es) == 1)
     assert (found["event"], found["key"], found["run"], found["triggers"], found["run_id"], found["worker"]) == (
         "dvu_finished", "o1", 0.5, 3, "r1", "w9")
+
+
+def test_sampling_keeps_whole_requests_by_a_hash_of_their_id() -> None:
+    from keyqueue.events import sample_rate, sampled
+
+    ids = [f"01JREQ{i:020d}" for i in range(2000)]
+    kept = [i for i in ids if sampled(i, 0.1)]
+    assert 120 < len(kept) < 280, len(kept)  # about one in ten
+    assert kept == [i for i in ids if sampled(i, 0.1)], "the same ids are kept every time"
+    assert all(sampled(i, 1.0) for i in ids)
+    assert sample_rate({"KEYQUEUE_EVENTS_SAMPLE": "0.25"}) == 0.25
+    assert sample_rate({"KEYQUEUE_EVENTS_SAMPLE": "lots"}) == 1.0
+    assert sample_rate({}) == 1.0
