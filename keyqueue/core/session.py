@@ -42,7 +42,7 @@ READ_AHEAD: Final = 32
 ARRIVAL_GRACE: Final = 0.1
 """Seconds to keep re-reading after an arrival on the key's subject found no stored request."""
 
-MAX_UNCONFIRMED_DELETES: Final = 64
+MAX_UNCONFIRMED_DELETES: Final = 8
 """Deletes in flight before the session waits for their confirmations."""
 
 Emit = Callable[..., None]
