@@ -4,8 +4,8 @@ Stream ``KQ_<queue>_EVENTS`` (limits retention: 7 days, 5 million events, oldest
 ``kq.<queue>.events.<event>``. Each message has the headers ``X-CONTENT-TYPE:
 application/cbor``, ``X-MESSAGE-TYPE: KeyqueueEvent``, ``X-MESSAGE-VERSION: 1`` and a CBOR map
 body with every field of :data:`EVENT_FIELDS` (null where it does not apply). This is the
-contract ``plugins.keyqueue_spark.events`` reads (``keyqueue report``); the constants here
-mirror that module's exactly.
+contract ``plugins.keyqueue_spark`` reads (``keyqueue report``), which takes these constants
+from here.
 
 Events are best-effort telemetry: they go out as plain core publishes (no ack round trip on
 the hot path), so a broken connection or a full server may lose some, and the order of events

@@ -29,6 +29,7 @@ from keyqueue.errors import (
     TokenPublishFailed,
     WireError,
 )
+from keyqueue.events import EVENT_FIELD_NAMES, EVENT_FIELDS, EVENT_MESSAGE_TYPE, EVENT_NAMES, EVENT_VERSION
 from keyqueue.jetstream.api import JetStreamApi, parse_pub_ack
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
@@ -40,6 +41,11 @@ from keyqueue.wire.headers import CBOR, CONTENT_TYPE, MESSAGE_TYPE, MESSAGE_VERS
 __all__ = [
     "CBOR",
     "DEFAULT_URL",
+    "EVENT_FIELDS",
+    "EVENT_FIELD_NAMES",
+    "EVENT_MESSAGE_TYPE",
+    "EVENT_NAMES",
+    "EVENT_VERSION",
     "BacklogFull",
     "Decoded",
     "EnqueueError",
@@ -73,10 +79,10 @@ __all__ = [
 DEFAULT_URL: Final = "nats://127.0.0.1:4222"
 """Where the plugin connects when neither the ``url`` option nor ``KEYQUEUE_URL`` says."""
 
-EVENTS_MESSAGE_TYPE: Final = "KeyqueueEvent"
-"""``X-MESSAGE-TYPE`` of every lifecycle event (issue 8's events stream contract)."""
+EVENTS_MESSAGE_TYPE: Final = EVENT_MESSAGE_TYPE
+"""``X-MESSAGE-TYPE`` of every lifecycle event (``keyqueue.events`` owns the contract)."""
 
-EVENTS_VERSION: Final = 1
+EVENTS_VERSION: Final = EVENT_VERSION
 """``X-MESSAGE-VERSION`` of the lifecycle events this plugin reads and writes."""
 
 _CONSUMER_IDLE_NS: Final = 60 * 1_000_000_000

@@ -4,14 +4,16 @@ Stream ``KQ_<queue>_EVENTS`` (limits retention), subjects ``kq.<queue>.events.<e
 message has ``X-CONTENT-TYPE: application/cbor``, ``X-MESSAGE-TYPE: KeyqueueEvent``,
 ``X-MESSAGE-VERSION: 1`` and a CBOR map body with the fields of :data:`EVENT_FIELDS`.
 
-This module imports neither pyspark nor keyqueue, so the events plugin may import
-:data:`EVENT_FIELDS` without the ``spark`` extra; :func:`event_schema` builds the Spark schema.
+The constants come from ``keyqueue.events`` (the plugin that publishes the events owns the
+contract); this module does not import pyspark, and :func:`event_schema` builds the Spark schema.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
+
+from plugins.keyqueue_spark import _keyqueue as _kq
 
 if TYPE_CHECKING:
     from pyspark.sql.types import StructType
@@ -19,37 +21,22 @@ if TYPE_CHECKING:
 EventName = Literal["enqueued", "acquired", "started", "succeeded", "retried", "dead_lettered",
                     "superseded", "released", "dvu_started", "dvu_finished"]
 
-EVENT_NAMES: Final[tuple[EventName, ...]] = (
-    "enqueued", "acquired", "started", "succeeded", "retried", "dead_lettered",
-    "superseded", "released", "dvu_started", "dvu_finished",
-)
+# The contract is keyqueue's (``keyqueue.events``, which publishes it); this module gives it the
+# types the Spark side works with.
+EVENT_NAMES: Final = cast("tuple[EventName, ...]", _kq.EVENT_NAMES)
 """Every value the ``event`` field takes."""
 
 FieldType = Literal["string", "double", "long"]
 
-EVENT_FIELDS: Final[tuple[tuple[str, FieldType, str], ...]] = (
-    ("event", "string", "one of EVENT_NAMES"),
-    ("ts", "double", "when it happened, Unix seconds"),
-    ("queue", "string", "the queue"),
-    ("key", "string", "the key, or null for queue-wide events"),
-    ("request_id", "string", "the request's Nats-Msg-Id, or null"),
-    ("task", "string", "the task (X-MESSAGE-TYPE of the request), or null"),
-    ("worker", "string", "the worker's name, or null"),
-    ("attempt", "long", "1 for the first run of a request, 2 for its first retry, ...; or null"),
-    ("wait", "double", "on started: seconds from enqueue to handler start; else null"),
-    ("run", "double", "on succeeded/dead_lettered: handler seconds; on dvu_finished: DVU seconds; else null"),
-    ("reason", "string", "DLQ reason, retry error or superseded/merged reason; or null"),
-    ("triggers", "long", "on dvu_finished: how many requests/triggers the DVU run covered; else null"),
-    ("run_id", "string", "DVU run id, or null"),
-)
+EVENT_FIELDS: Final = cast("tuple[tuple[str, FieldType, str], ...]", _kq.EVENT_FIELDS)
 """The body fields of a ``KeyqueueEvent`` v1: (name, type, meaning). Every field is nullable."""
 
-EVENT_FIELD_NAMES: Final = tuple(name for name, _, _ in EVENT_FIELDS)
+EVENT_FIELD_NAMES: Final = _kq.EVENT_FIELD_NAMES
 
-EVENT_MESSAGE_TYPE: Final = "KeyqueueEvent"
+EVENT_MESSAGE_TYPE: Final = _kq.EVENT_MESSAGE_TYPE
 """``X-MESSAGE-TYPE`` of lifecycle events."""
 
-EVENT_VERSION: Final = 1
+EVENT_VERSION: Final = _kq.EVENT_VERSION
 """``X-MESSAGE-VERSION`` of the events described here."""
 
 
