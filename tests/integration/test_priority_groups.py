@@ -40,6 +40,14 @@ async def queue(nc: Client, policy: str, timeout: float = 10.0) -> tuple[Publish
     return Publisher(nc, config.names), api
 
 
+async def wait_for_waiting_pulls(nc: Client, stream: str, count: int, timeout: float = 20.0) -> None:
+    api = JetStreamApi(nc)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (await api.consumer_info(stream, "workers")).get("num_waiting", 0) < count:
+        assert asyncio.get_running_loop().time() < deadline, f"fewer than {count} pull requests waiting"
+        await asyncio.sleep(0.02)
+
+
 def acquired_by(log: list[dict], worker: str) -> list[dict]:
     return [r for r in log if r["kind"] == "event" and r["event"] == "acquired" and r["w"] == worker]
 
@@ -122,6 +130,8 @@ async def test_prioritized_lower_number_served_first(nc: Client, fleet: Fleet) -
     fleet.start("p5", "--priority-policy", "prioritized", "--priority", "5", "--concurrency", "64")
     fleet.start("p0", "--priority-policy", "prioritized", "--priority", "0", "--concurrency", "64")
     await fleet.wait_ready("p0", "p5")
+    # "ready" means pulling has begun; wait until the server holds all of both workers' pulls.
+    await wait_for_waiting_pulls(nc, "KQ_pq_TOKENS", 16)  # 8 chunks of 8 slots each
     await pub.enqueue_many([work(f"k{i}", f"k{i}", sleep=0.05) for i in range(40)])
     log = await fleet.wait_for(lambda log: len(ends_by_tag(log)) == 40, timeout=30, what="all 40")
     assert {r["w"] for r in log if r["kind"] == "end"} == {"p0"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import nats
 import psutil  # type: ignore[import-untyped]  # no stubs in the dev extra
@@ -197,6 +199,9 @@ async def test_cluster_forms_and_replicates_a_stream(tmp_path: Path) -> None:
         try:
             js = nc.jetstream()
             await js.add_stream(StreamConfig(name="R3", subjects=["r3.>"], num_replicas=3))
+            # A new R3 stream answers publishes once its own leader is elected, a moment after
+            # it is created: until then a publish gets "no responders".
+            await _until_stream_leader(js, "R3")
             for n in range(10):
                 await js.publish("r3.x", str(n).encode())
             info = await js.stream_info("R3")
@@ -220,6 +225,16 @@ async def test_cluster_forms_and_replicates_a_stream(tmp_path: Path) -> None:
             assert await _stored_messages(cluster.urls[follower], "R3") == 11
         finally:
             await nc.close()
+
+
+async def _until_stream_leader(js: Any, stream: str, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        info = await js.stream_info(stream)
+        if info.cluster is not None and info.cluster.leader:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"stream {stream} elected no leader"
+        await asyncio.sleep(0.05)
 
 
 # --- the CLI -----------------------------------------------------------------------------------
