@@ -612,6 +612,40 @@ def dlq_replay(queue: str, key: str | None, url: str | None) -> None:
 # --- watch -------------------------------------------------------------------------------------
 
 
+async def follow(nc: Client, subjects: Sequence[str], render: Callable[[Msg], str | None], *,
+                 count: int | None, timeout: float | None, banner: str) -> int:
+    """Print ``render(msg)`` for each message on ``subjects`` until ``count`` messages, ``timeout``
+    seconds, or SIGINT/SIGTERM; a message that renders to None is not printed or counted."""
+    done = asyncio.Event()
+    seen = 0
+
+    async def on_msg(msg: Msg) -> None:
+        nonlocal seen
+        line = render(msg)
+        if line is None:
+            return
+        click.echo(line)
+        seen += 1
+        if count is not None and seen >= count:
+            done.set()
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, done.set)
+    subs = [await nc.subscribe(subject, cb=on_msg) for subject in subjects]
+    await nc.flush()
+    click.echo(banner, err=True)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), timeout)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        for sub in subs:
+            await sub.unsubscribe()
+    return seen
+
+
 def _progress_line(msg: Msg) -> str:
     headers = msg.headers or {}
     try:
@@ -643,29 +677,8 @@ def watch(queue: str, key: str, count: int | None, timeout: float | None, url: s
 
     async def run() -> None:
         async with _connection(url) as nc:
-            done = asyncio.Event()
-            seen = 0
-
-            async def on_progress(msg: Msg) -> None:
-                nonlocal seen
-                click.echo(_progress_line(msg))
-                seen += 1
-                if count is not None and seen >= count:
-                    done.set()
-
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, done.set)
-            sub = await nc.subscribe(QueueNames(queue).progress(key), cb=on_progress)
-            await nc.flush()
-            click.echo(f"watching {queue} {key} (Ctrl-C to stop)", err=True)
-            try:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), timeout)
-            finally:
-                for signum in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(signum)
-                await sub.unsubscribe()
+            await follow(nc, [QueueNames(queue).progress(key)], _progress_line, count=count, timeout=timeout,
+                         banner=f"watching {queue} {key} (Ctrl-C to stop)")
 
     _run(run)
 

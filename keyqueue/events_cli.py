@@ -5,16 +5,13 @@ Added to the command line by the built-in events plugin (``keyqueue.events``).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import signal
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from keyqueue.cli import _connection, _run, url_option
+from keyqueue.cli import _connection, _run, follow, url_option
 from keyqueue.errors import WireError
 from keyqueue.wire import CBOR, loads
 
@@ -62,39 +59,20 @@ def tail(queue: str, names: tuple[str, ...], as_json: bool, count: int | None, t
       12:00:01.250 started o1 01J... charge host:123 attempt=1 wait=0.004
     """
 
+    def render(msg: Msg) -> str | None:
+        try:
+            fields = loads(msg.data, (msg.headers or {}).get("X-CONTENT-TYPE", CBOR))
+        except WireError as exc:
+            click.echo(f"<undecodable event on {msg.subject}: {exc}>", err=True)
+            return None
+        if not isinstance(fields, dict):
+            return None
+        return json.dumps(fields, default=str) if as_json else event_line(fields)
+
     async def run() -> None:
+        subjects = [f"kq.{queue}.events.{name}" for name in names] or [f"kq.{queue}.events.>"]
         async with _connection(url) as nc:
-            done = asyncio.Event()
-            seen = 0
-
-            async def on_event(msg: Msg) -> None:
-                nonlocal seen
-                try:
-                    fields = loads(msg.data, (msg.headers or {}).get("X-CONTENT-TYPE", CBOR))
-                except WireError as exc:
-                    click.echo(f"<undecodable event on {msg.subject}: {exc}>", err=True)
-                    return
-                if not isinstance(fields, dict):
-                    return
-                click.echo(json.dumps(fields, default=str) if as_json else event_line(fields))
-                seen += 1
-                if count is not None and seen >= count:
-                    done.set()
-
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, done.set)
-            subjects = [f"kq.{queue}.events.{name}" for name in names] or [f"kq.{queue}.events.>"]
-            subs = [await nc.subscribe(subject, cb=on_event) for subject in subjects]
-            await nc.flush()
-            click.echo(f"tailing events of {queue} (Ctrl-C to stop)", err=True)
-            try:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), timeout)
-            finally:
-                for signum in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(signum)
-                for sub in subs:
-                    await sub.unsubscribe()
+            await follow(nc, subjects, render, count=count, timeout=timeout,
+                         banner=f"tailing events of {queue} (Ctrl-C to stop)")
 
     _run(run)
