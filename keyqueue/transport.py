@@ -178,31 +178,16 @@ class NatsTransport:
             state.router.forget(subject)
 
 
-@dataclass(frozen=True)
-class _FirstAttempt:
-    """``settings`` for one connection attempt without retries (see ``open_connection``)."""
-
-    settings: Settings
-
-    def nats_connect_options(self) -> dict[str, Any]:
-        # nats-py gives up on a server only once its attempts exceed a positive max_reconnect_attempts.
-        return {**self.settings.nats_connect_options(), "allow_reconnect": False, "max_reconnect_attempts": 1,
-                "reconnect_time_wait": 0}
-
-
 async def open_connection(settings: Settings, *, name: str = "keyqueue",
                           reconnected: Callable[[], Awaitable[None]] | None = None) -> Client:
     """Connect with ``settings`` (which must have a URL); ``ConnectionFailed`` if it is unreachable.
 
     The connection reconnects forever once made, but the first connect fails fast.
     """
-    # nats-py retries an unreachable server forever with max_reconnect_attempts=-1, even on the
-    # first connect: one attempt without retries first turns that into a clear error.
-    limit = settings.connect_timeout + 1
+    # connect() probes once without retries before the real connection (nats-py would retry an
+    # unreachable server forever, even on the first connect); the timeout bounds both.
+    limit = 2 * settings.connect_timeout + 1
     try:
-        async with asyncio.timeout(limit):
-            probe = await connect(_FirstAttempt(settings), name=name)
-        await probe.close()
         async with asyncio.timeout(limit):
             return await connect(settings, name=name, reconnected=reconnected)
     except TimeoutError:

@@ -21,10 +21,15 @@ class Lease:
     def __init__(self, ack_wait: float, received_at: float, *, margin: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ack_wait = ack_wait
-        self.margin = min(1.0, ack_wait * 0.1) if margin is None else margin
+        self.margin = self.default_margin(ack_wait) if margin is None else margin
         self.clock = clock
         self.deadline = received_at + ack_wait - self.margin
         self.lost_reason: str | None = None
+
+    @staticmethod
+    def default_margin(ack_wait: float) -> float:
+        """The safety margin taken off every deadline: 10% of ``ack_wait``, at most 1 s."""
+        return min(1.0, ack_wait * 0.1)
 
     @property
     def interval(self) -> float:

@@ -73,6 +73,8 @@ class QueueWorker:
         self._start_error: BaseException | None = None
         self._held: dict[str, KeySession] = {}
         self._last_tick = time.monotonic()
+        self._stale_after = self.settings.ack_wait - Lease.default_margin(self.settings.ack_wait)
+        """A stall (or a token's possible age) this long may have outlived a lease."""
         self.counts: dict[str, int] = {}
         """Events seen, by name (acquired, succeeded, retried, dead_lettered, released, ...)."""
 
@@ -109,7 +111,7 @@ class QueueWorker:
         # buffer while this process was paused (SIGSTOP, a VM freeze, a blocked loop) looks
         # fresh on arrival. It is at most as old as the time since the loop last ran freely.
         age = max(0.0, token.received_at - self._last_tick - LOOP_TICK)
-        if age >= self.settings.ack_wait - Lease(self.settings.ack_wait, 0).margin:
+        if age >= self._stale_after:
             # The server may already have given the key to another worker. Acting on the token
             # at all, even a nak, could take the key from its rightful holder: leave it be.
             log.warning("dropping a token for key %s received after the event loop stalled for %.1fs; "
@@ -219,12 +221,11 @@ class QueueWorker:
     async def _watch_loop_lag(self) -> None:
         """Track when the loop last ran freely, and warn when it stalls past ``ack_wait / 3``."""
         limit = self.settings.ack_wait / 3
-        stale_after = self.settings.ack_wait - Lease(self.settings.ack_wait, 0).margin
         while True:
             self._last_tick = time.monotonic()
             await asyncio.sleep(LOOP_TICK)
             lag = time.monotonic() - self._last_tick - LOOP_TICK
-            if lag >= stale_after:
+            if lag >= self._stale_after:
                 log.warning("this process stalled for %.1fs, longer than the ack wait: abandoning in-flight "
                             "pulls so no stale token is acted on", lag)
                 self.puller.abandon_pulls()
