@@ -45,3 +45,15 @@ async def nats_client(nats_url: str) -> AsyncIterator[NATS]:
         yield client
     finally:
         await client.close()
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NATS]:
+    """A connection opened the way keyqueue opens its own (``keyqueue.jetstream.connect``)."""
+    from keyqueue.jetstream.connect import connect
+
+    client = await connect(nats_url)
+    try:
+        yield client
+    finally:
+        await client.close()

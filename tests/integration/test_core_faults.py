@@ -17,7 +17,6 @@ import pytest
 from nats.aio.client import Client
 
 from keyqueue.jetstream.api import JetStreamApi
-from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.server import EmbeddedServer
@@ -28,13 +27,6 @@ import itertools
 from harness import Fleet, check_exclusive, check_order, ends_by_tag, work
 
 ACK_WAIT = 2.0
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await connect(nats_url)
-    yield client
-    await client.close()
 
 
 @pytest.fixture

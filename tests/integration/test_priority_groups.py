@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,13 +17,6 @@ from keyqueue.jetstream.topology import QueueConfig, Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "procs"))
 from harness import Fleet, check_exclusive, check_order, ends_by_tag, work
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await connect(nats_url)
-    yield client
-    await client.close()
 
 
 @pytest.fixture

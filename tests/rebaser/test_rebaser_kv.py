@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 from nats.aio.client import Client
 
 from keyqueue.errors import ConfigError, TopologyMismatch, WrongLastSequence
-from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.kv import KeyValue
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await connect(nats_url)
-    yield client
-    await client.close()
 
 
 async def test_writes_are_checked_against_the_last_revision(nc: Client) -> None:
