@@ -557,6 +557,8 @@ def _show(letter: DeadLetter) -> str:
         "attempts": letter.attempts, "original_seq": letter.original_seq, "dead_lettered_at": letter.time,
         "arguments": letter.body(),
     }
+    if letter.truncated_from is not None:
+        fields["truncated_from"] = letter.truncated_from
     return _json(fields)
 
 
@@ -586,7 +588,9 @@ def dlq_show(queue: str, seq: int, url: str | None) -> None:
 def dlq_replay(queue: str, key: str | None, url: str | None) -> None:
     """Enqueue dead requests again, in their original order, and remove them from the DLQ.
 
-    Each gets a new request id (<id>.replay-<seq>) and joins the back of its key's backlog.
+    Each gets a new request id (<id>.replay-<seq>) and joins the back of its key's backlog. Only
+    the requests in the DLQ when the replay begins are replayed; an incomplete copy (its body cut
+    to fit the server's max_payload) stays in the DLQ.
 
     \b
     Example:
@@ -602,9 +606,19 @@ def dlq_replay(queue: str, key: str | None, url: str | None) -> None:
                 letters = await dead_letters(api, queue, key=key)
             except StreamNotFound:
                 raise ConfigError(f"queue {queue!r} has no dead-letter stream on this server") from None
+            skipped: list[DeadLetter] = []
+
+            def skip(letter: DeadLetter) -> None:
+                skipped.append(letter)
+                bar.update(1)
+
             with click.progressbar(length=len(letters), label=f"replaying {queue}", file=sys.stderr) as bar:
-                count = await replay(api, Publisher(nc, names), queue, key=key, on_replayed=lambda _: bar.update(1))
+                count = await replay(api, Publisher(nc, names), queue, key=key, on_replayed=lambda _: bar.update(1),
+                                     on_skipped=skip)
             click.echo(f"replayed {count} request(s)")
+            if skipped:
+                click.echo(f"left {len(skipped)} incomplete dead request(s) in the DLQ (sequences "
+                           f"{', '.join(str(d.seq) for d in skipped)}): their copies are truncated")
 
     _run(run)
 

@@ -1,11 +1,19 @@
 """A queue's dead-letter queue: list, show and replay dead requests, in order.
 
 Each dead request is a copy of the original (headers and body) plus ``X-KQ-DLQ-*`` headers
-saying why, after how many attempts, and where it was stored. ``replay`` stores each one again
-in its key's inbox, oldest first, then removes it from the DLQ. A replayed request gets a new
-request id derived from its DLQ sequence (``<original id>.replay-<seq>``), so JetStream does not
-drop it as a duplicate of the original, while a replay that is interrupted and run again does not
-store it twice; the original id travels in ``X-KQ-Replay-Of``. Its reply inbox is dropped (the
+saying why, after how many attempts, and where it was stored; its request id is in
+``X-KQ-DLQ-Request-Id`` (the copy's own ``Nats-Msg-Id`` is ``dlq:<inbox sequence>``). A copy may
+be incomplete: its body cut to fit the server's ``max_payload``, or, as a last resort, only
+keyqueue's headers (``X-KQ-DLQ-Truncated`` then gives the original body's size; see
+``keyqueue.jetstream.dlq_copy``).
+
+``replay`` stores each complete one again in its key's inbox, oldest first, then removes it from
+the DLQ; an incomplete one stays in the DLQ (replaying a cut body could only fail again, or worse,
+run on partial data). A replay covers the dead requests there when it begins: requests
+dead-lettered meanwhile, its own replays included, wait for the next one. A replayed request gets
+a new request id derived from its DLQ sequence (``<original id>.replay-<seq>``), so JetStream does
+not drop it as a duplicate of the original, while a replay that is interrupted and run again does
+not store it twice; the original id travels in ``X-KQ-Replay-Of``. Its reply inbox is dropped (the
 original caller is gone). Replayed requests join the back of their key's backlog.
 """
 
@@ -17,6 +25,7 @@ from typing import Any, Final
 
 from keyqueue.errors import KeyqueueError, MessageNotFound, WireError
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
+from keyqueue.jetstream.dlq_copy import DEDUPE_PREFIX
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.wire import headers as H
@@ -29,6 +38,7 @@ REPLAY_OF: Final = "X-KQ-Replay-Of"
 
 _DLQ_HEADERS: Final = frozenset(h.lower() for h in (
     H.DLQ_REASON, H.DLQ_ERROR_TYPE, H.DLQ_ATTEMPTS, H.DLQ_ORIGINAL_SUBJECT, H.DLQ_ORIGINAL_SEQ, H.DLQ_TIME,
+    H.DLQ_REQUEST_ID, H.DLQ_TRUNCATED, H.DLQ_ESCAPED_HEADERS,
     H.ERROR_MESSAGE, H.ERROR_TYPE, H.REPLY_INBOX, H.MSG_ID, REPLAY_OF,
 ))
 
@@ -51,6 +61,8 @@ class DeadLetter:
     time: str
     headers: Mapping[str, str]
     data: bytes
+    truncated_from: int | None = None
+    """The original body's size when this copy is incomplete (see the module docstring), else None."""
 
     def body(self) -> Any:
         """The body decoded to plain values (or a short description if it does not decode)."""
@@ -65,7 +77,8 @@ def _dead_letter(names: QueueNames, msg: StoredMsg) -> DeadLetter:
     return DeadLetter(
         seq=msg.seq,
         key=names.key_of(msg.subject),
-        request_id=h.get(H.MSG_ID, ""),
+        # Copies made before X-KQ-DLQ-Request-Id existed kept the request id as their Nats-Msg-Id.
+        request_id=h.get(H.DLQ_REQUEST_ID, "") or _legacy_request_id(h.get(H.MSG_ID, "")),
         message_type=h.get(H.MESSAGE_TYPE, ""),
         version=h.get(H.MESSAGE_VERSION, ""),
         reason=h.get(H.DLQ_REASON, ""),
@@ -76,7 +89,12 @@ def _dead_letter(names: QueueNames, msg: StoredMsg) -> DeadLetter:
         time=h.get(H.DLQ_TIME, ""),
         headers=h,
         data=msg.data,
+        truncated_from=int(truncated) if (truncated := h.get(H.DLQ_TRUNCATED, "")).isdigit() else None,
     )
+
+
+def _legacy_request_id(msg_id: str) -> str:
+    return "" if msg_id.startswith(DEDUPE_PREFIX) else msg_id
 
 
 async def dead_letters(api: JetStreamApi, queue: str, *, key: str | None = None, limit: int | None = None,
@@ -115,16 +133,28 @@ def replay_request(letter: DeadLetter) -> OutgoingRequest:
 
 
 async def replay(api: JetStreamApi, publisher: Publisher, queue: str, *, key: str | None = None,
-                 on_replayed: Callable[[DeadLetter], None] | None = None) -> int:
-    """Store every dead request of ``queue`` (or of ``key``) again, oldest first; returns how many.
+                 on_replayed: Callable[[DeadLetter], None] | None = None,
+                 on_skipped: Callable[[DeadLetter], None] | None = None) -> int:
+    """Store the dead requests of ``queue`` (or of ``key``) again, oldest first; returns how many.
 
-    Each is removed from the DLQ once it is stored again; ``on_replayed`` is called after each.
+    Only those in the DLQ when the replay begins: one dead-lettered meanwhile (a replayed request
+    that fails again, say) waits for the next replay, so a replay always ends. Each is removed from
+    the DLQ once it is stored again; ``on_replayed`` is called after each. An incomplete copy
+    (``truncated_from`` set) stays in the DLQ and ``on_skipped`` is called for it.
     """
     names = QueueNames(queue)
+    last = int((await api.stream_info(names.dlq_stream))["state"].get("last_seq", 0))
     count = 0
     after = 0
-    while batch := await dead_letters(api, queue, key=key, limit=100, after=after):
+    while after < last and (batch := await dead_letters(api, queue, key=key, limit=100, after=after)):
         for letter in batch:
+            if letter.seq > last:
+                return count
+            after = letter.seq
+            if letter.truncated_from is not None:
+                if on_skipped is not None:
+                    on_skipped(letter)
+                continue
             try:
                 await publisher.enqueue(replay_request(letter))
             except KeyqueueError as exc:
@@ -134,6 +164,5 @@ async def replay(api: JetStreamApi, publisher: Publisher, queue: str, *, key: st
             count += 1
             if on_replayed is not None:
                 on_replayed(letter)
-            after = letter.seq
     return count
 

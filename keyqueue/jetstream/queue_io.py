@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from keyqueue.errors import JetStreamError, KeyqueueTimeout, from_api_error
+from keyqueue.errors import ConnectionFailed, JetStreamError, KeyqueueTimeout, from_api_error
 from keyqueue.jetstream.api import (
     DESCRIPTION,
     STATUS,
@@ -24,13 +26,25 @@ from keyqueue.jetstream.api import (
     raise_for_reply,
     stored_from_direct,
 )
-from keyqueue.jetstream.mux import RequestMux
+from keyqueue.jetstream.dlq_copy import dead_letter_copy, minimal_dead_letter_copy
+from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.topology import QueueConfig
 
+log = logging.getLogger("keyqueue.session")
+
 NO_MESSAGE_FOUND = 10057
 """JetStream's err_code for deleting a sequence that holds no message."""
+
+EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
+"""Publish header: store only if the subject's last message has this sequence (0: none)."""
+
+TTL: Final = "Nats-TTL"
+"""Publish header: seconds until the server removes the message (nats-server >= 2.11)."""
+
+HEAD_TTL: Final = 24 * 3600
+"""Seconds a crash-loop counter (``kq.<queue>.head.<key>``) is kept."""
 
 
 class Watch:
@@ -150,9 +164,25 @@ class QueueIO:
     # --- outputs ---------------------------------------------------------------------------------
 
     async def dead_letter(self, key: str, msg: StoredMsg, headers: Mapping[str, str]) -> None:
-        """Copy a request to the DLQ with the headers saying why (the original id deduplicates)."""
-        reply = await self.api._request(self.names.dlq(key), msg.data, None, {**msg.headers, **headers})
-        parse_pub_ack(reply)
+        """Copy a request to the DLQ with the headers saying why (see :mod:`keyqueue.jetstream.dlq_copy`).
+
+        The copy always fits ``max_payload`` and is always sendable; if the server still refuses
+        it, the minimal copy is stored instead. Either is deduplicated on the request's inbox
+        sequence, so a copy sent again after a crash or a lost acknowledgement is stored once.
+        """
+        subject = self.names.dlq(key)
+        copy = dead_letter_copy(msg, headers, self.nc.max_payload)
+        if not copy.minimal:
+            try:
+                parse_pub_ack(await self.api._request(subject, copy.data, None, copy.headers))
+                return
+            except (JetStreamError, nats.errors.BadHeaderError, nats.errors.MaxPayloadError, UnicodeError) as e:
+                # Refused (by the stream's limits, say), not lost: a timeout or a lost connection
+                # is raised, and the next holder sends the same copy again.
+                log.warning("queue %s key %s: the DLQ refused the copy of request %d (%r); storing a "
+                            "minimal copy", self.names.queue, key, msg.seq, e)
+            copy = minimal_dead_letter_copy(msg, headers, self.nc.max_payload)
+        parse_pub_ack(await self.api._request(subject, copy.data, None, copy.headers))
 
     async def reply(self, inbox: str, headers: Mapping[str, str], body: bytes) -> None:
         await self.nc.publish(inbox, body, headers=dict(headers))
@@ -160,18 +190,55 @@ class QueueIO:
     async def progress(self, key: str, body: bytes, headers: Mapping[str, str] | None = None) -> None:
         await self.nc.publish(self.names.progress(key), body, headers=dict(headers) if headers else None)
 
-    # --- the token -------------------------------------------------------------------------------
+    # --- lease records (the lock) -----------------------------------------------------------------
 
-    async def keepalive(self, token: Token, timeout: float) -> None:
-        """Send ``+WPI`` as a request: the reply proves the server received it."""
-        await self.nc.request(token.reply, b"+WPI", timeout=timeout)
+    async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
+                              timeout: float | None = None) -> int:
+        """Store ``body`` on ``subject`` only if its last record has sequence ``expected`` (0: none),
+        removed by the server after ``ttl`` seconds. Returns the new record's sequence; raises
+        :class:`~keyqueue.errors.WrongLastSequence` when another record is there."""
+        self._require_connection(subject)
+        future = await self.read_mux.send(subject, body, headers={EXPECTED_LAST_SUBJECT_SEQ: str(expected),
+                                                                  TTL: str(max(1, ttl))})
+        wait_for = self.timeout if timeout is None else max(0.001, timeout)
+        return parse_pub_ack((await wait(future, wait_for, f"a lease write to {subject}"))[0]).seq
+
+    async def last_record(self, subject: str) -> StoredMsg | None:
+        """The live record on ``subject`` in the lease stream, if any (from the leader)."""
+        return await self.api.get_msg(self.names.lease_stream, last_by_subject=subject, direct=self.direct)
+
+    async def remove_record(self, seq: int) -> None:
+        """Remove one record by sequence: a record since replaced by another holder's is untouched."""
+        self._require_connection("the lease stream")
+        try:
+            await self.api.delete_msg(self.names.lease_stream, seq, no_erase=True)
+        except JetStreamError as e:
+            if e.err_code != NO_MESSAGE_FOUND:
+                raise
+
+    # --- the token (a scheduling hint) ------------------------------------------------------------
+
+    def _require_connection(self, what: str) -> None:
+        # Nothing is queued in the client to be sent after a reconnect: a message that lands
+        # late is one its sender no longer stands behind.
+        if not self.nc.is_connected:
+            raise ConnectionFailed(f"not connected to NATS: nothing sent to {what}")
+
+    async def keepalive(self, token: Token) -> None:
+        """Send ``+WPI`` so the server does not redeliver the token while its holder works."""
+        self._require_connection(token.reply)
+        await self.nc.publish(token.reply, b"+WPI")
 
     async def ack(self, token: Token, timeout: float = 5.0) -> None:
         """Double ack: returns once the server confirmed the token is gone."""
+        self._require_connection(token.reply)
         await self.nc.request(token.reply, b"+ACK", timeout=timeout)
 
-    async def nak(self, token: Token) -> None:
-        await self.nc.publish(token.reply, b"-NAK")
+    async def nak(self, token: Token, delay: float = 0.0) -> None:
+        """Hand the token back for redelivery, after ``delay`` seconds."""
+        self._require_connection(token.reply)
+        body = b"-NAK" if delay <= 0 else b"-NAK " + json.dumps({"delay": int(delay * 1e9)}).encode()
+        await self.nc.publish(token.reply, body)
 
     async def schedule(self, key: str) -> bool:
         """Publish the key's token; False if it already exists (held or scheduled)."""

@@ -17,10 +17,13 @@ __all__ = [
     "CONTENT_TYPE",
     "DLQ_ATTEMPTS",
     "DLQ_ERROR_TYPE",
+    "DLQ_ESCAPED_HEADERS",
     "DLQ_ORIGINAL_SEQ",
     "DLQ_ORIGINAL_SUBJECT",
     "DLQ_REASON",
+    "DLQ_REQUEST_ID",
     "DLQ_TIME",
+    "DLQ_TRUNCATED",
     "ERROR_MESSAGE",
     "ERROR_TYPE",
     "JSON",
@@ -119,6 +122,18 @@ DLQ_ORIGINAL_SEQ: Final = "X-KQ-DLQ-Seq"
 
 DLQ_TIME: Final = "X-KQ-DLQ-Time"
 """When the request was dead-lettered (RFC 3339, UTC)."""
+
+DLQ_REQUEST_ID: Final = "X-KQ-DLQ-Request-Id"
+"""The request id (``Nats-Msg-Id``) the request was stored under; the copy's own ``Nats-Msg-Id``
+is ``dlq:<inbox sequence>``, so two stored requests with one id each get their copy."""
+
+DLQ_TRUNCATED: Final = "X-KQ-DLQ-Truncated"
+"""On a copy that is not the whole request: the original body's size in bytes. The body is cut
+to fit the server's ``max_payload`` (a minimal copy has none, nor the request's own headers)."""
+
+DLQ_ESCAPED_HEADERS: Final = "X-KQ-DLQ-Escaped-Headers"
+"""The request's headers that could not be copied as they were (a name NATS clients refuse, a
+value with CR/LF, a JetStream ``Nats-*`` instruction), as one ASCII JSON object."""
 
 # --- values ------------------------------------------------------------------------------------
 

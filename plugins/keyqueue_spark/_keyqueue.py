@@ -36,7 +36,7 @@ from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.subjects import QueueNames, validate_key
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.wire import dumps, loads_map, new_request_id
-from keyqueue.wire.headers import CBOR, CONTENT_TYPE, MESSAGE_TYPE, MESSAGE_VERSION, MSG_ID
+from keyqueue.wire.headers import CBOR, CONTENT_TYPE, DLQ_REQUEST_ID, MESSAGE_TYPE, MESSAGE_VERSION, MSG_ID
 
 __all__ = [
     "CBOR",
@@ -253,7 +253,8 @@ def decode_message(headers: Mapping[str, str], data: bytes) -> Decoded:
     message_type = lower.get(MESSAGE_TYPE.lower())
     raw_version = lower.get(MESSAGE_VERSION.lower(), "")
     version = int(raw_version) if raw_version.isdigit() else None
-    request_id = lower.get(MSG_ID.lower())
+    # A DLQ copy carries the request id in X-KQ-DLQ-Request-Id (its Nats-Msg-Id is its own).
+    request_id = lower.get(DLQ_REQUEST_ID.lower()) or lower.get(MSG_ID.lower())
     content_type = lower.get(CONTENT_TYPE.lower(), "").split(";", 1)[0].strip().lower()
     if not content_type:
         return Decoded(message_type, version, request_id, None, f"no {CONTENT_TYPE} header")

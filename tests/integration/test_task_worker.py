@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,8 @@ from typing import Any
 import pytest
 
 import keyqueue
+from keyqueue.dead_letters import dead_letters
+from keyqueue.default_processor import DECODE_OFF_LOOP_BYTES
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
 from keyqueue.jetstream.subjects import QueueNames
@@ -202,6 +205,126 @@ async def test_merge_folds_the_pending_requests_through_the_hook(make_app: MakeA
     async with app.worker():
         assert await asyncio.gather(*callers) == [4, 4, 4]
     assert runs == [[1, 2, 3, 4]]
+
+
+async def store_raw(app: keyqueue.App, queue: str, key: str, request_id: str, body: bytes,
+                    message_type: str, version: str = "1") -> None:
+    """Store a request as another producer might have written it (maybe one no worker can read)."""
+    headers = {H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: message_type, H.MESSAGE_VERSION: version, H.MSG_ID: request_id}
+    await Publisher(await app.connection(), QueueNames(queue)).enqueue(OutgoingRequest(key, headers, body, request_id))
+
+
+async def dead_letter_errors(app: keyqueue.App, queue: str) -> list[tuple[str, str, str]]:
+    letters = await dead_letters(JetStreamApi(await app.connection()), queue)
+    return [(d.request_id, d.reason, d.error_type) for d in letters]
+
+
+async def test_a_batch_request_that_cannot_be_read_is_dead_lettered_alone_and_the_rest_run(
+    make_app: MakeApp,
+) -> None:
+    app = make_app("batching")
+    calls: list[list[int]] = []
+
+    @app.task(key="{sensor}", policy="batch", max_batch=50)
+    async def ingest(readings: list[Reading]) -> list[int]:
+        calls.append([r.value for r in readings])
+        return [r.value * 10 for r in readings]
+
+    first = asyncio.create_task(ingest.call(Reading("t1", 1)))
+    await stored(app, "batching", 1)
+    await store_raw(app, "batching", "t1", "bad-cbor", b"\xff\x00not cbor", "ingest")
+    await store_raw(app, "batching", "t1", "unknown", dumps({"item": {"sensor": "t1", "value": 7}}, CBOR), "ingets")
+    await store_raw(app, "batching", "t1", "newer", dumps({"item": {"sensor": "t1", "value": 8}}, CBOR), "ingest",
+                    version="9")
+    second = asyncio.create_task(ingest.call(Reading("t1", 2)))
+    await stored(app, "batching", 5)
+    async with app.worker():
+        assert await asyncio.gather(first, second) == [10, 20]
+    assert calls == [[1, 2]]
+    assert await dead_letter_errors(app, "batching") == [
+        ("bad-cbor", "rejected", "MalformedBody"), ("unknown", "rejected", "UnknownMessageType"),
+        ("newer", "rejected", "UnsupportedVersion")]
+
+
+async def test_latest_skips_a_newest_request_that_cannot_be_read_and_runs_the_newest_good_one(
+    make_app: MakeApp,
+) -> None:
+    app = make_app("prices")
+    ran: list[int] = []
+
+    @app.task(key="{sku}", policy="latest")
+    async def reprice(sku: str, price: int) -> int:
+        ran.append(price)
+        return price
+
+    callers = []
+    for n in range(2):
+        callers.append(asyncio.create_task(reprice.options(request_id=f"p{n}").call(sku="s1", price=n)))
+        await stored(app, "prices", n + 1)
+    await store_raw(app, "prices", "s1", "p2", dumps({"sku": "s1", "price": 2}, CBOR), "reprice", version="2")
+    await store_raw(app, "prices", "s1", "p3", dumps({"sku": "s1", "prize": 3}, CBOR), "reprice")
+    async with app.worker():
+        outcomes = await asyncio.gather(*callers, return_exceptions=True)
+    assert ran == [1]
+    assert isinstance(outcomes[0], keyqueue.Superseded) and outcomes[0].by == "p1"
+    assert outcomes[1] == 1
+    assert await dead_letter_errors(app, "prices") == [("p2", "rejected", "UnsupportedVersion"),
+                                                        ("p3", "rejected", "MalformedBody")]
+
+
+async def test_merge_folds_the_readable_requests_and_dead_letters_the_others_alone(make_app: MakeApp) -> None:
+    app = make_app("index")
+    runs: list[list[int]] = []
+
+    def union(arguments: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return {"doc": arguments[-1]["doc"], "ids": sorted({i for a in arguments for i in a["ids"]})}
+
+    @app.task(key="{doc}", policy="merge", merge=union)
+    async def reindex(doc: str, ids: list[int]) -> int:
+        runs.append(ids)
+        return len(ids)
+
+    first = asyncio.create_task(reindex.call(doc="d", ids=[3, 1]))
+    await stored(app, "index", 1)
+    await store_raw(app, "index", "d", "extra", dumps({"doc": "d", "ids": [9], "force": True}, CBOR), "reindex")
+    await store_raw(app, "index", "d", "garbled", b"\xa1", "reindex")
+    second = asyncio.create_task(reindex.call(doc="d", ids=[2]))
+    await stored(app, "index", 4)
+    async with app.worker():
+        assert await asyncio.gather(first, second) == [3, 3]
+    assert runs == [[1, 2, 3]]
+    assert await dead_letter_errors(app, "index") == [("extra", "rejected", "MalformedBody"),
+                                                       ("garbled", "rejected", "MalformedBody")]
+
+
+async def test_a_large_body_is_decoded_off_the_event_loop(make_app: MakeApp) -> None:
+    app = make_app()
+    loop = asyncio.get_running_loop()
+    decoded_in: dict[int, threading.Thread] = {}
+
+    async def alive() -> str:
+        return "alive"
+
+    def upgrade(fields: dict[str, Any]) -> dict[str, Any]:
+        # Runs inside the decode. It needs the event loop: if the decode blocked it, this would time out.
+        decoded_in[len(fields["blob"])] = threading.current_thread()
+        if len(fields["blob"]) > DECODE_OFF_LOOP_BYTES:
+            assert asyncio.run_coroutine_threadsafe(alive(), loop).result(timeout=10) == "alive"
+        return {**fields, "size": len(fields["blob"])}
+
+    @app.task(key="{k}", version=2, upgrades={1: upgrade})
+    async def load(k: str, blob: list[int], size: int) -> int:
+        return size
+
+    await load.enqueue(k="warm-up", blob=[], size=0)  # creates the queue's streams
+    big = [i % 100 for i in range(DECODE_OFF_LOOP_BYTES + 1)]
+    for blob in (big, [1, 2, 3]):
+        await store_raw(app, "shop", "k", f"v1-{len(blob)}", dumps({"k": "k", "blob": blob}, CBOR), "load")
+    async with app.worker():
+        assert await load.call(k="k", blob=[], size=0) == 0  # behind both on the same key
+    assert decoded_in[len(big)] is not threading.main_thread()
+    assert decoded_in[3] is threading.main_thread()  # small bodies skip the thread hop
+    assert await dead_letter_errors(app, "shop") == []
 
 
 async def test_hooks_nest_in_order_and_a_failing_hook_does_not_stop_the_worker(
