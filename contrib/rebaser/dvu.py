@@ -92,8 +92,13 @@ class SerialDvuTask:
                     raise LeaseLost(f"change set {self.key}: lease lost; the DVU stops here")
                 if not self._owed():
                     self._idle.set()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self.lease_poll)
+                    # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the
+                    # wake-up completes, and stop() would then wait for this loop forever.
+                    waiter = asyncio.ensure_future(self._wake.wait())
+                    try:
+                        await asyncio.wait({waiter}, timeout=self.lease_poll)
+                    finally:
+                        waiter.cancel()
                     self._wake.clear()
                     continue
                 self._idle.clear()

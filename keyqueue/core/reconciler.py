@@ -2,7 +2,10 @@
 
 It covers a producer that died between its two publishes, a token publish that failed, and
 anything else that could strand a request. Publishing a token for a key that already has one is
-refused by the server (10077), so running it anywhere, any time, is safe.
+refused by the server (10077), so running it anywhere, any time, is safe; but scanning every
+subject of a big queue from every worker is waste, so one worker of the fleet is elected for it
+with the same lease records that lock keys (core/lock.py, subject ``kq.<queue>.role.reconciler``).
+When the elected worker dies, its record expires and another takes over within two intervals.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from keyqueue.errors import KeyqueueError
+from keyqueue.core.lock import KeyLock
+from keyqueue.errors import KeyqueueError, LeaseLost
 from keyqueue.jetstream.queue_io import QueueIO
 
 log = logging.getLogger("keyqueue.reconciler")
@@ -19,13 +23,33 @@ log = logging.getLogger("keyqueue.reconciler")
 class Reconciler:
     """Schedules stranded keys of one queue, once or on an interval."""
 
-    def __init__(self, io: QueueIO, *, interval: float = 30.0) -> None:
+    def __init__(self, io: QueueIO, *, interval: float = 30.0, worker: str = "") -> None:
         self.io = io
         self.interval = interval
+        self.worker = worker
         self.scheduled_total = 0
+        self.passes = 0
+        """Passes this worker ran (only while elected)."""
+        self._lock = self._new_claim()
+
+    def _new_claim(self) -> KeyLock:
+        return KeyLock(self.io, self.io.names.role("reconciler"), max(1.0, 2 * self.interval),
+                       holder={"worker": self.worker, "role": "reconciler"})
+
+    async def elected(self) -> bool:
+        """True while this worker holds the queue's reconciler role (acquiring it if free)."""
+        if self._lock.held:
+            try:
+                await self._lock.renew()
+                return True
+            except LeaseLost:
+                pass
+        self._lock = self._new_claim()
+        return await self._lock.try_acquire()
 
     async def reconcile(self) -> list[str]:
         """One pass; returns the keys it scheduled."""
+        self.passes += 1
         with_requests = await self.io.keys_with_requests()
         with_tokens = await self.io.keys_with_tokens()
         scheduled = []
@@ -42,7 +66,8 @@ class Reconciler:
         """Reconcile now and then every ``interval`` seconds until cancelled."""
         while True:
             try:
-                await self.reconcile()
+                if await self.elected():
+                    await self.reconcile()
             except KeyqueueError as e:
                 log.warning("queue %s: reconcile pass failed: %s", self.io.names.queue, e)
             await asyncio.sleep(self.interval)

@@ -1,14 +1,17 @@
 """The key session: what a worker runs while it holds a key's token (DESIGN.md section 4).
 
-    acquire token ─► open processor ─► ┌─ lease check ─► read next request (stream order)
+    token ─► acquire the key's lease record ─► open processor
+                                       ┌─ lease check ─► read next request (stream order)
                                        │      │ none: wait for an arrival, at most `linger`
                                        │      ▼
                                        │  handle ─► ok: delete, reply ─┐
                                        │         └► fail: backoff, retry in place, or DLQ
                                        └──────────────────────────────┘
-    quiescent ─► processor.idle() ─► lease check ─► ack ─► re-check inbox ─► re-publish token?
+    quiescent ─► processor.idle() ─► settle deletes ─► remove record + ack ─► re-check inbox
+                                                                         ─► re-publish token?
 
-A lost lease ends the session at once: no ack, no nak, no delete, no reply. The keepalive task
+The token only says the key has work; the lease record (core/lock.py) says who may do it. A
+lost lease ends the session at once: no ack, no nak, no delete, no reply. The keepalive task
 and the work run in one TaskGroup, so a keepalive that finds the lease lost cancels the work.
 """
 
@@ -18,6 +21,7 @@ import asyncio
 import collections
 import contextlib
 import inspect
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -26,12 +30,13 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from keyqueue.core.lease import Lease
+from keyqueue.core.lock import KeyLock
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
-from keyqueue.errors import KeyqueueError, LeaseLost, Reject, WireError
+from keyqueue.errors import KeyqueueError, LeaseLost, Reject, WireError, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
-from keyqueue.jetstream.queue_io import QueueIO, Watch
+from keyqueue.jetstream.queue_io import HEAD_TTL, QueueIO, Watch
 from keyqueue.wire import headers as H
 
 log = logging.getLogger("keyqueue.session")
@@ -44,6 +49,15 @@ ARRIVAL_GRACE: Final = 0.1
 
 MAX_UNCONFIRMED_DELETES: Final = 8
 """Deletes in flight before the session waits for their confirmations."""
+
+ACQUIRE_BACKOFF: Final = (0.002, 0.5)
+"""First and longest wait, in seconds, between tries to acquire a key another worker holds."""
+
+FAILED_SESSION_DELAY: Final = 1.0
+"""Seconds before a key whose session failed is delivered again (so a failure cannot spin)."""
+
+HAND_BACK_TIMEOUT: Final = 5.0
+"""Bound, in seconds, on each step of giving a key back (settling deletes, the ack)."""
 
 Emit = Callable[..., None]
 """``emit(event, **fields)``: the worker's sink for session lifecycle events."""
@@ -67,6 +81,8 @@ class Outcome:
     LEASE_LOST = "lease-lost"
     HANDED_OFF = "handed-off"
     FAILED = "failed"
+    CONTENDED = "contended"
+    """The key's lease record stayed held by another worker until this worker began draining."""
 
 
 class _Context:
@@ -76,7 +92,8 @@ class _Context:
         self._session = session
         self.queue = session.io.names.queue
         self.key = session.token.key
-        self.fencing = session.token.fencing
+        self.fencing = (0, 0)
+        """``(lease record sequence, token delivery count)``; set when the key is acquired."""
         self.request_id = ""
         self.attempt = 0
         self.log = logging.LoggerAdapter(logging.getLogger("keyqueue.task"),
@@ -84,6 +101,7 @@ class _Context:
 
     def lease_valid(self) -> bool:
         return self._session.lease.valid()
+
 
     def check_lease(self) -> None:
         self._session.lease.check()
@@ -109,7 +127,10 @@ class KeySession:
         self.draining = draining
         self.should_yield = should_yield
         self.worker = worker
+        self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
+                            holder={"worker": worker, "token": token.stream_seq, "delivered": token.delivered})
         self.lease = Lease(settings.ack_wait, token.received_at)
+        self.lease.lose("the key's lease record is not acquired yet")
         self.cursor = 1
         """The inbox sequence to read the next request from."""
         self.processed = 0
@@ -121,25 +142,78 @@ class KeySession:
         after that, an arrival on the key's subject says yes again)."""
         self.deletes: list[asyncio.Future[Any]] = []
         """Deletes sent and not yet confirmed."""
+        self.counted_head = False
+        """Whether this session has counted its first request as a crash-loop suspect."""
+        self._in_hand = 0
+        """The inbox sequence of the request being processed (0 between requests)."""
         self.ctx = _Context(self)
+        self._giving_back: asyncio.Task[None] | None = None
+
+    @property
+    def acquired(self) -> bool:
+        return self.lock.lease is not None
+
+    def adopt(self, token: Token) -> bool:
+        """Take a newer delivery of the same token (the server redelivered it to this worker while
+        this session holds the key's lease record): keepalives and the ack go to it from now on.
+        False if this session can no longer use it (it lost its lease or is giving the key back)."""
+        if token.stream_seq != self.token.stream_seq or self._giving_back is not None:
+            return False
+        if self.acquired and not self.lease.valid():
+            return False
+        self.token = token
+        return True
 
     # --- the whole session -----------------------------------------------------------------------
 
     async def run(self) -> str:
         """Run to the end; returns an :class:`Outcome`. Never raises but for cancellation."""
-        self.emit("acquired", key=self.key, fencing=self.token.fencing, delivered=self.token.delivered)
         try:
+            if not await self._acquire():
+                return Outcome.CONTENDED
+            self.emit("acquired", key=self.key, fencing=self.ctx.fencing, delivered=self.token.delivered)
             return await self._run()
         except asyncio.CancelledError:
             # Cut off by the drain deadline (or a second signal): the request in hand stays
-            # stored; a nak hands the key to another worker now rather than after ack_wait.
-            if self.draining.is_set() and self.lease.valid():
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self.io.nak(self.token))
+            # stored and runs again on the next holder, who may start at once.
+            if self._giving_back is None and self.acquired and self.lease.valid():
+                self._giving_back = asyncio.ensure_future(self._give_back(Outcome.HANDED_OFF))
                 self.emit("interrupted", key=self.key)
+            if self._giving_back is not None:
+                # Even when cut off, a session that acked its token re-checks the inbox.
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.shield(self._giving_back)
             raise
 
+    async def _acquire(self) -> bool:
+        """Acquire the key's lease record, waiting while another worker holds it."""
+        delay, longest = ACQUIRE_BACKOFF
+        next_keepalive = 0.0
+        while True:
+            if self.draining.is_set():
+                with contextlib.suppress(Exception):
+                    await self.io.nak(self.token)
+                self.emit("contended", key=self.key, fencing=self.token.fencing)
+                return False
+            now = time.monotonic()
+            if now >= next_keepalive:
+                # The token may have waited in a buffer; refresh its server-side timer at once so
+                # it is not redelivered while this worker works (or waits) for the key.
+                with contextlib.suppress(Exception):
+                    await self.io.keepalive(self.token)
+                next_keepalive = now + self.settings.ack_wait / 3
+            if await self.lock.try_acquire():
+                assert self.lock.lease is not None
+                self.lease = self.lock.lease
+                self.ctx.fencing = (self.lock.fence, self.token.delivered)
+                return True
+            # Another worker's record is live: it is working on the key, or it is a former holder's
+            # record that the server will expire. Either way, it is not ours to start.
+            await asyncio.sleep(delay)
+            delay = min(longest, delay * 2)
+
     async def _run(self) -> str:
+        outcome = Outcome.FAILED
         try:
             async with asyncio.TaskGroup() as tg:
                 keepalive = tg.create_task(self._keepalive(), name=f"keepalive:{self.key}")
@@ -156,32 +230,31 @@ class KeySession:
             failed = group.subgroup(Exception)
             if failed is None:
                 raise
-            # A processor or NATS failure: nothing is acked, the token is redelivered later.
+            # A processor or NATS failure: give the key back now, not after ack_wait, with a short
+            # delay so a failure that repeats cannot spin through the fleet.
             first = failed.exceptions[0]
             self.emit("session_failed", key=self.key, error=repr(first))
             log.error("queue %s key %s: session failed: %r", self.io.names.queue, self.key, first,
                       exc_info=first)
+            await self._give_back_shielded(Outcome.FAILED)
             return Outcome.FAILED
+        await self._give_back_shielded(outcome)
         self.emit(outcome, key=self.key, processed=self.processed, republished=self.republished)
         return outcome
 
     async def _keepalive(self) -> None:
-        # The first deadline already runs from receipt, so a keepalive sent at once would buy
-        # only the milliseconds since then: the first one goes out after one interval.
-        await asyncio.sleep(min(self.lease.interval, max(0.0, self.lease.remaining())))
         while True:
-            self.lease.check()  # first thing on waking: a resumed process must not renew a lapsed lease
-            sent = time.monotonic()
+            await asyncio.sleep(min(self.lease.interval, max(0.0, self.lease.remaining())))
             try:
-                await self.io.keepalive(self.token, timeout=max(0.05, self.lease.remaining()))
-                self.lease.confirmed(sent, time.monotonic())
+                await self.lock.renew()
             except LeaseLost:
                 raise
             except Exception as e:
-                log.debug("keepalive for %s failed: %r", self.key, e)
+                log.debug("lease renewal for %s failed: %r", self.key, e)
             if not self.lease.valid():
                 raise LeaseLost(self.lease.lost_reason)
-            await asyncio.sleep(min(self.lease.interval, max(0.0, self.lease.remaining())))
+            with contextlib.suppress(Exception):
+                await self.io.keepalive(self.token)
 
     async def _work(self) -> str:
         processor = await self._build_processor()
@@ -193,8 +266,6 @@ class KeySession:
         reason = "quiescent"
         try:
             await processor.open(self.ctx)
-            if self.token.delivered > self.settings.crash_loop_limit:
-                await self._break_crash_loop()
             while True:
                 if self.draining.is_set():
                     reason = "shutdown"
@@ -275,8 +346,19 @@ class KeySession:
     # --- processing with retries -----------------------------------------------------------------
 
     async def _process(self, processor: KeyProcessor, batch: list[StoredMsg]) -> None:
+        if not self.counted_head and self.token.delivered > 1:
+            # A redelivered token: the previous holder may have died on this very request.
+            self.counted_head = True
+            runs = await self._count_head_run(batch[0])
+            if runs > self.settings.crash_loop_limit:
+                self.buffer.extendleft(reversed(batch[1:]))
+                error = KeyqueueError(f"this request was at the head of {runs} sessions of redelivered tokens: "
+                                      "workers keep dying or losing the lease on it")
+                await self._dead_letter([batch[0]], error, runs, reason="crash-loop")
+                return
         requests = [Request(self.key, m.seq, m.subject, m.headers, m.data) for m in batch]
         head = requests[0]
+        self._in_hand = head.seq
         policy = processor.retry_policy(head) or self.settings.retry
         attempt = 0
         while True:
@@ -329,11 +411,14 @@ class KeySession:
 
     async def _backoff(self, delay: float) -> bool:
         """Sleep before a retry, holding the key; False if a drain started meanwhile."""
+        # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancel that arrives as
+        # the drain starts.
+        waiter = asyncio.ensure_future(self.draining.wait())
         try:
-            await asyncio.wait_for(self.draining.wait(), delay)
-        except TimeoutError:
-            return True
-        return False
+            await asyncio.wait({waiter}, timeout=delay)
+        finally:
+            waiter.cancel()
+        return not self.draining.is_set()
 
     async def _succeeded(self, batch: list[StoredMsg], requests: list[Request], replies: list[Reply | None],
                          elapsed: float, through: int) -> None:
@@ -348,6 +433,7 @@ class KeySession:
         else:
             await self.io.purge_through(self.key, last)
         self.cursor = last + 1
+        self._in_hand = 0
         self.processed += len(batch)
         for request, reply in zip(requests, replies, strict=False):
             if request.reply_inbox:
@@ -376,10 +462,13 @@ class KeySession:
                 H.DLQ_TIME: datetime.now(UTC).isoformat(),
             }
             await self.io.dead_letter(self.key, msg, why)
+            self.lease.check()
             await self.io.delete(msg.seq)
             self.cursor = msg.seq + 1
+            self._in_hand = 0
             inbox = msg.headers.get(H.REPLY_INBOX)
             if inbox:
+                self.lease.check()
                 await self.io.reply(inbox, {H.STATUS: "dead-lettered", H.REQUEST_ID: msg.headers.get(H.MSG_ID, ""),
                                             H.ERROR_TYPE: type(error).__name__,
                                             H.ERROR_MESSAGE: H.header_safe(str(error)),
@@ -388,32 +477,87 @@ class KeySession:
                       reason=reason, attempts=attempts, error=f"{type(error).__name__}: {error}",
                       message_type=msg.headers.get(H.MESSAGE_TYPE, ""))
 
-    async def _break_crash_loop(self) -> None:
-        head = await self.io.next_request(self.key, self.cursor)
-        if head is None:
+    async def _count_head_run(self, head: StoredMsg) -> int:
+        """Count one more session that starts with ``head`` on a redelivered token; the count."""
+        subject = self.io.names.head(self.key)
+        try:
+            record = await self.io.last_record(subject)
+            runs = 1
+            if record is not None:
+                last = json.loads(record.data)
+                if last.get("seq") == head.seq:
+                    runs = int(last.get("runs", 0)) + 1
+            body = json.dumps({"seq": head.seq, "runs": runs}).encode()
+            await self.io.compare_and_set(subject, record.seq if record else 0, body, HEAD_TTL)
+        except (KeyqueueError, ValueError) as e:  # a counter is a heuristic: never block the key on it
+            log.debug("crash-loop counter for %s: %r", self.key, e)
+            return 1
+        return runs
+
+    async def _forgive_head(self) -> None:
+        """This session hands the key back with a request in hand (a drain, a failure): it did not
+        die on it, so the session of the redelivered token must not count it as a crash."""
+        seq = self._in_hand
+        if not seq:
             return
-        error = KeyqueueError(f"the key's token was delivered {self.token.delivered} times while this request "
-                              "stayed at the head: workers keep dying or losing the lease on it")
-        await self._dead_letter([head], error, self.token.delivered, reason="crash-loop")
+        subject = self.io.names.head(self.key)
+        with contextlib.suppress(KeyqueueError, WrongLastSequence, ValueError):
+            record = await self.io.last_record(subject)
+            runs = 0
+            if record is not None and json.loads(record.data).get("seq") == seq:
+                runs = int(json.loads(record.data).get("runs", 0))
+            body = json.dumps({"seq": seq, "runs": runs - 1}).encode()
+            await self.io.compare_and_set(subject, record.seq if record else 0, body, HEAD_TTL)
 
     # --- release ---------------------------------------------------------------------------------
 
     async def _release(self, processor: KeyProcessor, reason: str) -> str:
-        """Finish owed work, ack the token, then re-check the inbox and re-schedule if needed."""
+        """Finish owed work; :meth:`_give_back` then gives the key back."""
         if reason == "shutdown":
             try:
                 await asyncio.wait_for(processor.idle(self.ctx), self.settings.drain_timeout)
             except TimeoutError:
-                self.lease.check()
-                await self.io.nak(self.token)
-                return Outcome.HANDED_OFF
-        else:
-            await processor.idle(self.ctx)
-        await self._settle_deletes()
-        self.lease.check()
-        await self.io.ack(self.token)
+                log.warning("queue %s key %s: owed work did not finish within the drain deadline; the next "
+                            "holder does it", self.io.names.queue, self.key)
+            return Outcome.HANDED_OFF
+        await processor.idle(self.ctx)
+        return Outcome.RELEASED
+
+    async def _give_back_shielded(self, outcome: str) -> None:
+        self._giving_back = asyncio.ensure_future(self._give_back(outcome))
+        await asyncio.shield(self._giving_back)
+
+    async def _give_back(self, outcome: str) -> None:
+        """Settle deletes, remove the lease record, ack (or, after a failure, nak) the token, and
+        re-check the inbox. Never raises: whatever fails here, the record's TTL frees the key."""
+        if not self.lease.valid():
+            return  # another worker may own the key now: nothing more is sent for it
+        try:
+            await asyncio.wait_for(self._settle_deletes(), HAND_BACK_TIMEOUT)
+        except Exception as e:
+            # Unconfirmed deletes may land or not: a request not deleted runs again (at least once).
+            log.warning("queue %s key %s: %d delete(s) unconfirmed at release: %r", self.io.names.queue,
+                        self.key, len(self.deletes), e)
+        if not self.lease.valid():
+            return
+        if outcome in (Outcome.FAILED, Outcome.HANDED_OFF):
+            # The key may still have work that only its processor knows of (an owed DVU): the
+            # token goes back as it is, for another worker at once (a drain) or after a short
+            # delay (a failure, so that it cannot spin).
+            await self._forgive_head()
+            delay = FAILED_SESSION_DELAY if outcome == Outcome.FAILED else 0.0
+            await asyncio.gather(self.lock.release(), self.io.nak(self.token, delay), return_exceptions=True)
+            return
+        released, acked = await asyncio.gather(self.lock.release(), self.io.ack(self.token, HAND_BACK_TIMEOUT),
+                                               return_exceptions=True)
+        for what, result in (("lease record", released), ("token", acked)):
+            if isinstance(result, BaseException):
+                log.debug("queue %s key %s: releasing the %s: %r", self.io.names.queue, self.key, what, result)
         # A request stored after our last read had its token publish rejected (ours still
         # existed): look again now that our token is gone, and schedule the key if one remains.
-        if await self.io.next_request_authoritative(self.key, self.cursor) is not None:
-            self.republished = await self.io.schedule(self.key)
-        return Outcome.HANDED_OFF if reason == "shutdown" else Outcome.RELEASED
+        try:
+            if await self.io.next_request_authoritative(self.key, self.cursor) is not None:
+                self.republished = await self.io.schedule(self.key)
+        except Exception as e:
+            log.warning("queue %s key %s: re-check after release failed (the reconciler schedules the key): "
+                        "%r", self.io.names.queue, self.key, e)

@@ -48,6 +48,11 @@ class QueueWorker:
         self.factory = factory
         self.concurrency = concurrency
         self.settings = settings or SessionSettings(ack_wait=config.ack_wait)
+        if self.settings.ack_wait != config.ack_wait:
+            raise ConfigError(
+                f"the session lease ({self.settings.ack_wait}s) differs from queue {config.name!r}'s ack_wait "
+                f"({config.ack_wait}s); use one value for both (SessionSettings(ack_wait=config.ack_wait))"
+            )
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.on_event = on_event
         self.io = QueueIO(nc, config)
@@ -63,7 +68,7 @@ class QueueWorker:
         """The pin id while this worker is the pinned client of a ``pinned_client`` queue."""
         self.puller = TokenPuller(nc, config.names, capacity=self.free_slots, on_token=self._on_token,
                                   options=pull, on_pinned=self._on_pinned)
-        self.reconciler = Reconciler(self.io, interval=reconcile_interval)
+        self.reconciler = Reconciler(self.io, interval=reconcile_interval, worker=self.name)
         self.sessions: dict[str, asyncio.Task[str]] = {}
         self.draining = asyncio.Event()
         self._stop_now = False
@@ -74,7 +79,7 @@ class QueueWorker:
         self._held: dict[str, KeySession] = {}
         self._last_tick = time.monotonic()
         self._stale_after = self.settings.ack_wait - Lease.default_margin(self.settings.ack_wait)
-        """A stall (or a token's possible age) this long may have outlived a lease."""
+        """A stall this long may have outlived every lease this worker held."""
         self.counts: dict[str, int] = {}
         """Events seen, by name (acquired, succeeded, retried, dead_lettered, released, ...)."""
 
@@ -107,36 +112,25 @@ class QueueWorker:
     # --- tokens ----------------------------------------------------------------------------------
 
     async def _on_token(self, token: Token) -> None:
-        # The server's delivery time is not in the message, and a token that sat in the socket
-        # buffer while this process was paused (SIGSTOP, a VM freeze, a blocked loop) looks
-        # fresh on arrival. It is at most as old as the time since the loop last ran freely.
-        age = max(0.0, token.received_at - self._last_tick - LOOP_TICK)
-        if age >= self._stale_after:
-            # The server may already have given the key to another worker. Acting on the token
-            # at all, even a nak, could take the key from its rightful holder: leave it be.
-            log.warning("dropping a token for key %s received after the event loop stalled for %.1fs; "
-                        "the server redelivers it", token.key, age)
-            self.emit("stale_token", key=token.key, age=round(age, 3), delivered=token.delivered)
-            return
+        # A token is a scheduling hint: whoever acts on it must first acquire the key's lease
+        # record (core/lock.py), so even a token that sat in a buffer while this process was
+        # paused is safe to act on.
         self._tokens_waiting = token.pending > 0
         held = self._held.get(token.key)
         previous: asyncio.Task[str] | None = None
         if held is not None:
-            if held.token.stream_seq == token.stream_seq:
-                # The server redelivered the token we hold: our session's hold is stale. Hand the
-                # fresh delivery straight back so another worker takes the key now.
-                held.lease.lose("the server redelivered the key's token")
-                log.warning("key %s redelivered while this worker's session still runs: that session lost "
-                            "its lease", token.key)
-                await self.io.nak(token)
+            if held.adopt(token):
+                # The server redelivered the token of a key this worker holds (a keepalive came
+                # late): the session carries on under its lease record with the newer delivery.
+                log.info("key %s: token redelivered to its holder; the session continues with it", token.key)
                 return
-            # A new token: our session acked the old one, found a request at its re-check and
-            # scheduled the key again, and is still closing. Start after it has finished.
+            # Our session is closing (it acked the token, found a request at its re-check and
+            # scheduled the key again) or lost its lease: start after it has finished.
             previous = self.sessions.get(token.key)
         if self.draining.is_set() or self._tg is None:
-            await self.io.nak(token)
+            with contextlib.suppress(KeyqueueError):
+                await self.io.nak(token)
             return
-        token = dataclasses.replace(token, received_at=token.received_at - age)
         session = KeySession(self.io, token, self.factory, self.settings, emit=self.emit,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name)
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")

@@ -8,6 +8,7 @@ becomes a typed error through :func:`keyqueue.errors.from_api_error`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,9 +25,13 @@ from keyqueue.errors import (
     MessageNotFound,
     from_api_error,
 )
+from keyqueue.jetstream.connect import CONNECTION_DOWN, disconnected, not_sent
 
 API_TIMEOUT: Final = 5.0
 """Seconds to wait for a JetStream API reply before raising KeyqueueTimeout."""
+
+LARGE_REPLY: Final = 256 * 1024
+"""Bytes from which an API reply is parsed off the event loop."""
 
 STATUS: Final = "Status"
 """Header nats-py sets from the status line of a server status message."""
@@ -92,7 +97,10 @@ class JetStreamApi:
         data = json.dumps(payload).encode() if payload is not None else b""
         msg = await self._request(f"{self.prefix}.{subject}", data, timeout)
         try:
-            body: dict[str, Any] = json.loads(msg.data)
+            # A big reply (a page of 100k subjects) would hold the loop, and every lease, for
+            # tens of milliseconds: parse it in a thread.
+            body: dict[str, Any] = (json.loads(msg.data) if len(msg.data) < LARGE_REPLY
+                                    else await asyncio.to_thread(json.loads, msg.data))
         except ValueError as e:
             raise JetStreamError(f"unreadable reply to {subject}: {msg.data[:100]!r}") from e
         raise_for_reply(body)
@@ -100,6 +108,9 @@ class JetStreamApi:
 
     async def _request(self, subject: str, data: bytes, timeout: float | None,
                        headers: dict[str, str] | None = None) -> Msg:
+        if self.nc.is_reconnecting:
+            # nats-py would refuse it too, but leave the request's reply future in its map for good.
+            raise disconnected(f"the request to {subject}")
         try:
             return await self.nc.request(subject, data, timeout=timeout or self.timeout, headers=headers)
         except nats.errors.NoRespondersError as e:
@@ -108,8 +119,8 @@ class JetStreamApi:
             ) from e
         except (TimeoutError, nats.errors.TimeoutError) as e:
             raise KeyqueueTimeout(f"no reply to {subject} within {timeout or self.timeout}s") from e
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
-            raise ConnectionFailed(f"connection closed while calling {subject}") from e
+        except CONNECTION_DOWN as e:
+            raise not_sent(e, f"the request to {subject}") from e
 
     # --- streams ---------------------------------------------------------------------------------
 
@@ -223,7 +234,7 @@ def stored_from_json(message: Mapping[str, Any]) -> StoredMsg:
     headers: dict[str, str] = {}
     raw = message.get("hdrs")
     if raw:
-        lines = base64.b64decode(raw).decode().split("\r\n")[1:]
+        lines = base64.b64decode(raw).decode(errors="replace").split("\r\n")[1:]
         for line in lines:
             if ":" in line:
                 name, _, value = line.partition(":")

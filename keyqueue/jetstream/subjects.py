@@ -74,6 +74,11 @@ class QueueNames:
         return f"KQ_{self.queue}_DLQ"
 
     @property
+    def lease_stream(self) -> str:
+        """Per-key lease records (the lock), crash-loop counters and fleet roles."""
+        return f"KQ_{self.queue}_LEASES"
+
+    @property
     def consumer(self) -> str:
         return CONSUMER_NAME
 
@@ -90,6 +95,18 @@ class QueueNames:
         return f"kq.{self.queue}.dlq."
 
     @property
+    def lease_prefix(self) -> str:
+        return f"kq.{self.queue}.lease."
+
+    @property
+    def head_prefix(self) -> str:
+        return f"kq.{self.queue}.head."
+
+    @property
+    def role_prefix(self) -> str:
+        return f"kq.{self.queue}.role."
+
+    @property
     def progress_prefix(self) -> str:
         return f"kq.{self.queue}.progress."
 
@@ -101,6 +118,15 @@ class QueueNames:
 
     def dlq(self, key: str) -> str:
         return self.dlq_prefix + key
+
+    def lease(self, key: str) -> str:
+        return self.lease_prefix + key
+
+    def head(self, key: str) -> str:
+        return self.head_prefix + key
+
+    def role(self, name: str) -> str:
+        return self.role_prefix + name
 
     def progress(self, key: str) -> str:
         return self.progress_prefix + key

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from keyqueue.errors import ConfigError, ConsumerNotFound, StreamNotFound, TopologyMismatch
+from keyqueue.errors import ConfigError, ConsumerNotFound, JetStreamError, StreamNotFound, TopologyMismatch
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
 
@@ -110,6 +110,27 @@ class QueueConfig:
             "allow_direct": self.replicas == 1,
         }
 
+    def lease_config(self, first_seq: int = 1) -> dict[str, Any]:
+        """Per-key lease records: one message per subject, each with its own TTL (the lease).
+
+        A record is written only with ``Nats-Expected-Last-Subject-Sequence``, so the server
+        decides who holds a key (docs/architecture.md, "Fencing"). ``first_seq`` lets a queue that
+        already ran with token-based fencing tokens continue above them.
+        """
+        n = self.names
+        return {
+            "name": n.lease_stream,
+            "subjects": [n.lease_prefix + ">", n.head_prefix + ">", n.role_prefix + ">"],
+            "retention": "limits",
+            "storage": "file",
+            "num_replicas": self.replicas,
+            "max_msgs_per_subject": 1,
+            "discard": "old",
+            "allow_msg_ttl": True,
+            "allow_direct": self.replicas == 1,
+            "first_seq": max(1, first_seq),
+        }
+
     def consumer_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
             "durable_name": self.names.consumer,
@@ -132,7 +153,7 @@ class QueueConfig:
 
 # Fields compared on an existing stream/consumer; others (limits the server fills in) are not ours.
 _STREAM_FIELDS: Final = ("subjects", "retention", "max_msgs_per_subject", "discard",
-                         "discard_new_per_subject", "allow_direct")
+                         "discard_new_per_subject", "allow_direct", "allow_msg_ttl")
 _CONSUMER_FIELDS: Final = ("ack_policy", "ack_wait", "max_deliver", "max_ack_pending",
                            "priority_groups", "priority_policy", "priority_timeout")
 
@@ -141,7 +162,8 @@ def _verify(entity: str, existing: dict[str, Any], wanted: dict[str, Any], field
             hint: str) -> None:
     defaults: dict[str, Any] = {"discard": "old", "retention": "limits", "max_msgs_per_subject": -1,
                                 "discard_new_per_subject": False,
-                                "allow_direct": False, "priority_policy": "none", "max_deliver": -1}
+                                "allow_direct": False, "allow_msg_ttl": False, "priority_policy": "none",
+                                "max_deliver": -1}
     for field in fields:
         if field not in wanted and field not in existing:
             continue
@@ -164,7 +186,30 @@ class Topology:
         """Create what is missing; verify what exists. Safe to call from every process."""
         for wanted in (self.config.inbox_config(), self.config.token_config(), self.config.dlq_config()):
             await self._ensure_stream(wanted)
+        await self._ensure_lease_stream()
         await self._ensure_consumer()
+
+    async def _ensure_lease_stream(self) -> None:
+        n = self.config.names
+        try:
+            info = await self.api.stream_info(n.lease_stream)
+        except StreamNotFound:
+            # Lease sequences are fencing tokens: start past every token sequence, so they keep
+            # increasing on a queue whose processors stored token-based fencing tokens before.
+            try:
+                tokens = await self.api.stream_info(n.token_stream)
+                first = int(tokens.get("state", {}).get("last_seq", 0)) + 1
+            except StreamNotFound:
+                first = 1
+            try:
+                await self.api.add_stream(self.config.lease_config(first))
+                return
+            except JetStreamError:
+                # Another process created it first (with a first_seq read a moment apart).
+                info = await self.api.stream_info(n.lease_stream)
+        hint = (f"keyqueue will not change an existing stream; delete it (nats stream rm {n.lease_stream}) "
+                "while no worker runs")
+        _verify(f"stream {n.lease_stream}", info["config"], self.config.lease_config(), _STREAM_FIELDS, hint)
 
     async def _ensure_stream(self, wanted: dict[str, Any]) -> None:
         name = wanted["name"]

@@ -1,0 +1,131 @@
+"""Defects of the key session and worker reviewed in issue 12, each against a real nats-server.
+
+Each test failed on the main before the lease-record change (noted per test) and passes after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext, SessionContext
+from keyqueue.core.session import SessionSettings
+from keyqueue.core.worker import QueueWorker
+from keyqueue.errors import ConfigError
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.publish import Publisher
+from keyqueue.jetstream.topology import QueueConfig, Topology
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_core_basic import Recorder, request, running, wait_until
+
+
+async def setup(nc: Client, name: str, ack_wait: float) -> tuple[QueueConfig, Publisher]:
+    config = QueueConfig(name, ack_wait=ack_wait)
+    await Topology(JetStreamApi(nc), config).ensure()
+    return config, Publisher(nc, config.names)
+
+
+class Slow(BaseProcessor):
+    def __init__(self, log: list[str], seconds: float) -> None:
+        self.log = log
+        self.seconds = seconds
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        self.log.append(f"start {request.data.decode()} {ctx.fencing[0]}")
+        await asyncio.sleep(self.seconds)
+        self.log.append(f"end {request.data.decode()}")
+        return None
+
+
+async def test_a_token_redelivered_to_its_holder_is_adopted(nc: Client) -> None:
+    """Before: the session was declared lost and the token nak'ed, cutting the handler off and
+    running the request again. Now the session keeps its lease record and finishes once."""
+    config, pub = await setup(nc, "adopt", ack_wait=1)
+    await pub.enqueue(request("k", b"long"))
+    log: list[str] = []
+    events: list[str] = []
+    settings = SessionSettings(ack_wait=1, linger=0.05)
+    worker = QueueWorker(nc, config, lambda key: Slow(log, 2.5), settings=settings,
+                         on_event=lambda event, fields: events.append(event))
+
+    async def no_token_keepalive(token: object) -> None:
+        return None  # the token's +WPI never arrives: the server redelivers it after ack_wait
+
+    worker.io.keepalive = no_token_keepalive  # type: ignore[method-assign,assignment]
+    task = asyncio.create_task(worker.run())
+    await worker.started()
+    await wait_until(lambda: "end long" in log and "released" in events, timeout=15)
+    worker.stop()
+    await task
+    assert [e for e in log if e.startswith("start")] == [log[0]], f"the request ran again: {log}"
+    assert "lease_lost" not in events
+    assert events.count("acquired") == 1
+
+
+async def test_a_failed_session_gives_the_key_back_at_once(nc: Client) -> None:
+    """Before: nothing was acked or nak'ed, so the key waited ack_wait (30 s here)."""
+    config, pub = await setup(nc, "fails", ack_wait=30)
+    await pub.enqueue(request("k", b"x"))
+    opened: list[int] = []
+    log: list[tuple[str, bytes]] = []
+
+    class OpenFailsOnce(Recorder):
+        async def open(self, ctx: SessionContext) -> None:
+            opened.append(1)
+            if len(opened) == 1:
+                raise RuntimeError("the processor's store is down")
+
+    async with running(nc, config, lambda key: OpenFailsOnce(log),
+                       settings=SessionSettings(ack_wait=30, linger=0.05)):
+        await wait_until(lambda: log == [("k", b"x")], timeout=10)
+    assert len(opened) == 2
+
+
+async def test_drain_naks_do_not_count_as_crashes(nc: Client) -> None:
+    """Before: a token delivered more than crash_loop_limit times dead-lettered the key's head
+    request, however the deliveries ended (drain naks, late keepalives)."""
+    config, pub = await setup(nc, "naks", ack_wait=5)
+    await pub.enqueue(request("k", b"innocent"))
+    names = config.names
+    for _ in range(3):  # three graceful hand-offs: delivered and nak'ed
+        msg = await nc.request(f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}",
+                               json.dumps({"batch": 1, "expires": 2_000_000_000}).encode(), timeout=3,
+                               old_style=True)
+        await msg.respond(b"-NAK")
+    log: list[tuple[str, bytes]] = []
+    events: list[str] = []
+    async with running(nc, config, lambda key: Recorder(log),
+                       settings=SessionSettings(ack_wait=5, linger=0.05, crash_loop_limit=1),
+                       on_event=lambda event, fields: events.append(event)):
+        await wait_until(lambda: bool(log), timeout=10)
+    assert log == [("k", b"innocent")]
+    assert "dead_lettered" not in events
+
+
+async def test_one_reconciler_per_queue(nc: Client) -> None:
+    """Before: every worker scanned every subject of the queue every interval."""
+    config, _ = await setup(nc, "recon", ack_wait=2)
+    settings = SessionSettings(ack_wait=2)
+    workers = [QueueWorker(nc, config, lambda key: Recorder([]), settings=settings, reconcile_interval=0.2,
+                           name=f"w{i}") for i in range(3)]
+    tasks = [asyncio.create_task(w.run()) for w in workers]
+    for w in workers:
+        await w.started()
+    await wait_until(lambda: sum(w.reconciler.passes for w in workers) >= 5, timeout=10)
+    for w in workers:
+        w.stop()
+    await asyncio.gather(*tasks)
+    assert sorted(w.reconciler.passes > 0 for w in workers) == [False, False, True]
+
+
+def test_a_session_lease_other_than_the_queues_ack_wait_is_refused() -> None:
+    """Before: accepted, and a worker could believe it held a key longer than the server did."""
+    with pytest.raises(ConfigError, match="ack_wait"):
+        QueueWorker(None, QueueConfig("q", ack_wait=30), lambda key: Recorder([]),  # type: ignore[arg-type]
+                    settings=SessionSettings(ack_wait=60))
