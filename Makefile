@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint java-check bench bench-quick clean
+.PHONY: demo test lint java-check bench bench-quick chaos clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(PY) -m bench --quick $(BENCH_ARGS)
+
+# The full soak (docs/chaos.md): 500 faults of every class, then the checker's verdict.
+CHAOS_ARGS ?= --seed 7 --faults 500 --duration 1200
+
+chaos: $(STAMP)
+	$(PY) -m keyqueue.chaos $(CHAOS_ARGS)
 
 test: $(STAMP) java-check
 	$(PY) -m pytest -q

@@ -12,7 +12,11 @@ compare-and-set (``Nats-Expected-Last-Subject-Sequence``) with a per-message TTL
 - *release*: delete the holder's record by sequence; a record since written by someone else is
   untouched.
 - *expire*: the server removes a record ``ttl`` seconds after it was stored, so a holder that
-  died or was cut off frees the key without anyone's help.
+  died or was cut off frees the key without anyone's help. nats-server 2.15 does not always do so
+  after a kill -9 and restart (found by the chaos soak: records outlived their TTL by minutes; see
+  nats-server issue 7256), so a worker kept waiting by a record older than twice its TTL, by the
+  server's timestamp, deletes that record by its sequence (:meth:`KeyLock.clear_expired`). A live
+  holder rewrites its record every ``ttl/3``, so this needs clocks that agree within a TTL.
 
 The holder's :class:`~keyqueue.core.lease.Lease` runs from when each confirmed write was *sent*,
 on its own clock, less a margin; the server keeps the record at least ``ttl`` >= ``ack_wait``
@@ -73,8 +77,8 @@ class KeyLock:
         return self.lease is not None and self.lease.valid()
 
     def _body(self) -> bytes:
-        return json.dumps({**self.holder, "nonce": self.nonce, "fence": self.fence, "since": self.since},
-                          separators=(",", ":")).encode()
+        return json.dumps({**self.holder, "nonce": self.nonce, "fence": self.fence, "since": self.since,
+                           "ttl": self.ttl}, separators=(",", ":")).encode()
 
     def _mine(self, record: StoredMsg | None) -> bool:
         if record is None:
@@ -121,6 +125,23 @@ class KeyLock:
         self.seq = seq
         lease.confirmed(sent, self.clock())
 
+    async def clear_expired(self, now: float | None = None) -> bool:
+        """Delete the key's current record if it is older than twice its TTL (the server failed to
+        expire it); True if one was deleted. A record rewritten meanwhile has another sequence and
+        is untouched."""
+        record = await self.store.last_record(self.subject)
+        if record is None or not record.timestamp:
+            return False
+        try:
+            ttl = float(json.loads(record.data).get("ttl", self.ttl))
+        except (ValueError, AttributeError):
+            ttl = float(self.ttl)
+        age = (time.time() if now is None else now) - _unix(record.timestamp)
+        if age <= 2 * ttl:
+            return False
+        await self.store.remove_record(record.seq)
+        return True
+
     async def release(self) -> None:
         """Remove this holder's record so the key can be acquired at once (not after the TTL)."""
         if self.seq:
@@ -130,3 +151,12 @@ class KeyLock:
         if self.lease is None:
             raise LeaseLost("the key's lease record was never acquired")
         return self.lease
+
+
+def _unix(timestamp: str) -> float:
+    """Seconds since the epoch of a JetStream RFC 3339 timestamp (nanoseconds cut to micro)."""
+    stamp = timestamp.rstrip("Z")
+    if "." in stamp:
+        whole, fraction = stamp.split(".", 1)
+        stamp = f"{whole}.{fraction[:6]}"
+    return datetime.fromisoformat(stamp).replace(tzinfo=UTC).timestamp()

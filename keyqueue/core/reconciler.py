@@ -45,7 +45,10 @@ class Reconciler:
             except LeaseLost:
                 pass
         self._lock = self._new_claim()
-        return await self._lock.try_acquire()
+        if await self._lock.try_acquire():
+            return True
+        await self._lock.clear_expired()  # the server may keep a dead holder's record (core/lock.py)
+        return False
 
     async def reconcile(self) -> list[str]:
         """One pass; returns the keys it scheduled."""

@@ -169,8 +169,15 @@ class KeySession:
     async def run(self) -> str:
         """Run to the end; returns an :class:`Outcome`. Never raises but for cancellation."""
         try:
-            if not await self._acquire():
-                return Outcome.CONTENDED
+            try:
+                if not await self._acquire():
+                    return Outcome.CONTENDED
+            except Exception as e:  # NATS down, a timeout: the token comes back later, to anyone
+                log.warning("queue %s key %s: could not acquire the key's lease record: %r", self.io.names.queue,
+                            self.key, e)
+                with contextlib.suppress(Exception):
+                    await self.io.nak(self.token, FAILED_SESSION_DELAY)
+                return Outcome.FAILED
             self.emit("acquired", key=self.key, fencing=self.ctx.fencing, delivered=self.token.delivered)
             return await self._run()
         except asyncio.CancelledError:
@@ -188,7 +195,7 @@ class KeySession:
     async def _acquire(self) -> bool:
         """Acquire the key's lease record, waiting while another worker holds it."""
         delay, longest = ACQUIRE_BACKOFF
-        next_keepalive = 0.0
+        next_keepalive = next_expiry_check = 0.0
         while True:
             if self.draining.is_set():
                 with contextlib.suppress(Exception):
@@ -211,6 +218,12 @@ class KeySession:
             # record that the server will expire. Either way, it is not ours to start.
             await asyncio.sleep(delay)
             delay = min(longest, delay * 2)
+            if delay >= longest and time.monotonic() >= next_expiry_check:
+                next_expiry_check = time.monotonic() + self.settings.ack_wait / 2
+                with contextlib.suppress(KeyqueueError):
+                    if await self.lock.clear_expired():
+                        log.warning("queue %s key %s: deleted a lease record the server kept past twice its TTL",
+                                    self.io.names.queue, self.key)
 
     async def _run(self) -> str:
         outcome = Outcome.FAILED

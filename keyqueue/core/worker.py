@@ -149,6 +149,10 @@ class QueueWorker:
             if previous is not None:
                 await asyncio.wait([previous])
             return await session.run()
+        except Exception:
+            # A session reports its own failures; one that escapes must not take the worker down.
+            log.exception("queue %s key %s: session ended with an unexpected error", self.config.name, session.key)
+            return "failed"
         finally:
             if self._held.get(session.key) is session:
                 self.sessions.pop(session.key, None)

@@ -135,3 +135,19 @@ async def test_fencing_continues_above_token_sequences(nc: Client) -> None:
     a = lock(io)
     assert await a.try_acquire()
     assert a.fence > 5
+
+
+async def test_a_record_the_server_kept_past_twice_its_ttl_is_cleared(nc: Client) -> None:
+    """nats-server can keep a TTL'd record after a kill -9 and restart (found by the chaos soak):
+    a waiting worker deletes a record older than twice its TTL, and only such a record."""
+    import time
+
+    io = await setup(nc)
+    a = lock(io)
+    assert await a.try_acquire()
+    b = lock(io)
+    assert not await b.clear_expired(now=time.time())  # a live record stays
+    assert not await b.try_acquire()
+    assert await b.clear_expired(now=time.time() + 2 * a.ttl + 1)  # as if the server forgot to expire it
+    assert await b.try_acquire()
+    assert b.fence > a.fence

@@ -1,0 +1,140 @@
+"""A worker process for chaos runs: a real ``QueueWorker`` whose processor logs every run.
+
+    python -m keyqueue.chaos.worker URL QUEUE LOGFILE --name w1 [--ack-wait S] [--concurrency N]
+
+Each request body is JSON ``{"tag": ..., "sleep": seconds}``. The processor logs ``start``, waits
+``sleep`` seconds, checks its lease, writes the tag to the :class:`~keyqueue.chaos.fenced.FencedStore`
+under the session's fencing token (logging the ``write`` and whether it was accepted), and logs
+``end`` (``"ok": false`` when it did not finish). A refused write means this holder is a former
+one: the run ends with ``LeaseLost`` and leaves the request to the current holder.
+
+Signals inject faults into this process: SIGUSR1 blocks the event loop for ``--stall-under``
+seconds, SIGUSR2 for ``--stall-over`` (each logged as ``paused`` / ``resumed``, since nothing in
+the process runs meanwhile); SIGTERM drains (a second SIGTERM stops at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+from keyqueue.chaos.fenced import FencedStore
+from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
+from keyqueue.core.retry import RetryPolicy
+from keyqueue.core.session import SessionSettings
+from keyqueue.core.worker import QueueWorker
+from keyqueue.errors import ConnectionFailed, LeaseLost
+from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.topology import QueueConfig
+
+
+class RunLog:
+    """Appends JSON lines to the shared run log (one ``write`` per line: O_APPEND keeps lines whole)."""
+
+    def __init__(self, path: str, worker: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.worker = worker
+
+    def write(self, kind: str, **fields: Any) -> None:
+        line = json.dumps({"w": self.worker, "kind": kind, "t": time.time(), **fields}, default=str)
+        os.write(self.fd, (line + "\n").encode())
+
+
+class FencedWriter(BaseProcessor):
+    """Logs each run and writes its tag to the fenced store under the session's fencing token."""
+
+    def __init__(self, log: RunLog, store: FencedStore) -> None:
+        self.log = log
+        self.store = store
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        work = json.loads(request.data)
+        tag = str(work["tag"])
+        self.log.write("start", key=request.key, tag=tag, seq=request.seq, fencing=list(ctx.fencing),
+                       attempt=ctx.attempt)
+        ok = False
+        try:
+            await asyncio.sleep(float(work.get("sleep", 0.0)))
+            ctx.check_lease()
+            outcome = await self.store.attempt(request.key, ctx.fencing, {"tag": tag})
+            self.log.write("write", key=request.key, tag=tag, fencing=list(ctx.fencing),
+                           accepted=outcome.accepted, seq=outcome.seq)
+            if not outcome.accepted:
+                raise LeaseLost(f"the fenced store refused fencing {ctx.fencing}: a newer holder wrote")
+            ok = True
+            return None
+        finally:
+            self.log.write("end", key=request.key, tag=tag, ok=ok)
+
+
+def _stall(log: RunLog, seconds: float) -> None:
+    log.write("paused", reason="stall", seconds=seconds)
+    time.sleep(seconds)  # blocks the event loop on purpose
+    log.write("resumed", reason="stall")
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("url")
+    p.add_argument("queue")
+    p.add_argument("logfile")
+    p.add_argument("--name", default=f"w{os.getpid()}")
+    p.add_argument("--ack-wait", type=float, default=2.0)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--linger", type=float, default=0.02)
+    p.add_argument("--drain-timeout", type=float, default=2.0)
+    p.add_argument("--stall-under", type=float, default=1.5)
+    p.add_argument("--stall-over", type=float, default=3.0)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format=f"{args.name} %(levelname)s %(name)s: %(message)s")
+    log = RunLog(args.logfile, args.name)
+    worker: QueueWorker | None = None
+
+    async def reconnected() -> None:
+        if worker is not None:
+            worker.reconnected()
+
+    # The server (or this worker's proxy) may be down right now: a restarted worker waits for it.
+    for attempt in range(120):
+        try:
+            nc = await connect(args.url, name=args.name, reconnected=reconnected)
+            break
+        except ConnectionFailed:
+            if attempt == 119:
+                raise
+            await asyncio.sleep(0.5)
+    store = FencedStore(nc)
+    config = QueueConfig(args.queue, ack_wait=args.ack_wait)
+    settings = SessionSettings(ack_wait=args.ack_wait, linger=args.linger, drain_timeout=args.drain_timeout,
+                               retry=RetryPolicy(max_attempts=1000, base_delay=0.05, max_delay=0.5))
+    worker = QueueWorker(nc, config, lambda key: FencedWriter(log, store), concurrency=args.concurrency,
+                         settings=settings, name=args.name, reconcile_interval=5.0,
+                         on_event=lambda event, fields: log.write("event", event=event, **fields))
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, _stall, log, args.stall_under)
+    loop.add_signal_handler(signal.SIGUSR2, _stall, log, args.stall_over)
+    signals = 0
+
+    def on_term() -> None:
+        nonlocal signals
+        signals += 1
+        assert worker is not None
+        worker.stop(now=signals > 1)
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    run = asyncio.create_task(worker.run())
+    await worker.started()
+    log.write("ready", pid=os.getpid())
+    await run
+    log.write("exit", counts=worker.counts)
+    await nc.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,257 @@
+"""The chaos checker's rules, on synthetic run logs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from keyqueue.chaos.checker import Verdict, build_runs, check, read_log
+
+
+def rec(kind: str, w: str, t: float, key: str = "", tag: str = "", **fields: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {"kind": kind, "w": w, "t": t, **fields}
+    if key:
+        record["key"], record["tag"] = key, tag
+    return record
+
+
+def run(w: str, key: str, tag: str, start: float, end: float) -> list[dict[str, Any]]:
+    return [rec("start", w, start, key, tag), rec("end", w, end, key, tag)]
+
+
+def write(w: str, t: float, key: str, tag: str, fencing: list[int], accepted: bool, **fields: Any) -> dict[str, Any]:
+    return rec("write", w, t, key, tag, fencing=fencing, accepted=accepted, **fields)
+
+
+EXPECTED = {"k": ["a", "b", "c"]}
+
+
+def clean_log() -> list[dict[str, Any]]:
+    return [
+        *run("w1", "k", "a", 1.0, 2.0), write("w1", 1.5, "k", "a", [1, 1], True),
+        *run("w2", "k", "b", 2.0, 3.0), write("w2", 2.5, "k", "b", [2, 1], True),
+        *run("w1", "k", "c", 3.5, 4.0), write("w1", 3.7, "k", "c", [3, 1], True),
+        *run("w2", "j", "x", 1.0, 4.0),  # another key runs alongside: no overlap
+    ]
+
+
+def test_a_clean_log_is_ok() -> None:
+    verdict = check(clean_log(), {**EXPECTED, "j": ["x"]})
+    assert verdict.ok, verdict.summary()
+    assert (verdict.runs, verdict.completed, verdict.requests) == (4, 4, 4)
+    assert verdict.writes_accepted == 3
+    assert not (verdict.overlaps or verdict.fenced_overlaps or verdict.duplicates)
+    assert verdict.summary().startswith("verdict: OK")
+
+
+def test_two_runs_of_one_key_running_together_overlap() -> None:
+    log = [*run("w1", "k", "a", 1.0, 3.0), *run("w2", "k", "b", 2.0, 4.0), *run("w1", "k", "c", 4.0, 5.0)]
+    verdict = check(log, EXPECTED)
+    assert not verdict.ok
+    [overlap] = verdict.overlaps
+    assert (overlap.first.tag, overlap.second.tag, overlap.active) == ("a", "b", 1.0)
+    assert "overlap k: a@w1" in verdict.summary()
+
+
+def test_a_run_starting_the_instant_another_ends_does_not_overlap() -> None:
+    log = [*run("w1", "k", "a", 1.0, 2.0), *run("w2", "k", "b", 2.0, 3.0), *run("w1", "k", "c", 3.0, 4.0)]
+    assert check(log, EXPECTED).ok
+
+
+def test_an_instant_run_inside_another_overlaps() -> None:
+    log = [*run("w1", "k", "a", 1.0, 3.0), *run("w2", "k", "b", 2.0, 2.0), *run("w1", "k", "c", 3.0, 4.0)]
+    assert len(check(log, EXPECTED).overlaps) == 1
+
+
+# --- open runs and kills -----------------------------------------------------------------------
+
+
+def test_an_open_run_lasts_to_the_end_of_the_log() -> None:
+    log = [rec("start", "w1", 1.0, "k", "a"), *run("w2", "k", "a", 2.0, 3.0), *run("w2", "k", "b", 3.0, 4.0),
+           *run("w2", "k", "c", 4.0, 5.0)]
+    verdict = check(log, EXPECTED)
+    assert verdict.open_runs == 1
+    assert [(o.first.tag, o.second.tag) for o in verdict.overlaps] == [("a", "a"), ("a", "b"), ("a", "c")]
+
+
+def test_a_killed_workers_open_run_ends_at_the_kill() -> None:
+    log = [rec("start", "w1", 1.0, "k", "a"), rec("killed", "w1", 1.5),
+           *run("w2", "k", "a", 2.0, 3.0), *run("w2", "k", "b", 3.0, 4.0), *run("w2", "k", "c", 4.0, 5.0)]
+    verdict = check(log, EXPECTED)
+    assert verdict.ok, verdict.summary()
+    [killed] = [r for r in build_runs(log) if r.open]
+    assert (killed.w, killed.end) == ("w1", 1.5)
+
+
+def test_a_run_starting_before_the_kill_still_overlaps() -> None:
+    log = [rec("start", "w1", 1.0, "k", "a"), *run("w2", "k", "a", 1.2, 3.0), rec("killed", "w1", 1.5),
+           *run("w2", "k", "b", 3.0, 4.0), *run("w2", "k", "c", 4.0, 5.0)]
+    [overlap] = check(log, EXPECTED).overlaps
+    assert overlap.active == 1.5 - 1.2
+
+
+def test_other_records_of_a_running_worker_do_not_end_its_open_run() -> None:
+    # w1 logs runs of other keys after k's start: k's run is still going (then w1 is killed).
+    log = [rec("start", "w1", 1.0, "k", "a"), *run("w1", "j", "x", 1.1, 1.2), *run("w2", "k", "b", 2.0, 2.5),
+           rec("killed", "w1", 3.0)]
+    [overlap] = check(log, {"k": ["a", "b"], "j": ["x"]}).overlaps
+    assert (overlap.first.tag, overlap.second.tag) == ("a", "b")
+
+
+def test_a_restarted_worker_ends_its_previous_processes_open_runs() -> None:
+    # w1 died unseen (no killed record); the new w1 process says ready, then runs a again.
+    log = [rec("start", "w1", 1.0, "k", "a"), rec("ready", "w1", 2.0), *run("w1", "k", "a", 2.5, 3.0),
+           *run("w1", "k", "b", 3.0, 3.5), *run("w1", "k", "c", 3.5, 4.0)]
+    verdict = check(log, EXPECTED)
+    assert verdict.ok, verdict.summary()
+    assert [(r.start, r.end, r.open) for r in build_runs(log) if r.tag == "a"] == [(1.0, 2.0, True), (2.5, 3.0, False)]
+
+
+# --- pauses ------------------------------------------------------------------------------------
+
+
+def paused_log(resume: float, b_start: float, b_end: float) -> list[dict[str, Any]]:
+    """w1 runs a from 1 to 10, paused from 2 to ``resume``; w2 re-runs a in between (the redelivery).
+
+    The zombie's run ends failed (it found its hold lost); w2 then runs b and c.
+    """
+    return [
+        rec("start", "w1", 1.0, "k", "a"), rec("paused", "w1", 2.0), rec("resumed", "w1", resume),
+        rec("end", "w1", 10.0, "k", "a", ok=False), *run("w2", "k", "a", b_start, b_end),
+        *run("w2", "k", "b", 11.0, 12.0), *run("w2", "k", "c", 12.0, 13.0),
+    ]
+
+
+def test_a_run_handed_over_during_a_pause_is_fenced_not_an_overlap() -> None:
+    verdict = check(paused_log(resume=8.0, b_start=5.0, b_end=6.0), EXPECTED)
+    assert verdict.ok, verdict.summary()
+    [fenced] = verdict.fenced_overlaps
+    assert ((fenced.first.w, fenced.second.w), fenced.active) == (("w1", "w2"), 0.0)
+    assert not verdict.duplicates
+
+
+def test_a_zombie_running_on_after_resume_is_fenced_and_its_time_together_measured() -> None:
+    verdict = check(paused_log(resume=5.0, b_start=4.0, b_end=7.0), EXPECTED)
+    assert verdict.ok and not verdict.overlaps
+    assert verdict.fenced_overlaps[0].active == 7.0 - 5.0
+
+
+def test_a_run_starting_while_the_holder_runs_overlaps_despite_a_later_pause() -> None:
+    log = [rec("start", "w1", 1.0, "k", "a"), *run("w2", "k", "b", 1.5, 6.0), rec("paused", "w1", 2.0),
+           rec("resumed", "w1", 8.0), rec("end", "w1", 10.0, "k", "a")]
+    verdict = check(log, {"k": ["a", "b"]})
+    assert [(o.first.tag, o.second.tag, o.active) for o in verdict.overlaps] == [("a", "b", 0.5)]
+    assert not verdict.fenced_overlaps
+
+
+def test_a_handover_sooner_than_handover_after_is_an_overlap() -> None:
+    log = paused_log(resume=8.0, b_start=2.5, b_end=6.0)
+    assert check(log, EXPECTED).ok
+    verdict = check(log, EXPECTED, handover_after=1.0)
+    assert len(verdict.overlaps) == 1
+    assert check(paused_log(resume=8.0, b_start=3.5, b_end=6.0), EXPECTED, handover_after=1.0).ok
+
+
+def test_a_pause_shorter_than_handover_after_excuses_nothing() -> None:
+    # Paused 2..2.5 only: w1 kept its hold, so b starting at 3 while a runs is an overlap.
+    verdict = check(paused_log(resume=2.5, b_start=3.0, b_end=4.0), EXPECTED, handover_after=1.0)
+    assert len(verdict.overlaps) == 1
+
+
+def test_a_pause_never_resumed_lasts_until_the_kill() -> None:
+    log = [rec("start", "w1", 1.0, "k", "a"), rec("paused", "w1", 2.0), *run("w2", "k", "a", 3.0, 4.0),
+           rec("killed", "w1", 5.0), *run("w2", "k", "b", 5.0, 6.0), *run("w2", "k", "c", 6.0, 7.0)]
+    verdict = check(log, EXPECTED)
+    assert verdict.ok, verdict.summary()
+    assert verdict.fenced_overlaps[0].active == 0.0
+
+
+# --- completions -------------------------------------------------------------------------------
+
+
+def test_completions_out_of_enqueue_order_are_order_violations() -> None:
+    log = [*run("w1", "k", "b", 1.0, 2.0), *run("w1", "k", "a", 2.0, 3.0), *run("w1", "k", "c", 3.0, 4.0)]
+    verdict = check(log, EXPECTED)
+    assert [(v.tag, v.after) for v in verdict.order_violations] == [("a", "b")]
+    assert not verdict.ok
+
+
+def test_only_first_completions_count_for_order() -> None:
+    # a re-runs after b (a duplicate, e.g. after a lost ack): the first completions are in order.
+    log = [*run("w1", "k", "a", 1.0, 2.0), *run("w1", "k", "b", 2.0, 3.0), *run("w2", "k", "a", 3.0, 4.0),
+           *run("w2", "k", "c", 4.0, 5.0)]
+    verdict = check(log, EXPECTED)
+    assert verdict.ok, verdict.summary()
+    assert verdict.duplicates == {("k", "a"): 2}
+
+
+def test_a_request_never_completed_is_lost() -> None:
+    log = [*run("w1", "k", "a", 1.0, 2.0), rec("start", "w1", 2.0, "k", "b"),
+           rec("end", "w1", 2.5, "k", "b", ok=False), *run("w1", "k", "c", 3.0, 4.0)]
+    verdict = check(log, EXPECTED)
+    assert verdict.lost == (("k", "b"),)
+    assert verdict.completed == 2
+    assert not verdict.ok
+    assert "lost k: b" in verdict.summary()
+
+
+def test_a_completion_nobody_enqueued_is_unexpected() -> None:
+    log = [*clean_log(), *run("w1", "k", "z", 5.0, 6.0)]
+    verdict = check(log, {**EXPECTED, "j": ["x"]})
+    assert verdict.unexpected == (("k", "z"),)
+    assert not verdict.ok
+
+
+# --- fencing -----------------------------------------------------------------------------------
+
+
+def stale_verdict(**store: Any) -> Verdict:
+    log = [*run("w1", "k", "a", 1.0, 2.0), write("w1", 1.5, "k", "a", [2, 1], True),
+           *run("w2", "k", "b", 2.0, 3.0), write("w2", 2.5, "k", "b", [1, 1], True),
+           write("w2", 2.6, "k", "b", [1, 1], False), *run("w1", "k", "c", 3.0, 4.0)]
+    return check(log, EXPECTED, **store)
+
+
+def test_an_accepted_write_with_lower_fencing_is_a_stale_violation() -> None:
+    verdict = stale_verdict()
+    [stale] = verdict.stale_accepted
+    assert (stale.fencing, stale.highest, stale.source, stale.w, stale.tag) == ((1, 1), (2, 1), "log", "w2", "b")
+    assert (verdict.writes_accepted, verdict.writes_refused) == (2, 1)
+    assert not verdict.ok
+
+
+def test_refused_stale_writes_and_equal_fencing_are_fine() -> None:
+    log = [*run("w1", "k", "a", 1.0, 2.0), write("w1", 1.2, "k", "a", [2, 1], True),
+           write("w1", 1.4, "k", "a", [2, 1], True), write("w0", 1.6, "k", "a", [1, 3], False),
+           *run("w1", "k", "b", 2.0, 3.0), *run("w1", "k", "c", 3.0, 4.0)]
+    verdict = check(log, EXPECTED)
+    assert verdict.ok, verdict.summary()
+    assert (verdict.writes_accepted, verdict.writes_refused) == (2, 1)
+
+
+def test_accepted_writes_are_ordered_by_store_sequence_when_logged() -> None:
+    # The lower-fenced write was committed first (seq 1) but logged last: not stale.
+    log = [write("w2", 1.0, "k", "b", [2, 1], True, seq=2), write("w1", 2.0, "k", "a", [1, 1], True, seq=1)]
+    assert not check(log, {}).stale_accepted
+    unsequenced = [{k: v for k, v in r.items() if k != "seq"} for r in log]
+    assert len(check(unsequenced, {}).stale_accepted) == 1
+
+
+def test_the_stores_own_history_is_checked_too() -> None:
+    verdict = check([], {}, store_history={"k": [[1, 1], [2, 1], [2, 1], [1, 5]], "j": [[1, 1], [3, 1]]})
+    assert [(s.key, s.fencing, s.highest, s.source) for s in verdict.stale_accepted] == [("k", (1, 5), (2, 1), "store")]
+    assert not verdict.ok
+
+
+def test_a_write_without_a_known_outcome_is_counted_apart() -> None:
+    log = [rec("write", "w1", 1.0, "k", "a", fencing=[1, 1], accepted=None)]
+    verdict = check(log, {})
+    assert (verdict.writes_accepted, verdict.writes_refused, verdict.writes_unknown) == (0, 0, 1)
+
+
+def test_read_log_skips_a_half_written_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    lines = [json.dumps(r) for r in clean_log()]
+    path.write_text("\n".join(lines) + '\n{"kind": "sta')
+    assert read_log(path) == clean_log()
