@@ -7,7 +7,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from keyqueue.chaos.soak import CLASSES, SoakOptions, soak
+from keyqueue.chaos.soak import CLASSES, DEFAULT_CLASSES, SoakOptions, soak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,8 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1, help="seed of every random choice (default 1)")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of faults at most (default 120)")
     p.add_argument("--faults", type=int, default=None, help="stop after this many faults (default: no limit)")
-    p.add_argument("--classes", default=",".join(CLASSES),
-                   help=f"fault classes, comma-separated, from {', '.join(CLASSES)} (default: all)")
+    p.add_argument("--classes", default=",".join(DEFAULT_CLASSES),
+                   help=f"fault classes, comma-separated, from {', '.join(CLASSES)} (default: "
+                        f"{','.join(DEFAULT_CLASSES)}; cluster runs a 3-node cluster, alone or with process)")
     p.add_argument("--workers", type=int, default=3, help="worker processes, each behind its own proxy")
     p.add_argument("--keys", type=int, default=12, help="keys the producer spreads requests over")
     p.add_argument("--rate", type=float, default=60.0, help="requests enqueued per second")
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(classes) - set(CLASSES)
     if unknown:
         p.error(f"unknown fault class(es): {', '.join(sorted(unknown))}; choose from {', '.join(CLASSES)}")
+    if "cluster" in classes and {"network", "server"} & set(classes):
+        p.error("the cluster class runs alone or with process faults (its workers use no proxies)")
     options = SoakOptions(seed=args.seed, duration=args.duration, max_faults=args.faults, classes=classes,
                           workers=args.workers, keys=args.keys, rate=args.rate, ack_wait=args.ack_wait,
                           workdir=args.workdir)

@@ -109,11 +109,12 @@ class FencedStore:
     """Fencing-checked writes into ``FENCE_STREAM``; ``accepted``, ``refused`` count this instance's writes."""
 
     def __init__(self, nc: Client, *, stream: str = FENCE_STREAM, subjects: str = FENCE_SUBJECTS,
-                 storage: Literal["file", "memory"] = "file", timeout: float = 5.0) -> None:
+                 storage: Literal["file", "memory"] = "file", timeout: float = 5.0, replicas: int = 1) -> None:
         self.api = JetStreamApi(nc, timeout=timeout)
         self.stream = stream
         self.subjects = subjects
         self.storage = storage
+        self.replicas = replicas
         self.timeout = timeout
         self.accepted = 0
         self.refused = 0
@@ -126,10 +127,10 @@ class FencedStore:
             "subjects": [f"{self.subjects}.>"],
             "retention": "limits",
             "storage": self.storage,
-            "num_replicas": 1,
+            "num_replicas": self.replicas,
             "max_msgs_per_subject": -1,
             "discard": "old",
-            "allow_direct": True,
+            "allow_direct": self.replicas == 1,
         }
 
     async def ensure(self) -> None:
@@ -172,7 +173,8 @@ class FencedStore:
 
     async def last(self, key: str) -> FencedRecord | None:
         """The key's last accepted write, or None if it has none."""
-        stored = await self.api.get_msg(self.stream, last_by_subject=self.subject("accepted", key))
+        stored = await self.api.get_msg(self.stream, last_by_subject=self.subject("accepted", key),
+                                        direct=self.replicas == 1)
         return None if stored is None else _record(key, stored)
 
     async def snapshot(self) -> FenceSnapshot:
@@ -181,7 +183,8 @@ class FencedStore:
         accepted_prefix = f"{self.subjects}.accepted."
         refused_prefix = f"{self.subjects}.refused."
         seq = 1
-        while (stored := await self.api.get_msg(self.stream, seq=seq, next_by_subject=f"{self.subjects}.>")):
+        while (stored := await self.api.get_msg(self.stream, seq=seq, next_by_subject=f"{self.subjects}.>",
+                                                direct=self.replicas == 1)):
             if stored.subject.startswith(accepted_prefix):
                 key = stored.subject.removeprefix(accepted_prefix)
                 snapshot.accepted.setdefault(key, []).append(_record(key, stored))

@@ -11,7 +11,10 @@ stored, so the expected order per key is exact); and fault injectors for the cho
   latency bursts, slow links (:data:`~keyqueue.chaos.proxy.DEFAULT_FAULTS`);
 - ``process``: event-loop stalls just under and just over the lease, SIGSTOP past the lease then
   SIGCONT, kill -9 (and a new process under the same name), graceful drain (and a restart);
-- ``server``: nats-server restarts and kill -9 (then started again on the same store and port).
+- ``server``: nats-server restarts and kill -9 (then started again on the same store and port);
+- ``cluster`` (alone or with ``process``): a 3-node cluster with R3 streams instead of one
+  server, workers connected to all three nodes, and kill -9 of the leader of the inbox, token or
+  lease stream or of the token consumer, brought back after 1-3 s.
 
 The run ends after ``duration`` seconds or ``max_faults`` faults, whichever comes first; then
 every fault is reverted, producers stop, and the soak waits for every request to complete before
@@ -37,14 +40,17 @@ from pathlib import Path
 from keyqueue.chaos.checker import Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore
 from keyqueue.chaos.proxy import DEFAULT_FAULTS, FaultProxy, FaultScript, InjectedFault
-from keyqueue.errors import EnqueueError, TokenPublishFailed
+from keyqueue.cluster import EmbeddedCluster
+from keyqueue.errors import EnqueueError, KeyqueueError, TokenPublishFailed
+from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.server import EmbeddedServer
 
 QUEUE = "chaos"
-CLASSES = ("network", "process", "server")
+CLASSES = ("network", "process", "server", "cluster")
+DEFAULT_CLASSES = ("network", "process", "server")
 
 
 @dataclass
@@ -54,7 +60,7 @@ class SoakOptions:
     seed: int = 1
     duration: float = 60.0
     max_faults: int | None = None
-    classes: tuple[str, ...] = CLASSES
+    classes: tuple[str, ...] = DEFAULT_CLASSES
     workers: int = 3
     keys: int = 12
     rate: float = 60.0
@@ -90,9 +96,10 @@ class SoakResult:
 class _Fleet:
     """The worker processes, each behind its proxy, writing one shared run log."""
 
-    def __init__(self, options: SoakOptions, proxies: list[FaultProxy], log_path: Path) -> None:
+    def __init__(self, options: SoakOptions, urls: list[str], log_path: Path, replicas: int = 1) -> None:
         self.options = options
-        self.proxies = proxies
+        self.urls = urls
+        self.replicas = replicas
         self.log_path = log_path
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.paused: set[str] = set()
@@ -103,15 +110,15 @@ class _Fleet:
         os.write(self.fd, (line + "\n").encode())
 
     def names(self) -> list[str]:
-        return [f"w{i}" for i in range(len(self.proxies))]
+        return [f"w{i}" for i in range(len(self.urls))]
 
     def start(self, name: str) -> None:
-        proxy = self.proxies[int(name[1:])]
+        url = self.urls[int(name[1:])]
         o = self.options
         stderr = open(self.log_path.with_suffix(f".{name}.stderr"), "ab")  # noqa: SIM115
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "keyqueue.chaos.worker", proxy.url, QUEUE, str(self.log_path), "--name", name,
-             "--ack-wait", str(o.ack_wait), "--concurrency", str(o.concurrency),
+            [sys.executable, "-m", "keyqueue.chaos.worker", url, QUEUE, str(self.log_path), "--name", name,
+             "--ack-wait", str(o.ack_wait), "--concurrency", str(o.concurrency), "--replicas", str(self.replicas),
              "--stall-under", str(round(o.ack_wait * 0.75, 3)), "--stall-over", str(round(o.ack_wait * 1.5, 3))],
             stdout=subprocess.DEVNULL, stderr=stderr)
 
@@ -235,6 +242,37 @@ async def _server_faults(server: EmbeddedServer, fleet: _Fleet, rng: random.Rand
             await server.start()
 
 
+async def _cluster_faults(cluster: EmbeddedCluster, api: JetStreamApi, fleet: _Fleet, rng: random.Random,
+                          counts: Counter[str], ending: asyncio.Event) -> None:
+    """kill -9 of the node leading one of the queue's streams or its consumer, then bring it back."""
+    names = QueueConfig(QUEUE).names
+    targets = {"inbox": names.inbox_stream, "tokens": names.token_stream, "leases": names.lease_stream,
+               "consumer": names.consumer}
+    while not ending.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ending.wait(), rng.uniform(4.0, 8.0))
+        if ending.is_set():
+            return
+        target = rng.choice(sorted(targets))
+        try:
+            if target == "consumer":
+                info = await api.consumer_info(names.token_stream, names.consumer)
+            else:
+                info = await api.stream_info(targets[target])
+            leader = str(info.get("cluster", {}).get("leader", ""))
+        except KeyqueueError as e:
+            fleet.note("soak", "fault_error", fault=f"leader-kill-9-{target}", error=repr(e))
+            continue
+        index = next((i for i, server in enumerate(cluster.servers) if server.name == leader), None)
+        if index is None:
+            continue
+        counts[f"leader-kill-9-{target}"] += 1
+        fleet.note("soak", "fault", fault=f"leader-kill-9-{target}", target=leader)
+        cluster.kill(index)
+        await asyncio.sleep(rng.uniform(1.0, 3.0))
+        await cluster.restart(index)
+
+
 async def _produce(publisher: Publisher, options: SoakOptions, rng: random.Random, expected: dict[str, list[str]],
                    ending: asyncio.Event) -> int:
     """Enqueue requests at ``rate`` until ``ending``; each is retried with its id until stored."""
@@ -281,19 +319,29 @@ async def soak(options: SoakOptions) -> SoakResult:
     log_path = workdir / "run.jsonl"
     log_path.unlink(missing_ok=True)
     began = time.monotonic()
+    clustered = "cluster" in options.classes
+    if clustered and {"network", "server"} & set(options.classes):
+        raise ValueError("the cluster class runs alone or with process faults (its workers use no proxies)")
+    replicas = 3 if clustered else 1
     server = EmbeddedServer(store_dir=workdir / "store", log_file=workdir / "nats-server.log")
-    await server.start()
-    proxies = [FaultProxy.for_url(server.url) for _ in range(options.workers)]
+    cluster = EmbeddedCluster(3, store_root=workdir / "cluster") if clustered else None
+    if cluster is not None:
+        await cluster.start()
+    else:
+        await server.start()
+    url = cluster.url if cluster is not None else server.url
+    proxies = [] if clustered else [FaultProxy.for_url(server.url) for _ in range(options.workers)]
     fleet: _Fleet | None = None
     try:
         for proxy in proxies:
             await proxy.start()
-        nc = await connect(server.url, name="chaos-soak")
-        config = QueueConfig(QUEUE, ack_wait=options.ack_wait)
+        nc = await connect(url, name="chaos-soak")
+        config = QueueConfig(QUEUE, ack_wait=options.ack_wait, replicas=replicas)
         await Topology(Publisher(nc, config.names).api, config).ensure()
-        store = FencedStore(nc)
+        store = FencedStore(nc, replicas=replicas)
         await store.ensure()
-        fleet = _Fleet(options, proxies, log_path)
+        worker_urls = [proxy.url for proxy in proxies] or [url] * options.workers
+        fleet = _Fleet(options, worker_urls, log_path, replicas)
         for name in fleet.names():
             fleet.start(name)
         await fleet.wait_ready(fleet.names())
@@ -322,6 +370,9 @@ async def soak(options: SoakOptions) -> SoakResult:
         if "server" in options.classes:
             injectors.append(asyncio.create_task(
                 _server_faults(server, fleet, random.Random(options.seed + 4), counts, ending)))
+        if cluster is not None:
+            injectors.append(asyncio.create_task(
+                _cluster_faults(cluster, JetStreamApi(nc), fleet, random.Random(options.seed + 5), counts, ending)))
         deadline = time.monotonic() + options.duration
         last_report = time.monotonic()
         while time.monotonic() < deadline and (options.max_faults is None
@@ -338,7 +389,7 @@ async def soak(options: SoakOptions) -> SoakResult:
                 await task
         for name in fleet.names():
             fleet.resume(name)
-        if not server.running:
+        if cluster is None and not server.running:
             await server.start()
         for name in fleet.names():
             if not fleet.alive(name):
@@ -357,6 +408,8 @@ async def soak(options: SoakOptions) -> SoakResult:
         for proxy in proxies:
             await proxy.close()
         await server.aclose()
+        if cluster is not None:
+            await cluster.aclose()
 
 
 async def _settle(log_path: Path, expected: dict[str, list[str]], timeout: float) -> None:

@@ -91,6 +91,7 @@ async def main() -> None:
     p.add_argument("--drain-timeout", type=float, default=2.0)
     p.add_argument("--stall-under", type=float, default=1.5)
     p.add_argument("--stall-over", type=float, default=3.0)
+    p.add_argument("--replicas", type=int, default=1, help="3 on a cluster (the soak's cluster class)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format=f"{args.name} %(levelname)s %(name)s: %(message)s")
     log = RunLog(args.logfile, args.name)
@@ -109,8 +110,8 @@ async def main() -> None:
             if attempt == 119:
                 raise
             await asyncio.sleep(0.5)
-    store = FencedStore(nc)
-    config = QueueConfig(args.queue, ack_wait=args.ack_wait)
+    store = FencedStore(nc, replicas=args.replicas)
+    config = QueueConfig(args.queue, ack_wait=args.ack_wait, replicas=args.replicas)
     settings = SessionSettings(ack_wait=args.ack_wait, linger=args.linger, drain_timeout=args.drain_timeout,
                                retry=RetryPolicy(max_attempts=1000, base_delay=0.05, max_delay=0.5))
     worker = QueueWorker(nc, config, lambda key: FencedWriter(log, store), concurrency=args.concurrency,
