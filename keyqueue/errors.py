@@ -6,6 +6,7 @@
     │   ├── ServerNotFound               the nats-server binary is not installed
     │   └── TopologyMismatch             an existing stream/consumer differs from what keyqueue needs
     ├── ConnectionFailed                 the NATS server could not be reached
+    │   └── Disconnected                 the connection is down right now: the message was not sent
     ├── KeyqueueTimeout                  an operation took too long (also a TimeoutError)
     ├── WireError                        a message that cannot be decoded or encoded
     │   ├── MissingHeader                a required header is absent
@@ -45,6 +46,7 @@ __all__ = [
     "ConnectionFailed",
     "ConsumerNotFound",
     "DeadLettered",
+    "Disconnected",
     "EnqueueError",
     "InvalidKey",
     "JetStreamError",
@@ -109,7 +111,15 @@ class TopologyMismatch(ConfigError):
 
 
 class ConnectionFailed(KeyqueueError):
-    """The NATS server could not be reached or the connection was lost for good."""
+    """The NATS server could not be reached, or the connection is down or closed."""
+
+
+class Disconnected(ConnectionFailed):
+    """The connection to NATS is down (reconnecting): the message was not sent, and never will be.
+
+    keyqueue's connections buffer nothing while disconnected, because a message sent late (an
+    ack, a delete, a token) may act for a holder whose lease has ended. Retry once reconnected.
+    """
 
 
 class KeyqueueTimeout(KeyqueueError, TimeoutError):

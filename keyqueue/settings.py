@@ -124,7 +124,9 @@ class Settings:
     def nats_connect_options(self) -> dict[str, Any]:
         """Keyword arguments for ``nats.connect(**options)``.
 
-        The client reconnects forever: a queue worker outlives server restarts. Raises
+        The client reconnects forever: a queue worker outlives server restarts. It buffers
+        nothing while disconnected (``pending_size=0``): a publish then fails at once instead of
+        going out after the reconnect, when the lease it acted for may have ended. Raises
         ``ConfigError`` if there is no URL yet or a credentials/TLS file is missing or invalid.
         """
         if self.url is None:
@@ -135,6 +137,7 @@ class Settings:
             "allow_reconnect": True,
             "max_reconnect_attempts": -1,
             "reconnect_time_wait": 0.5,
+            "pending_size": 0,
         }
         if self.name is not None:
             options["name"] = self.name

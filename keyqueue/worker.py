@@ -9,8 +9,12 @@
 
 A worker runs one core ``QueueWorker`` per queue on the app's connection, builds each key's
 processor through ``keyqueue_build_processor``, and turns the sessions' lifecycle events into
-hook calls. Events are delivered in order by one dispatcher task, so a slow or failing hook never
-holds up a key session; the dispatcher is drained before ``keyqueue_worker_stopping`` fires.
+hook calls. Events are delivered in order by one dispatcher task, so a failing hook never holds
+up a key session and a slow one only when it falls far behind: once ``event_backlog`` events wait
+for their hooks, key sessions wait before their next request (and new sessions before they open)
+until the hooks catch up. No lifecycle hook is ever dropped, and the queue stays bounded (by
+``event_backlog`` plus the few events each running session emits between two requests). The
+dispatcher is drained before ``keyqueue_worker_stopping`` fires.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
@@ -55,6 +60,12 @@ log = logging.getLogger("keyqueue.worker")
 _LEDGER_SIZE: Final = 100_000
 """Most in-flight requests whose message type a worker remembers for its hooks."""
 
+_EVENT_BACKLOG: Final = 10_000
+"""Lifecycle events waiting for their hooks before key sessions wait for the hooks to catch up."""
+
+_BACKLOG_WARN_INTERVAL: Final = 60.0
+"""Seconds between two warnings that key sessions wait for slow hooks."""
+
 _OUTCOMES: Final = {
     "released": "released",
     "handed-off": "handed-off",
@@ -63,6 +74,10 @@ _OUTCOMES: Final = {
     "interrupted": "interrupted",
 }
 """Core session-ending events -> the ``outcome`` of ``keyqueue_key_released``."""
+
+_HOOKED_EVENTS: Final = frozenset({"acquired", "pinned", "unpinned", "started", "failed", "retried", "succeeded",
+                                   "dead_lettered", *_OUTCOMES})
+"""Core events that become hook calls; the others (``contended``, ...) are not queued."""
 
 
 @dataclasses.dataclass
@@ -99,7 +114,16 @@ class Worker:
         self._tasks_by_queue: dict[str, dict[str, AnyTask]] = {}
         self.executor: ThreadPoolExecutor | None = None
         """Threads for sync task functions: one per slot, so none waits for a thread."""
+        self.event_backlog = _EVENT_BACKLOG
+        """Lifecycle events queued for hooks at which key sessions start waiting for them."""
+        self.held_back = 0
+        """Times a key session waited for slow hooks to catch up."""
+        # Unbounded as a container (the core's event sink is sync and cannot wait), bounded by
+        # back-pressure: see wait_for_hooks.
         self._events: asyncio.Queue[tuple[str, dict[str, Any]] | None] = asyncio.Queue()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._warned_at = -_BACKLOG_WARN_INTERVAL
         self._ledger: collections.OrderedDict[str, _Note] = collections.OrderedDict()
         self._runner: asyncio.Task[None] | None = None
         self._unsubscribe: Any = None
@@ -108,6 +132,11 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<Worker {self.name} app={self.app.name} queues={self.queues}>"
+
+    @property
+    def events_waiting(self) -> int:
+        """Lifecycle events not yet delivered to the hooks."""
+        return self._events.qsize()
 
     @property
     def queues(self) -> list[str]:
@@ -279,16 +308,47 @@ class Worker:
     # --- events -> hooks ---
 
     def _on_event(self, event: str, fields: dict[str, Any]) -> None:
-        """The core's event sink (sync): queue the event for the dispatcher."""
-        self._events.put_nowait((event, fields))
+        """The core's event sink (sync): queue the event for the dispatcher, if a hook takes it."""
+        if event in _HOOKED_EVENTS:
+            self._queue(event, fields)
 
     def failed(self, queue: str, key: str, request_id: str, attempt: int, error: BaseException) -> None:
         """An attempt raised (reported by the observing processor)."""
-        self._events.put_nowait(("failed", {"queue": queue, "key": key, "request_id": request_id,
-                                            "attempt": attempt, "error": error}))
+        self._queue("failed", {"queue": queue, "key": key, "request_id": request_id, "attempt": attempt,
+                               "error": error})
+
+    def _queue(self, event: str, fields: dict[str, Any]) -> None:
+        self._events.put_nowait((event, fields))
+        if self._events.qsize() >= self.event_backlog:
+            self._room.clear()
+
+    async def wait_for_hooks(self) -> None:
+        """Back-pressure: wait while ``event_backlog`` events wait for their hooks.
+
+        Key sessions call it before each attempt and before they open, so a burst of events
+        cannot outgrow memory and no hook call is dropped; the price is that slow hooks slow the
+        worker down. (A hook must therefore never wait for a request this worker processes.)
+        """
+        if self._room.is_set():
+            return
+        self.held_back += 1
+        now = time.monotonic()
+        if now - self._warned_at >= _BACKLOG_WARN_INTERVAL:
+            self._warned_at = now
+            log.warning("worker %s: %d lifecycle events wait for their hooks; key sessions wait for the hooks "
+                        "to catch up (a hook is slow)", self.name, self._events.qsize())
+        await self._room.wait()
 
     async def _dispatch(self) -> None:
+        try:
+            await self._deliver_events()
+        finally:
+            self._room.set()  # nothing may wait for a dispatcher that has ended
+
+    async def _deliver_events(self) -> None:
         while (item := await self._events.get()) is not None:
+            if self._events.qsize() < self.event_backlog:
+                self._room.set()
             event, fields = item
             call = self._hook_call(event, fields)
             if call is not None:
@@ -350,6 +410,7 @@ class _ObservedProcessor:
         self.inner.batch_size = value
 
     async def open(self, ctx: SessionContext) -> None:
+        await self.worker.wait_for_hooks()
         await self.inner.open(ctx)
 
     async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
@@ -363,6 +424,7 @@ class _ObservedProcessor:
 
     async def _attempt(self, ctx: RequestContext, requests: list[Request], *,
                        batch: bool) -> Sequence[BatchOutcome]:
+        await self.worker.wait_for_hooks()
         for request in requests:
             self.worker.note(request)
         try:

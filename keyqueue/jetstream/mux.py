@@ -4,6 +4,11 @@ nats-py's ``request`` wraps every call in ``asyncio.wait_for``; on the hot path 
 processed request, a batched read per key) keyqueue sends through this mux instead and awaits
 the futures with one deadline. Replies that end with a status line (a batched direct get ends
 with ``204 EOB``) are gathered until that line.
+
+A request nobody waits for any more (its caller gave up, or never awaited the future) must not
+be remembered for ever: every request expires ``expire_after`` seconds after it was sent, its
+future failing with :class:`~keyqueue.errors.KeyqueueTimeout`. Requests expire in the order they
+were sent, so one timer, armed for the oldest, is enough.
 """
 
 from __future__ import annotations
@@ -11,35 +16,49 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from keyqueue.errors import ConnectionFailed, KeyqueueTimeout
+from keyqueue.jetstream.connect import CONNECTION_DOWN, not_sent
 
 STATUS = "Status"
 
+EXPIRE_AFTER: Final = 60.0
+"""Seconds after which a request with no reply is forgotten (longer than any caller waits)."""
+
 
 class _Pending:
-    __slots__ = ("future", "msgs", "multi")
+    __slots__ = ("deadline", "future", "msgs", "multi", "subject")
 
-    def __init__(self, future: asyncio.Future[list[Msg]], multi: bool) -> None:
+    def __init__(self, future: asyncio.Future[list[Msg]], multi: bool, subject: str, deadline: float) -> None:
         self.future = future
         self.msgs: list[Msg] = []
         self.multi = multi
+        self.subject = subject
+        self.deadline = deadline
 
 
 class RequestMux:
     """Sends requests with unique reply subjects under one wildcard subscription."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, *, expire_after: float = EXPIRE_AFTER) -> None:
         self.nc = nc
+        self.expire_after = expire_after
         self._prefix = ""
         self._sub: Any = None
         self._pending: dict[str, _Pending] = {}
+        """By reply subject, in the order sent (so also in deadline order)."""
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent whose reply has not arrived (and that have not expired)."""
+        return len(self._pending)
 
     async def _ensure(self) -> None:
         if self._sub is None:
@@ -63,23 +82,55 @@ class RequestMux:
     async def send(self, subject: str, payload: bytes, *, multi: bool = False,
                    headers: Mapping[str, str] | None = None) -> asyncio.Future[list[Msg]]:
         """Publish now; the future resolves with the reply (or, with ``multi``, every reply up to a status)."""
-        await self._ensure()
+        try:
+            await self._ensure()
+        except CONNECTION_DOWN as e:
+            raise not_sent(e, f"a request to {subject}") from e
         reply = f"{self._prefix}{next(self._ids)}"
-        future: asyncio.Future[list[Msg]] = asyncio.get_running_loop().create_future()
-        self._pending[reply] = _Pending(future, multi)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Msg]] = loop.create_future()
+        self._pending[reply] = _Pending(future, multi, subject, loop.time() + self.expire_after)
         try:
             await self.nc.publish(subject, payload, reply=reply, headers=dict(headers) if headers else None)
+        except CONNECTION_DOWN as e:
+            self._pending.pop(reply, None)
+            raise not_sent(e, f"a request to {subject}") from e
         except Exception as e:
             self._pending.pop(reply, None)
             raise ConnectionFailed(f"cannot publish to {subject}: {e}") from e
         future.add_done_callback(lambda _: self._pending.pop(reply, None))
+        if self._timer is None:
+            self._arm()
         return future
+
+    def _arm(self) -> None:
+        """Schedule the expiry of the oldest request, if any."""
+        oldest = next(iter(self._pending.values()), None)
+        if oldest is not None:
+            self._timer = asyncio.get_running_loop().call_at(oldest.deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        now = asyncio.get_running_loop().time()
+        while self._pending:
+            reply, pending = next(iter(self._pending.items()))
+            if pending.deadline > now:
+                break
+            del self._pending[reply]
+            if not pending.future.done():
+                pending.future.set_exception(KeyqueueTimeout(
+                    f"no reply to a request to {pending.subject} within {self.expire_after}s"))
+                pending.future.exception()  # retrieved: a future nobody awaits must not log it
+        self._arm()
 
     async def request(self, subject: str, payload: bytes, *, timeout: float, multi: bool = False) -> list[Msg]:
         future = await self.send(subject, payload, multi=multi)
         return await wait(future, timeout, subject)
 
     async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._sub is not None:
             for pending in self._pending.values():
                 pending.future.cancel()

@@ -83,33 +83,34 @@ class Publisher:
         return True
 
     async def enqueue(self, request: OutgoingRequest) -> Enqueued:
-        """Store the request and schedule its key. A duplicate request id stores nothing new.
+        """Store the request, then schedule its key. A duplicate request id stores nothing new.
 
-        Both publishes go out back to back and their acknowledgements are awaited together: one
-        round trip instead of two. The server may then store the token first; a worker that takes
-        it before the request is stored finds the inbox empty, and the session's arrival watch or
-        its re-check after the ack picks the request up, so nothing is stranded. A token whose
-        request was refused (a full backlog) only costs a worker an empty session.
+        The token is published only once the server has confirmed the request is stored (two
+        round trips). Sent back to back, the token could be stored first: a worker could take it,
+        find the inbox empty, release the key and re-check the inbox before the request landed,
+        leaving the request to the reconciler. A refused request (a full backlog) publishes no
+        token.
         """
         validate_key(request.key)
         if self._mux is None:
             self._mux = RequestMux(self.nc)
-        stored_f = await self._mux.send(self.names.inbox(request.key), request.body, headers=request.headers)
-        token_f = await self._mux.send(self.names.token(request.key), b"", headers=None)
-        await asyncio.wait([stored_f, token_f], timeout=self.timeout)
         try:
-            ack = parse_pub_ack(_reply_or_raise(_first(stored_f, self.names.inbox(request.key), self.timeout),
-                                                request.key))
+            ack = parse_pub_ack(await self._acknowledged(self._mux, self.names.inbox(request.key), request.body,
+                                                         request.headers))
         except KeyAlreadyScheduled as e:  # 10077 on the inbox: the per-key backlog cap
             raise BacklogFull(self.names.queue, request.key) from e
         try:
-            parse_pub_ack(_reply_or_raise(_first(token_f, self.names.token(request.key), self.timeout),
-                                          request.key))
+            parse_pub_ack(await self._acknowledged(self._mux, self.names.token(request.key), b"", None))
         except KeyAlreadyScheduled:
             pass
         except KeyqueueError as e:
             raise TokenPublishFailed(self.names.queue, request.key, ack.seq, e) from e
         return Enqueued(request.key, ack.seq, ack.duplicate, request.request_id)
+
+    async def _acknowledged(self, mux: RequestMux, subject: str, body: bytes,
+                            headers: Mapping[str, str] | None) -> Msg:
+        future = await mux.send(subject, body, headers=headers)
+        return (await wait(future, self.timeout, f"a publish to {subject}"))[0]
 
     async def close(self) -> None:
         """Drop the reply subscription single enqueues share (the connection stays open)."""
@@ -169,19 +170,18 @@ class Publisher:
             futures.append(await mux.send(subject, body, headers=headers))
         if futures:
             await asyncio.wait(futures, timeout=self.timeout)
-        out: list[Msg | KeyqueueError] = []
-        for future, (subject, _, _) in zip(futures, messages, strict=True):
-            if future.done() and not future.cancelled():
-                out.append(future.result()[0])
-            else:
-                future.cancel()
-                out.append(KeyqueueTimeout(f"no acknowledgement for a publish to {subject} within {self.timeout}s"))
-        return out
+        return [_outcome(future, subject, self.timeout)
+                for future, (subject, _, _) in zip(futures, messages, strict=True)]
 
 
-def _first(future: asyncio.Future[list[Msg]], subject: str, timeout: float) -> Msg | KeyqueueError:
+def _outcome(future: asyncio.Future[list[Msg]], subject: str, timeout: float) -> Msg | KeyqueueError:
+    """The acknowledgement, or the error standing for it (a future still waiting is given up)."""
     if future.done() and not future.cancelled():
-        return future.result()[0]
+        error = future.exception()
+        if error is None:
+            return future.result()[0]
+        if isinstance(error, KeyqueueError):  # the mux gave the request up
+            return error
     future.cancel()
     return KeyqueueTimeout(f"no acknowledgement for a publish to {subject} within {timeout}s")
 

@@ -3,12 +3,14 @@
 The worker says how many key sessions it can start (free slots); the puller keeps exactly that
 many tokens requested from the ``workers`` consumer, accounting for what each pull request
 delivered or gave back (the ``Nats-Pending-Messages`` header of 408/409 statuses), detects
-missed idle heartbeats, and starts over after a reconnect.
+missed idle heartbeats, and starts over after a reconnect. A lost or closed connection never
+ends the loop: it waits, and pulls afresh once the connection is back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -21,6 +23,7 @@ from nats.aio.msg import Msg
 
 from keyqueue.errors import ConsumerNotFound, KeyqueueError
 from keyqueue.jetstream.api import DESCRIPTION, STATUS, JetStreamApi
+from keyqueue.jetstream.connect import CONNECTION_DOWN
 from keyqueue.jetstream.subjects import QueueNames
 
 log = logging.getLogger("keyqueue.pull")
@@ -153,6 +156,7 @@ class TokenPuller:
         self._generation = 0
         self.dropped = 0
         """Deliveries ignored because they answered abandoned pull requests."""
+        self._closed_reported = False
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}"
         self.statuses: dict[str, int] = {}
         """Counts of status codes seen, for tests and ``inspect``."""
@@ -184,14 +188,15 @@ class TokenPuller:
 
     async def run(self) -> None:
         """Pull until stopped. Tokens are handed to ``on_token``."""
-        sub = await self._subscribe()
+        sub: Any = None
         n = 0
         try:
             while not self._stopped:
-                if self._resubscribe:
+                if sub is None or self._resubscribe:
                     self._resubscribe = False
-                    await sub.unsubscribe()
-                    sub = await self._subscribe()
+                    if sub is not None:
+                        await self._unsubscribe(sub)
+                    sub = await self._subscribe_or_none()
                 now = time.monotonic()
                 if self.state.heartbeat_missed(now, self.options.heartbeat):
                     log.warning("queue %s: missed idle heartbeats from the server; pulling afresh",
@@ -209,13 +214,19 @@ class TokenPuller:
                     # (With priorities the server must see every free slot of a better tier
                     # waiting, or a worse tier gets keys first: no throttle there.)
                     want = min(want, OUTSTANDING_CHUNKS * chunk - self.state.pending)
-                while want > 0 and self.nc.is_connected:
+                while want > 0 and sub is not None and self.nc.is_connected:
                     batch = min(want, chunk)
                     n += 1
                     body = self.options.request(batch, self.state.pin_id)
                     self.state.requested(batch, now)
-                    await self.nc.publish(self._next_subject, json.dumps(body).encode(),
-                                          reply=f"{self._inbox}.{n}")
+                    try:
+                        await self.nc.publish(self._next_subject, json.dumps(body).encode(),
+                                              reply=f"{self._inbox}.{n}")
+                    except CONNECTION_DOWN as e:
+                        # Nothing was sent (nothing is buffered while disconnected): wait for the
+                        # connection to come back and pull afresh.
+                        self._connection_down(e)
+                        break
                     want -= batch
                 self._wake.clear()
                 try:
@@ -223,6 +234,31 @@ class TokenPuller:
                 except TimeoutError:
                     pass
         finally:
+            if sub is not None:
+                await self._unsubscribe(sub)
+
+    def _connection_down(self, error: BaseException) -> None:
+        self.state.reset()
+        if self.nc.is_closed and not self._closed_reported:
+            self._closed_reported = True  # nats-py never reopens a closed connection: say it once
+            log.warning("queue %s: the NATS connection is closed, so this worker takes no more keys; a closed "
+                        "connection does not reopen: stop the worker and start it on a new one (%s)",
+                        self.names.queue, type(error).__name__)
+        elif not self.nc.is_closed:
+            log.debug("queue %s: cannot pull tokens while disconnected (%s); pulling again once reconnected",
+                      self.names.queue, type(error).__name__)
+
+    async def _subscribe_or_none(self) -> Any:
+        """The delivery subscription, or None while the connection cannot take one (tried again later)."""
+        try:
+            return await self._subscribe()
+        except CONNECTION_DOWN as e:
+            self._connection_down(e)
+            return None
+
+    async def _unsubscribe(self, sub: Any) -> None:
+        # A closed connection has dropped every subscription already.
+        with contextlib.suppress(*CONNECTION_DOWN):
             await sub.unsubscribe()
 
     async def _check_consumer(self) -> None:

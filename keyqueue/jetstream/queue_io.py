@@ -26,6 +26,7 @@ from keyqueue.jetstream.api import (
     raise_for_reply,
     stored_from_direct,
 )
+from keyqueue.jetstream.connect import disconnected
 from keyqueue.jetstream.dlq_copy import dead_letter_copy, minimal_dead_letter_copy
 from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.publish import Publisher
@@ -185,9 +186,11 @@ class QueueIO:
         parse_pub_ack(await self.api._request(subject, copy.data, None, copy.headers))
 
     async def reply(self, inbox: str, headers: Mapping[str, str], body: bytes) -> None:
+        self._require_connection(inbox)
         await self.nc.publish(inbox, body, headers=dict(headers))
 
     async def progress(self, key: str, body: bytes, headers: Mapping[str, str] | None = None) -> None:
+        self._require_connection(self.names.progress(key))
         await self.nc.publish(self.names.progress(key), body, headers=dict(headers) if headers else None)
 
     # --- lease records (the lock) -----------------------------------------------------------------
@@ -222,7 +225,9 @@ class QueueIO:
         # Nothing is queued in the client to be sent after a reconnect: a message that lands
         # late is one its sender no longer stands behind.
         if not self.nc.is_connected:
-            raise ConnectionFailed(f"not connected to NATS: nothing sent to {what}")
+            if self.nc.is_closed:
+                raise ConnectionFailed(f"the connection to NATS is closed: nothing sent to {what}")
+            raise disconnected(f"a message to {what}")
 
     async def keepalive(self, token: Token) -> None:
         """Send ``+WPI`` so the server does not redeliver the token while its holder works."""

@@ -1,8 +1,8 @@
 """Short soaks of each fault class (the full soak is ``make chaos``; see README and docs/chaos.md).
 
-Three worker processes, each behind its own fault proxy (on a 3-node cluster: connected to all nodes), a producer on twelve keys, seeded
-faults of one class; the checker must find no overlap, no order violation, no lost request and
-no stale write accepted by the fenced store.
+Three worker processes, each behind its own fault proxy (on a 3-node cluster: connected to all
+nodes), a producer on twelve keys, seeded faults of one class; the checker must find no overlap,
+no order violation, no lost request and no stale write accepted by the fenced store.
 """
 
 from __future__ import annotations

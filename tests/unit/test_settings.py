@@ -115,6 +115,7 @@ def test_connect_options_for_a_plain_url() -> None:
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
+        "pending_size": 0,
         "name": "w",
     }
 

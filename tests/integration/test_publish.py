@@ -1,0 +1,90 @@
+"""Publishing against a real nats-server: the enqueue order, and requests whose reply never comes."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from keyqueue.errors import KeyqueueTimeout
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.mux import RequestMux
+from keyqueue.jetstream.publish import OutgoingRequest, Publisher
+from keyqueue.jetstream.topology import QueueConfig, Topology
+from keyqueue.wire import headers as H
+
+
+def request(key: str, body: bytes) -> OutgoingRequest:
+    from ulid import ULID
+    rid = str(ULID())
+    return OutgoingRequest(key, {H.MSG_ID: rid}, body, rid)
+
+
+async def test_the_token_is_published_only_once_the_request_is_stored(nc: Client, nats_client: Client) -> None:
+    # If the token could be stored first, a worker could take it, find the inbox empty, release
+    # the key and re-check the inbox before the request landed: the request would be stranded.
+    config = QueueConfig("order")
+    await Topology(JetStreamApi(nc), config).ensure()
+    seen: list[Msg] = []
+    token_seen = asyncio.Event()
+
+    async def everything(msg: Msg) -> None:
+        seen.append(msg)
+        if msg.subject == config.names.token("k"):
+            token_seen.set()
+
+    await nats_client.subscribe(">", cb=everything)
+    await nats_client.flush()
+    stored = await Publisher(nc, config.names).enqueue(request("k", b"x"))
+    await asyncio.wait_for(token_seen.wait(), 10)
+
+    def is_request_ack(msg: Msg) -> bool:
+        if not msg.subject.startswith("_INBOX."):
+            return False
+        body = json.loads(msg.data)
+        return body.get("stream") == config.names.inbox_stream and body.get("seq") == stored.seq
+
+    subjects = [m.subject for m in seen]
+    published = subjects.index(config.names.inbox("k"))
+    acknowledged = next(i for i, m in enumerate(seen) if is_request_ack(m))
+    scheduled = subjects.index(config.names.token("k"))
+    assert published < acknowledged < scheduled
+
+
+async def test_a_request_whose_reply_never_comes_is_released(nc: Client, nats_client: Client,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    await nats_client.subscribe("sink")  # takes the requests and never replies
+    await nats_client.flush()
+    mux = RequestMux(nc, expire_after=0.2)
+    try:
+        futures = [await mux.send("sink", b"%d" % i) for i in range(3)]
+        assert mux.in_flight == 3
+        # Nobody awaits the first two; the third is awaited, as a caller giving up would not.
+        done, _ = await asyncio.wait(futures, timeout=10)
+        assert len(done) == 3
+        assert mux.in_flight == 0
+        with pytest.raises(KeyqueueTimeout, match="no reply to a request to sink"):
+            futures[2].result()
+        # A future nobody awaited must not log "exception was never retrieved" when collected.
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            del futures, done
+            gc.collect()
+        assert "never retrieved" not in caplog.text
+        # A request answered in time is unaffected, and one sent later expires in its turn.
+        async def echo(msg: Msg) -> None:
+            await msg.respond(b"pong")
+
+        await nats_client.subscribe("echo", cb=echo)
+        await nats_client.flush()
+        [reply] = await asyncio.wait_for(await mux.send("echo", b"ping"), 5)
+        assert reply.data == b"pong"
+        late = await mux.send("sink", b"late")
+        await asyncio.wait([late], timeout=10)
+        assert isinstance(late.exception(), KeyqueueTimeout) and mux.in_flight == 0
+    finally:
+        await mux.close()
