@@ -196,6 +196,7 @@ class KeySession:
         """Acquire the key's lease record, waiting while another worker holds it."""
         delay, longest = ACQUIRE_BACKOFF
         next_keepalive = next_expiry_check = 0.0
+        first = True
         while True:
             if self.draining.is_set():
                 with contextlib.suppress(Exception):
@@ -209,11 +210,31 @@ class KeySession:
                 with contextlib.suppress(Exception):
                     await self.io.keepalive(self.token)
                 next_keepalive = now + self.settings.ack_wait / 3
-            if await self.lock.try_acquire():
+            # The first try reads the key's first requests in the same round trip. A read is
+            # harmless before the key is ours; its result is used only if the key was free at once
+            # (a holder settles its deletes before it deletes its record, so the read is current
+            # unless that holder was still working when this token arrived: after a fault).
+            first_read = (asyncio.ensure_future(self.io.read(self.key, self.cursor, READ_AHEAD))
+                          if first else None)
+            first = False
+            try:
+                acquired = await self.lock.try_acquire()
+            except BaseException:
+                if first_read is not None:
+                    first_read.cancel()
+                raise
+            if acquired:
                 assert self.lock.lease is not None
                 self.lease = self.lock.lease
                 self.ctx.fencing = (self.lock.fence, self.token.delivered)
+                if first_read is not None:
+                    with contextlib.suppress(Exception):  # read again in the session
+                        msgs, self.more = await first_read
+                        self.buffer.extend(msgs)
                 return True
+            if first_read is not None:
+                first_read.cancel()
+                first_read.add_done_callback(lambda f: f.cancelled() or f.exception())
             # Another worker's record is live: it is working on the key, or it is a former holder's
             # record that the server will expire. Either way, it is not ours to start.
             await asyncio.sleep(delay)
