@@ -37,6 +37,8 @@ OUTSTANDING_CHUNKS: Final = 2
 """Chunks a worker keeps requested at once."""
 PULL_CHUNK_MIN: Final = 4
 """Smallest batch of one pull request when a worker has more free slots than that."""
+NO_RESPONDERS_BACKOFF_MAX: Final = 2.0
+"""Longest wait, in seconds, before pulling again after the consumer answered 503 (no leader)."""
 PIN_ID: Final = "Nats-Pin-Id"
 """Header on messages of a pinned priority group: the pin this client must send on its pulls."""
 
@@ -159,6 +161,11 @@ class TokenPuller:
         self._closed_reported = False
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}"
         self.statuses: dict[str, int] = {}
+        self._no_responders = 0
+        """503s in a row (reset by any delivery or heartbeat)."""
+        self._no_responders_logged = -60.0
+        self._retry_at = 0.0
+        """No pull before this time (monotonic): set while the consumer answers 503."""
         """Counts of status codes seen, for tests and ``inspect``."""
 
     def wake(self) -> None:
@@ -214,6 +221,8 @@ class TokenPuller:
                     # (With priorities the server must see every free slot of a better tier
                     # waiting, or a worse tier gets keys first: no throttle there.)
                     want = min(want, OUTSTANDING_CHUNKS * chunk - self.state.pending)
+                if now < self._retry_at:
+                    want = 0
                 while want > 0 and sub is not None and self.nc.is_connected:
                     batch = min(want, chunk)
                     n += 1
@@ -229,8 +238,9 @@ class TokenPuller:
                         break
                     want -= batch
                 self._wake.clear()
+                wait = self.options.heartbeat if now >= self._retry_at else self._retry_at - now
                 try:
-                    await asyncio.wait_for(self._wake.wait(), self.options.heartbeat)
+                    await asyncio.wait_for(self._wake.wait(), wait)
                 except TimeoutError:
                     pass
         finally:
@@ -287,6 +297,7 @@ class TokenPuller:
         headers = msg.headers or {}
         status = headers.get(STATUS)
         if not status:
+            self._no_responders = 0
             self.state.delivered(now)
             if self.state.pending < self._chunk:
                 self._wake.set()  # a chunk was used up: request the next one
@@ -302,6 +313,7 @@ class TokenPuller:
             return
         self.statuses[status] = self.statuses.get(status, 0) + 1
         if status == "100":  # idle heartbeat
+            self._no_responders = 0
             self.state.last_activity = now
             return
         count = headers.get(PENDING_MESSAGES)
@@ -316,6 +328,16 @@ class TokenPuller:
                 self.state.pin_id = None
                 if self.on_pinned:
                     await self.on_pinned(None)
+        elif status == "503":
+            # No responders: the consumer has no leader right now (an election after its leader
+            # died). Pulling again at once would spin; back off until it answers again.
+            self.state.given_back(None, now)
+            self._no_responders += 1
+            self._retry_at = now + min(NO_RESPONDERS_BACKOFF_MAX, 0.05 * 2 ** min(self._no_responders, 6))
+            if now - self._no_responders_logged >= 30.0:
+                self._no_responders_logged = now
+                log.warning("queue %s: the token consumer does not answer pulls (503 no responders: no leader "
+                            "yet?); retrying with a backoff", self.names.queue)
         else:
             log.warning("queue %s: unexpected pull status %s %s", self.names.queue, status,
                         headers.get(DESCRIPTION, ""))
