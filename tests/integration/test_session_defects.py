@@ -129,3 +129,36 @@ def test_a_session_lease_other_than_the_queues_ack_wait_is_refused() -> None:
     with pytest.raises(ConfigError, match="ack_wait"):
         QueueWorker(None, QueueConfig("q", ack_wait=30), lambda key: Recorder([]),  # type: ignore[arg-type]
                     settings=SessionSettings(ack_wait=60))
+
+
+async def test_a_session_cut_off_after_its_ack_still_rechecks(nc: Client) -> None:
+    """Before: a session cancelled while its ack was in flight skipped the re-check, stranding a
+    request whose token publish had been refused while the old token still existed."""
+    config, pub = await setup(nc, "cutoff", ack_wait=5)
+    await pub.enqueue(request("k", b"first"))
+    log: list[tuple[str, bytes]] = []
+    worker = QueueWorker(nc, config, lambda key: Recorder(log), settings=SessionSettings(ack_wait=5, linger=0.01))
+    real_ack = worker.io.ack
+    at_ack, go, acked = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow_ack(token, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+        at_ack.set()
+        await go.wait()
+        await real_ack(token, timeout)
+        acked.set()
+        await asyncio.sleep(1.0)  # the confirmation is slow: the session is cut off meanwhile
+
+    worker.io.ack = slow_ack  # type: ignore[method-assign]
+    task = asyncio.create_task(worker.run())
+    await worker.started()
+    await asyncio.wait_for(at_ack.wait(), 10)
+    second = await pub.enqueue(request("k", b"second"))  # its token publish is refused: ours still exists
+    go.set()
+    await asyncio.wait_for(acked.wait(), 10)
+    worker.stop(now=True)
+    await task
+    assert log == [("k", b"first")]
+    stored = await JetStreamApi(nc).get_msg(config.names.inbox_stream, seq=second.seq)
+    assert stored is not None, "the second request should still be waiting"
+    tokens = await JetStreamApi(nc).stream_info(config.names.token_stream)
+    assert tokens["state"]["messages"] == 1, "the key was left without a token: its request is stranded"

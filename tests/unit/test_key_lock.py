@@ -1,0 +1,86 @@
+"""KeyLock's bookkeeping with a fake record store and a fake clock (the real server: test_key_lock.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from keyqueue.core.lock import KeyLock
+from keyqueue.errors import LeaseLost, WrongLastSequence
+from keyqueue.jetstream.api import StoredMsg
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Store:
+    """One subject's records; each write takes ``delay`` seconds of the fake clock."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.seq = 0
+        self.last: StoredMsg | None = None
+        self.delay = 0.0
+
+    async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
+                              timeout: float | None = None) -> int:
+        self.clock.now += self.delay
+        if (self.last.seq if self.last else 0) != expected:
+            raise WrongLastSequence("wrong last sequence", 400, 10071)
+        self.seq += 1
+        self.last = StoredMsg(subject, self.seq, {}, body)
+        return self.seq
+
+    async def last_record(self, subject: str) -> StoredMsg | None:
+        return self.last
+
+    async def remove_record(self, seq: int) -> None:
+        if self.last and self.last.seq == seq:
+            self.last = None
+
+
+async def test_the_lease_runs_from_when_the_acquire_was_sent() -> None:
+    clock = Clock()
+    store = Store(clock)
+    store.delay = 2.0  # the loop stalled (or the reply was slow) while acquiring
+    lock = KeyLock(store, "kq.q.lease.k", 10.0, clock=clock)
+    assert await lock.try_acquire()
+    assert lock.lease is not None
+    assert lock.lease.deadline == pytest.approx(100.0 + 10.0 - lock.lease.margin)
+
+
+async def test_a_renewal_answered_after_the_deadline_extends_nothing() -> None:
+    clock = Clock()
+    store = Store(clock)
+    lock = KeyLock(store, "kq.q.lease.k", 3.0, clock=clock)
+    assert await lock.try_acquire()
+    store.delay = 5.0
+    await lock.renew()
+    assert not lock.held
+
+
+async def test_a_renewal_that_finds_its_own_late_write_adopts_it() -> None:
+    clock = Clock()
+    store = Store(clock)
+    lock = KeyLock(store, "kq.q.lease.k", 10.0, clock=clock)
+    assert await lock.try_acquire()
+    await store.compare_and_set(lock.subject, lock.seq, lock._body(), lock.ttl)  # landed, reply lost
+    await lock.renew()
+    assert lock.seq == store.seq and lock.held
+
+
+async def test_a_renewal_that_finds_another_holders_record_loses_the_lease() -> None:
+    clock = Clock()
+    store = Store(clock)
+    lock = KeyLock(store, "kq.q.lease.k", 10.0, clock=clock)
+    assert await lock.try_acquire()
+    store.last = StoredMsg(lock.subject, 99, {}, json.dumps({"nonce": "someone else"}).encode())
+    with pytest.raises(LeaseLost):
+        await lock.renew()
+    assert not lock.held
