@@ -52,7 +52,7 @@ class Context:
         self.attempt = core.attempt
         """1 for the first try, 2 for the first retry, ..."""
         self.fencing = core.fencing
-        """``(token sequence, delivery count)``: strictly increases from one holder of the key to the next.
+        """``(lease record sequence, token delivery count)``: strictly increases from one holder of the key to the next.
 
         Store it with what you write and refuse writes with a smaller one, and a worker that lost
         the key (paused past its lease, say) cannot overwrite the next holder's work.

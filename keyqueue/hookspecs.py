@@ -163,9 +163,9 @@ def keyqueue_worker_unpinned(worker: Worker, queue: str, pin_id: str) -> Awaitab
 def keyqueue_key_acquired(worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> Awaitable[None] | None:
     """This worker acquired ``key`` and starts a key session for it.
 
-    ``fencing`` is ``(token sequence, delivery count)``, strictly increasing from one holder of
+    ``fencing`` is ``(lease record sequence, token delivery count)``, strictly increasing from one holder of
     the key to the next. Opening hook. May be async. Delivered in order with the other events of
-    the worker, shortly after they happen (never blocking the session).
+    the worker, shortly after they happen (a session waits only once 10,000 events are queued).
     """
 
 

@@ -190,6 +190,10 @@ class KeySession:
                 # Even when cut off, a session that acked its token re-checks the inbox.
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.shield(self._giving_back)
+            elif not self.acquired:
+                # Cut off while waiting for the key: hand the token back for another worker now.
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.shield(self.io.nak(self.token))
             raise
 
     async def _acquire(self) -> bool:
