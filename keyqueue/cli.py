@@ -255,12 +255,15 @@ def _configure_logging(level: str) -> None:
               help="Overflow queues: take keys only while N or more are held fleet-wide.")
 @click.option("--priority", type=click.IntRange(0, 9), default=None, metavar="P",
               help="Prioritized queues: 0 (served first) to 9. See docs/priority-groups.md.")
+@click.option("--connect-timeout", type=click.FloatRange(0), default=None, metavar="SECONDS",
+              help="How long to wait for an unreachable server at start, retrying with a backoff and "
+                   "logging each attempt (default: wait forever).")
 @url_option
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
            drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
-           priority: int | None, url: str | None, log_level: str) -> None:
+           priority: int | None, connect_timeout: float | None, url: str | None, log_level: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
     MODULE:APP names the App, e.g. shop:app for `app` in shop.py (the current directory is
@@ -268,7 +271,8 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     the worker's keys move to other workers at once; a second signal stops immediately.
 
     With no URL configured, the worker runs the app's embedded nats-server (and says so in its
-    log); producers of the same app on this machine find it.
+    log); producers of the same app on this machine find it. A configured server that is not up
+    yet is waited for (each attempt logged) for --connect-timeout seconds, by default forever.
 
     \b
     Example:
@@ -280,7 +284,8 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     app = load_app(app_spec, url)
     serving = app.worker(queues=list(queues) or None, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
                          drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
-                         overflow_min_ack_pending=overflow_min_ack_pending, priority=priority)
+                         overflow_min_ack_pending=overflow_min_ack_pending, priority=priority,
+                         connect_timeout=connect_timeout)
 
     async def run() -> None:
         try:

@@ -45,11 +45,13 @@ from keyqueue.core.processor import (
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
-from keyqueue.errors import ConfigError, KeyqueueError, LeaseLost
+from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, LeaseLost
 from keyqueue.jetstream.pull import PullOptions
 from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client
+
     from keyqueue.app import App
     from keyqueue.task import AnyTask
 
@@ -59,6 +61,11 @@ log = logging.getLogger("keyqueue.worker")
 
 _LEDGER_SIZE: Final = 100_000
 """Most in-flight requests whose message type a worker remembers for its hooks."""
+
+CONNECT_RETRY_FIRST: Final = 0.5
+"""Seconds before a worker tries an unreachable server again at start (doubling)."""
+CONNECT_RETRY_MAX: Final = 5.0
+"""Longest wait, in seconds, between a starting worker's connection attempts."""
 
 _EVENT_BACKLOG: Final = 10_000
 """Lifecycle events waiting for their hooks before key sessions wait for the hooks to catch up."""
@@ -94,7 +101,7 @@ class Worker:
     def __init__(self, app: App, *, queues: Sequence[str] | None = None, concurrency: int = 16,
                  linger: float = 0.05, ack_wait: float | None = None, drain_timeout: float = 10.0,
                  name: str | None = None, overflow_min_pending: int = 0, overflow_min_ack_pending: int = 0,
-                 priority: int | None = None) -> None:
+                 priority: int | None = None, connect_timeout: float | None = None) -> None:
         if priority is not None and not 0 <= priority <= 9:
             raise ConfigError(f"priority must be 0-9 (0 is served first), got {priority}")
         self.pull = PullOptions(min_pending=overflow_min_pending, min_ack_pending=overflow_min_ack_pending,
@@ -109,6 +116,8 @@ class Worker:
         self.linger = linger
         self.ack_wait = ack_wait
         self.drain_timeout = drain_timeout
+        self.connect_timeout = connect_timeout
+        """Seconds to wait for an unreachable server at start (None: forever)."""
         self._requested = list(queues) if queues is not None else None
         self.queue_workers: dict[str, QueueWorker] = {}
         self._tasks_by_queue: dict[str, dict[str, AnyTask]] = {}
@@ -168,7 +177,7 @@ class Worker:
         queues = self._resolve_queues()
         for queue in queues:
             self._tasks_by_queue[queue] = self.app.queue_tasks(queue)
-        nc = await self.app.connection()
+        nc = await self._connect()
         self.executor = ThreadPoolExecutor(max_workers=self.concurrency * len(queues),
                                            thread_name_prefix=f"keyqueue-{self.app.name}")
         for queue in queues:
@@ -192,6 +201,24 @@ class Worker:
                 await self._release()
             raise KeyqueueError(f"worker {self.name} stopped while starting")
         await self.app.plugins.notify("keyqueue_worker_started", worker=self)
+
+    async def _connect(self) -> Client:
+        """The app's connection, waiting for the server while it is unreachable (services often
+        start in the wrong order): each attempt is logged, the wait bounded by ``connect_timeout``."""
+        began = time.monotonic()
+        delay, attempt = CONNECT_RETRY_FIRST, 0
+        while True:
+            attempt += 1
+            try:
+                return await self.app.connection()
+            except ConnectionFailed as e:
+                waited = time.monotonic() - began
+                if self.connect_timeout is not None and waited + delay > self.connect_timeout:
+                    raise ConnectionFailed(f"{e} (gave up after {attempt} attempt(s) in {waited:.0f}s; "
+                                           "--connect-timeout sets how long a worker waits)") from None
+                log.warning("worker %s: %s; attempt %d, retrying in %.1fs", self.name, e, attempt, delay)
+                await asyncio.sleep(delay)
+                delay = min(CONNECT_RETRY_MAX, delay * 2)
 
     async def _run(self) -> None:
         async with asyncio.TaskGroup() as group:

@@ -201,3 +201,33 @@ def test_every_command_has_an_example_in_its_help() -> None:
     for command in commands:
         result = runner.invoke(main, [*command.split(), "--help"])
         assert result.exit_code == 0 and "Example" in result.output, command
+
+
+async def test_a_worker_waits_for_a_server_that_is_not_up_yet(tmp_path: Path) -> None:
+    """Services start in any order: the worker logs each attempt and starts once the server is there."""
+    from keyqueue.server import EmbeddedServer, free_tcp_port
+
+    port = free_tcp_port()
+    url = f"nats://127.0.0.1:{port}"
+    worker = await Process.start("worker", "examples.quickstart.app:app", "--concurrency", "2",
+                                 env=environment(KEYQUEUE_URL=url))
+    try:
+        await worker.wait_for(rf"cannot reach NATS at {re.escape(url)}.*attempt 1, retrying in")
+        async with EmbeddedServer(port=port, store_dir=tmp_path / "store"):
+            await worker.wait_for(r"queue shop: charge, refund")
+            code, out, _ = await run("enqueue", "examples.quickstart.app:app", "charge",
+                                     '{"order_id": "late", "amount": 3}', "--wait", env=environment(KEYQUEUE_URL=url))
+            assert (code, json.loads(out)) == (0, {"order_id": "late", "charged": 3, "attempt": 1})
+            assert await worker.stop() == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            await worker.stop()
+
+
+async def test_connect_timeout_gives_up_with_one_line() -> None:
+    code, _, err = await run("worker", "examples.quickstart.app:app", "--connect-timeout", "1",
+                             env=environment(KEYQUEUE_URL="nats://127.0.0.1:1"))
+    assert code == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("Error: cannot reach NATS at nats://127.0.0.1:1") and "gave up after" in last
+    assert "Traceback" not in err
