@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     options = SoakOptions(seed=args.seed, duration=args.duration, max_faults=args.faults, classes=classes,
                           workers=args.workers, keys=args.keys, rate=args.rate, ack_wait=args.ack_wait,
                           workdir=args.workdir)
+    # SIGTERM ends the soak like Ctrl-C: its worker processes and servers are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     result = asyncio.run(soak(options))
     print(result.summary())
     return 0 if result.ok else 1
