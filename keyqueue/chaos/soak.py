@@ -189,6 +189,10 @@ async def _process_faults(fleet: _Fleet, rng: random.Random, counts: Counter[str
             await asyncio.wait_for(ending.wait(), rng.uniform(0.5, 2.0))
         if ending.is_set():
             return
+        for dead in [n for n in fleet.names() if not fleet.alive(n)]:
+            # A worker that could not start (its server was electing leaders, say): start it again.
+            fleet.note("soak", "restart", target=dead)
+            fleet.start(dead)
         name = rng.choice(fleet.names())
         kind = rng.choice(kinds)
         if not fleet.alive(name):

@@ -22,13 +22,16 @@ from keyqueue.core.lease import Lease
 from keyqueue.core.processor import ProcessorFactory
 from keyqueue.core.reconciler import Reconciler
 from keyqueue.core.session import KeySession, SessionSettings
-from keyqueue.errors import ConfigError, KeyqueueError
+from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.pull import PullOptions, Token, TokenPuller
 from keyqueue.jetstream.queue_io import QueueIO
 from keyqueue.jetstream.topology import QueueConfig, Topology
 
 log = logging.getLogger("keyqueue.worker")
+
+NO_JETSTREAM_AFTER = 30.0
+"""Seconds of "no responders" to the JetStream API after which a starting worker gives up."""
 
 LOOP_TICK = 0.1
 """Seconds between the loop-lag monitor's ticks."""
@@ -164,7 +167,7 @@ class QueueWorker:
     async def run(self) -> None:
         """Ensure the topology, then hold keys until :meth:`stop` and the drain finish."""
         try:
-            await Topology(JetStreamApi(self.nc), self.config).ensure()
+            await self._ensure_topology()
         except BaseException as e:
             self._start_error = e
             self._started.set()
@@ -189,6 +192,26 @@ class QueueWorker:
         finally:
             self._tg = None
         log.info("worker %s stopped: %s", self.name, self.counts)
+
+    async def _ensure_topology(self) -> None:
+        """Create or verify the queue's streams and consumer. A server that cannot answer yet (a
+        cluster electing leaders, a restart) is waited for, each attempt logged; a configuration
+        that does not match is raised at once."""
+        delay = 0.5
+        began = time.monotonic()
+        while True:
+            try:
+                await Topology(JetStreamApi(self.nc), self.config).ensure()
+                return
+            except (KeyqueueTimeout, ConnectionFailed) as e:
+                # "No responders" that lasts is a server without JetStream, not an election.
+                no_jetstream = type(e) is ConnectionFailed and time.monotonic() - began > NO_JETSTREAM_AFTER
+                if self.draining.is_set() or no_jetstream:
+                    raise
+                log.warning("queue %s: cannot set up its streams yet (%s); retrying in %.1fs", self.config.name, e,
+                            delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
 
     async def started(self) -> None:
         """Wait until the worker is pulling tokens; raises what kept it from starting."""
