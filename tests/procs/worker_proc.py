@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from keyqueue.chaos.worker import RunLog as Log
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import SessionSettings
@@ -43,16 +41,6 @@ class Work(Message):
 
 REGISTRY = Registry()
 REGISTRY.register(Work)
-
-
-class Log:
-    def __init__(self, path: str, worker: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.worker = worker
-
-    def write(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"w": self.worker, "kind": kind, "t": time.time(), **fields}, default=str)
-        os.write(self.fd, (line + "\n").encode())
 
 
 class Recording(BaseProcessor):

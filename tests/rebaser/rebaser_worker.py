@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +25,7 @@ from event_log import SessionEvents
 
 import keyqueue
 from contrib.rebaser import RebaserPlugin, RebaserSettings, load_functions
-
-
-class Log:
-    def __init__(self, path: str, worker: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.worker = worker
-
-    def write(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"w": self.worker, "kind": kind, "t": time.time(), **fields}, default=str)
-        os.write(self.fd, (line + "\n").encode())
+from keyqueue.chaos.worker import RunLog as Log
 
 
 async def main() -> None:

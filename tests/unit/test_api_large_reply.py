@@ -6,6 +6,8 @@ import json
 import threading
 from typing import Any
 
+import pytest
+
 from keyqueue.jetstream.api import LARGE_REPLY, JetStreamApi
 
 
@@ -28,32 +30,30 @@ class _FakeClient:
         return _Reply(self.data)
 
 
-async def test_a_large_reply_is_parsed_in_a_thread(monkeypatch: Any) -> None:
+@pytest.fixture
+def parsed_in(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads ``json.loads`` ran in during the test."""
+    threads: list[str] = []
+    original = json.loads
+
+    def recording_loads(data: Any, *args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(data, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", recording_loads)
+    return threads
+
+
+async def test_a_large_reply_is_parsed_in_a_thread(parsed_in: list[str]) -> None:
     subjects = {f"kq.q.in.key-{i}": 1 for i in range(20_000)}
     client = _FakeClient({"state": {"subjects": subjects}, "total": len(subjects)})
     assert len(client.data) > LARGE_REPLY
-    threads: list[str] = []
-    original = json.loads
-
-    def recording_loads(data: Any, *args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return original(data, *args, **kwargs)
-
-    monkeypatch.setattr(json, "loads", recording_loads)
     body = await JetStreamApi(client).request("STREAM.INFO.KQ_q_INBOX")  # type: ignore[arg-type]
     assert body["total"] == 20_000
-    assert threads and all(name != "MainThread" for name in threads)
+    assert parsed_in and all(name != "MainThread" for name in parsed_in)
 
 
-async def test_a_small_reply_is_parsed_on_the_loop(monkeypatch: Any) -> None:
+async def test_a_small_reply_is_parsed_on_the_loop(parsed_in: list[str]) -> None:
     client = _FakeClient({"state": {"messages": 1}})
-    threads: list[str] = []
-    original = json.loads
-
-    def recording_loads(data: Any, *args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return original(data, *args, **kwargs)
-
-    monkeypatch.setattr(json, "loads", recording_loads)
     await JetStreamApi(client).request("STREAM.INFO.KQ_q_INBOX")  # type: ignore[arg-type]
-    assert threads == ["MainThread"]
+    assert parsed_in == ["MainThread"]
