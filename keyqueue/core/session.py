@@ -33,7 +33,7 @@ from keyqueue.core.lease import Lease
 from keyqueue.core.lock import KeyLock
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
-from keyqueue.errors import KeyqueueError, LeaseLost, Reject, WireError, WrongLastSequence
+from keyqueue.errors import KeyqueueError, LeaseLost, Reject, WireError
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.queue_io import HEAD_TTL, QueueIO, Watch
@@ -517,35 +517,28 @@ class KeySession:
 
     async def _count_head_run(self, head: StoredMsg) -> int:
         """Count one more session that starts with ``head`` on a redelivered token; the count."""
-        subject = self.io.names.head(self.key)
-        try:
-            record = await self.io.last_record(subject)
-            runs = 1
-            if record is not None:
-                last = json.loads(record.data)
-                if last.get("seq") == head.seq:
-                    runs = int(last.get("runs", 0)) + 1
-            body = json.dumps({"seq": head.seq, "runs": runs}).encode()
-            await self.io.compare_and_set(subject, record.seq if record else 0, body, HEAD_TTL)
-        except (KeyqueueError, ValueError) as e:  # a counter is a heuristic: never block the key on it
-            log.debug("crash-loop counter for %s: %r", self.key, e)
-            return 1
-        return runs
+        return await self._add_head_runs(head.seq, +1)
 
     async def _forgive_head(self) -> None:
         """This session hands the key back with a request in hand (a drain, a failure): it did not
         die on it, so the session of the redelivered token must not count it as a crash."""
-        seq = self._in_hand
-        if not seq:
-            return
+        if self._in_hand:
+            await self._add_head_runs(self._in_hand, -1)
+
+    async def _add_head_runs(self, seq: int, delta: int) -> int:
+        """Add ``delta`` to the crash-loop count of request ``seq`` (a count of another request
+        starts over); the new count. A counter is a heuristic: a failure never blocks the key."""
         subject = self.io.names.head(self.key)
-        with contextlib.suppress(KeyqueueError, WrongLastSequence, ValueError):
+        try:
             record = await self.io.last_record(subject)
-            runs = 0
-            if record is not None and json.loads(record.data).get("seq") == seq:
-                runs = int(json.loads(record.data).get("runs", 0))
-            body = json.dumps({"seq": seq, "runs": runs - 1}).encode()
-            await self.io.compare_and_set(subject, record.seq if record else 0, body, HEAD_TTL)
+            last = json.loads(record.data) if record is not None else {}
+            runs = (int(last.get("runs", 0)) if last.get("seq") == seq else 0) + delta
+            await self.io.compare_and_set(subject, record.seq if record else 0,
+                                          json.dumps({"seq": seq, "runs": runs}).encode(), HEAD_TTL)
+        except (KeyqueueError, ValueError) as e:
+            log.debug("crash-loop counter for %s: %r", self.key, e)
+            return max(1, delta)
+        return runs
 
     # --- release ---------------------------------------------------------------------------------
 

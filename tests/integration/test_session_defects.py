@@ -162,3 +162,28 @@ async def test_a_session_cut_off_after_its_ack_still_rechecks(nc: Client) -> Non
     assert stored is not None, "the second request should still be waiting"
     tokens = await JetStreamApi(nc).stream_info(config.names.token_stream)
     assert tokens["state"]["messages"] == 1, "the key was left without a token: its request is stranded"
+
+
+async def test_a_request_its_holders_keep_dying_on_is_dead_lettered(nc: Client) -> None:
+    """The other side of the crash-loop count: sessions of redelivered tokens that end without a
+    word on the same head request (as a killed worker's do) dead-letter it, and the key goes on."""
+    from keyqueue.errors import LeaseLost
+    from keyqueue.wire import headers as H
+
+    config, pub = await setup(nc, "dies", ack_wait=1)
+    await pub.enqueue(request("k", b"deadly"))
+    await pub.enqueue(request("k", b"after"))
+    log: list[tuple[str, bytes]] = []
+
+    class DiesOnDeadly(Recorder):
+        async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+            if request.data == b"deadly":
+                raise LeaseLost("as if the worker died here")  # no ack, no nak, no release
+            return await super().handle(ctx, request)
+
+    async with running(nc, config, lambda key: DiesOnDeadly(log),
+                       settings=SessionSettings(ack_wait=1, linger=0.05, crash_loop_limit=1)):
+        await wait_until(lambda: log == [("k", b"after")], timeout=30)
+    dead = await JetStreamApi(nc).get_msg(config.names.dlq_stream, seq=1)
+    assert dead is not None and dead.data == b"deadly"
+    assert dead.headers[H.DLQ_REASON] == "crash-loop"
