@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import keyqueue
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 
 
 async def one_round(url: str, queue: str, events: bool, requests: int, keys: int,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 
-from keyqueue.server import find_nats_server
+from keyqueue.server.embedded import find_nats_server
 
 
 def _cpu_model() -> str:

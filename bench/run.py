@@ -19,7 +19,7 @@ from bench.records import handoffs_ms
 from bench.results import Report, Row, Sizes
 from bench.workloads import Bench, enqueue_rates, held_keys, interleaved, keyed_run, latency, summary
 from keyqueue.jetstream.connect import connect
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 
 KQ = "keyqueue"
 RAW = "raw JetStream"

@@ -24,7 +24,7 @@ from bench import raw
 from bench.user_app import app, note
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 
 
 async def _drained(api: JetStreamApi, timeout: float = 120.0) -> None:

@@ -31,7 +31,7 @@ from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 from keyqueue.wire import CBOR, JSON, Message, Registry, decode, encode, from_fields, loads_map, peek
 from keyqueue.wire import headers as H
 

@@ -18,8 +18,8 @@ the machinery under it.
 
 from __future__ import annotations
 
-from keyqueue.app import App, default_app, task
-from keyqueue.context import Context
+from keyqueue.app.application import App, default_app, task
+from keyqueue.app.worker import Worker
 from keyqueue.core.processor import (
     BaseProcessor,
     KeyProcessor,
@@ -62,10 +62,10 @@ from keyqueue.errors import (
     WrongLastSequence,
 )
 from keyqueue.jetstream.topology import QueueConfig
-from keyqueue.plugins import hookimpl
+from keyqueue.plugins.manager import hookimpl
 from keyqueue.settings import Settings
-from keyqueue.task import Backoff, BatchTask, Policy, Receipt, Task, TaskRequest, TaskSpec
-from keyqueue.worker import Worker
+from keyqueue.tasks.context import Context
+from keyqueue.tasks.task import Backoff, BatchTask, Policy, Receipt, Task, TaskRequest, TaskSpec
 
 __all__ = [
     "App",

@@ -33,12 +33,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from keyqueue.app import App, default_app
+from keyqueue.app.application import App, default_app
+from keyqueue.builtins.processor import TaskProcessor
 from keyqueue.core.processor import Request
 from keyqueue.core.retry import RetryPolicy
-from keyqueue.default_processor import TaskProcessor
 from keyqueue.errors import ConfigError, EnqueueError, Reject, WireError
-from keyqueue.task import Receipt, TaskRequest
+from keyqueue.tasks.task import Receipt, TaskRequest
 from keyqueue.wire import CBOR, loads
 from keyqueue.wire import headers as H
 

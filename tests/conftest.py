@@ -10,7 +10,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from keyqueue.errors import ConfigError
-from keyqueue.server import EmbeddedServer, find_nats_server
+from keyqueue.server.embedded import EmbeddedServer, find_nats_server
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

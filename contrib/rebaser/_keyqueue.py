@@ -32,7 +32,7 @@ from keyqueue import (
 from keyqueue import hookimpl as keyqueue_hookimpl
 
 # Lifecycle events of a processor's own (the DVU's), in keyqueue's events stream.
-from keyqueue.events import publish_event
+from keyqueue.builtins.events import publish_event
 from keyqueue.jetstream.api import JetStreamApi
 
 # --- core seams the public API does not cover yet ----------------------------------------------

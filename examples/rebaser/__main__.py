@@ -30,7 +30,7 @@ from contrib.rebaser import ChangeSetState, RebaserClient, Update
 from contrib.rebaser.workload import ChangeSetModel, compare, setup_updates
 from examples.rebaser.app import FUNCTIONS
 from keyqueue.jetstream.api import JetStreamApi
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("w1", "w2")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from examples.spark.fleet import drain
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 from plugins.keyqueue_spark.backfill import BackfillJob, run_backfill
 from plugins.keyqueue_spark.report import run_report
 from plugins.keyqueue_spark.session import spark_session

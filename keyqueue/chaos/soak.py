@@ -40,13 +40,13 @@ from pathlib import Path
 from keyqueue.chaos.checker import Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore
 from keyqueue.chaos.proxy import DEFAULT_FAULTS, FaultProxy, FaultScript, InjectedFault
-from keyqueue.cluster import EmbeddedCluster
 from keyqueue.errors import EnqueueError, KeyqueueError, TokenPublishFailed
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.cluster import EmbeddedCluster
+from keyqueue.server.embedded import EmbeddedServer
 
 QUEUE = "chaos"
 CLASSES = ("network", "process", "server", "cluster")

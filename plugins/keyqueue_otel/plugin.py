@@ -28,13 +28,13 @@ from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from keyqueue.plugins import hookimpl
+from keyqueue.plugins.manager import hookimpl
 
 if TYPE_CHECKING:
-    from keyqueue.app import App
+    from keyqueue.app.application import App
     from keyqueue.core.processor import Request, RequestContext
-    from keyqueue.task import TaskRequest
-    from keyqueue.worker import Worker
+    from keyqueue.tasks.task import TaskRequest
+    from keyqueue.app.worker import Worker
     from plugins.keyqueue_otel.metrics import Metrics
 
 __all__ = ["INSTRUMENTATION", "OtelPlugin", "configure_from_env", "plugin"]

@@ -29,7 +29,7 @@ from keyqueue.errors import (
     TokenPublishFailed,
     WireError,
 )
-from keyqueue.events import EVENT_FIELD_NAMES, EVENT_FIELDS, EVENT_MESSAGE_TYPE, EVENT_NAMES, EVENT_VERSION
+from keyqueue.builtins.events import EVENT_FIELD_NAMES, EVENT_FIELDS, EVENT_MESSAGE_TYPE, EVENT_NAMES, EVENT_VERSION
 from keyqueue.jetstream.api import JetStreamApi, parse_pub_ack
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
@@ -80,7 +80,7 @@ DEFAULT_URL: Final = "nats://127.0.0.1:4222"
 """Where the plugin connects when neither the ``url`` option nor ``KEYQUEUE_URL`` says."""
 
 EVENTS_MESSAGE_TYPE: Final = EVENT_MESSAGE_TYPE
-"""``X-MESSAGE-TYPE`` of every lifecycle event (``keyqueue.events`` owns the contract)."""
+"""``X-MESSAGE-TYPE`` of every lifecycle event (``keyqueue.builtins.events`` owns the contract)."""
 
 EVENTS_VERSION: Final = EVENT_VERSION
 """``X-MESSAGE-VERSION`` of the lifecycle events this plugin reads and writes."""

@@ -4,7 +4,7 @@ Stream ``KQ_<queue>_EVENTS`` (limits retention), subjects ``kq.<queue>.events.<e
 message has ``X-CONTENT-TYPE: application/cbor``, ``X-MESSAGE-TYPE: KeyqueueEvent``,
 ``X-MESSAGE-VERSION: 1`` and a CBOR map body with the fields of :data:`EVENT_FIELDS`.
 
-The constants come from ``keyqueue.events`` (the plugin that publishes the events owns the
+The constants come from ``keyqueue.builtins.events`` (the plugin that publishes the events owns the
 contract); this module does not import pyspark, and :func:`event_schema` builds the Spark schema.
 """
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 EventName = Literal["enqueued", "acquired", "started", "succeeded", "retried", "dead_lettered",
                     "superseded", "released", "dvu_started", "dvu_finished"]
 
-# The contract is keyqueue's (``keyqueue.events``, which publishes it); this module gives it the
+# The contract is keyqueue's (``keyqueue.builtins.events``, which publishes it); this module gives it the
 # types the Spark side works with.
 EVENT_NAMES: Final = cast("tuple[EventName, ...]", _kq.EVENT_NAMES)
 """Every value the ``event`` field takes."""

@@ -205,7 +205,7 @@ def test_every_command_has_an_example_in_its_help() -> None:
 
 async def test_a_worker_waits_for_a_server_that_is_not_up_yet(tmp_path: Path) -> None:
     """Services start in any order: the worker logs each attempt and starts once the server is there."""
-    from keyqueue.server import EmbeddedServer, free_tcp_port
+    from keyqueue.server.embedded import EmbeddedServer, free_tcp_port
 
     port = free_tcp_port()
     url = f"nats://127.0.0.1:{port}"

@@ -23,7 +23,7 @@ from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
 from keyqueue.jetstream.pull import PullOptions
 from keyqueue.jetstream.topology import QueueConfig, Topology
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 from keyqueue.wire import headers as H
 
 

@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "procs"))
 import itertools

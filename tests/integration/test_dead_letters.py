@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import keyqueue
-from keyqueue.dead_letters import REPLAY_OF, DeadLetter, dead_letters, get_dead_letter, replay
+from keyqueue.admin.dead_letters import REPLAY_OF, DeadLetter, dead_letters, get_dead_letter, replay
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.subjects import QueueNames

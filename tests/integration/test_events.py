@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import keyqueue
-from keyqueue import events as ev
+from keyqueue.builtins import events as ev
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.wire import CBOR, loads
 
@@ -215,7 +215,7 @@ async def test_processors_publish_their_own_events(make_app: MakeApp) -> None:
 
 
 def test_sampling_keeps_whole_requests_by_a_hash_of_their_id() -> None:
-    from keyqueue.events import sample_rate, sampled
+    from keyqueue.builtins.events import sample_rate, sampled
 
     ids = [f"01JREQ{i:020d}" for i in range(2000)]
     kept = [i for i in ids if sampled(i, 0.1)]

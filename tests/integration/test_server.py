@@ -19,9 +19,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import StreamConfig
 
-from keyqueue.cluster import EmbeddedCluster
 from keyqueue.errors import ConfigError, KeyqueueTimeout, ServerNotFound
-from keyqueue.server import EmbeddedServer, find_nats_server
+from keyqueue.server.cluster import EmbeddedCluster
+from keyqueue.server.embedded import EmbeddedServer, find_nats_server
 
 
 async def _publish(url: str, stream: str, count: int, *, replicas: int = 1) -> None:

@@ -24,7 +24,7 @@ import keyqueue
 from keyqueue.cli import main
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
 from keyqueue.jetstream.subjects import QueueNames
-from keyqueue.plugins import PluginManager
+from keyqueue.plugins.manager import PluginManager
 from keyqueue.wire import headers as H
 
 SOURCE = Path(__file__).parents[1] / "fixtures" / "kq_demo_plugin"

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 import keyqueue
-from keyqueue.dead_letters import dead_letters
-from keyqueue.default_processor import DECODE_OFF_LOOP_BYTES
+from keyqueue.admin.dead_letters import dead_letters
+from keyqueue.builtins.processor import DECODE_OFF_LOOP_BYTES
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
 from keyqueue.jetstream.subjects import QueueNames

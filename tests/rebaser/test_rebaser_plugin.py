@@ -25,7 +25,7 @@ from click.testing import CliRunner
 import keyqueue
 from contrib.rebaser import RebaserClient, RebaserPlugin, Update
 from keyqueue.cli import main
-from keyqueue.plugins import PluginManager
+from keyqueue.plugins.manager import PluginManager
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = ROOT / "contrib" / "rebaser" / "pyproject.toml"

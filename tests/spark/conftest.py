@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 
 FAST_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 """Client-compiler only: the small jobs of the tests start about 40% sooner."""

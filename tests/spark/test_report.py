@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 from click.testing import CliRunner
 
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 from plugins.keyqueue_spark.cli import report as report_command
 from plugins.keyqueue_spark.report import QUANTILES, run_report
 from tests.spark.fixtures import history, publish_history

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 from tests.spark.helpers import message_count, run, stream_messages
 
 ROWS, KEYS, PARTITIONS = 20_000, 2_000, 4

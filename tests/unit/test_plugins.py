@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 import keyqueue
-from keyqueue.plugins import PluginManager, autoload_disabled
-from keyqueue.task import TaskSpec
+from keyqueue.plugins.manager import PluginManager, autoload_disabled
+from keyqueue.tasks.task import TaskSpec
 
 
 class Recorder:
@@ -173,7 +173,7 @@ def test_the_listing_shows_builtins_last_with_their_hooks() -> None:
     assert [info.builtin for info in listing] == [False, True, True, True]
     assert listing[0].hooks == ("keyqueue_worker_started", "keyqueue_worker_stopping")
     builtins = {info.name: info.hooks for info in listing[1:]}
-    assert "keyqueue_build_processor" in builtins["keyqueue.default_processor"]
+    assert "keyqueue_build_processor" in builtins["keyqueue.builtins.processor"]
 
 
 def test_spark_commands_come_through_the_entry_point() -> None:

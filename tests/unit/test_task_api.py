@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 import keyqueue
-from keyqueue import app as app_module
-from keyqueue.arguments import decode_arguments, decode_result, takes_context
+from keyqueue.app import application as app_module
 from keyqueue.errors import (
     ConfigError,
     DeadLettered,
@@ -21,6 +20,7 @@ from keyqueue.errors import (
     Superseded,
     UnsupportedVersion,
 )
+from keyqueue.tasks.arguments import decode_arguments, decode_result, takes_context
 from keyqueue.wire import CBOR, dumps, loads
 from keyqueue.wire import headers as H
 

@@ -1,6 +1,6 @@
 """``keyqueue events tail QUEUE``: print a queue's lifecycle events as they happen.
 
-Added to the command line by the built-in events plugin (``keyqueue.events``).
+Added to the command line by the built-in events plugin (``keyqueue.builtins.events``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the hot path), so a broken connection or a full server may lose some, and the or
 from different processes in the stream is the order they reached the server; sort by ``ts``.
 
 On by default. ``KEYQUEUE_EVENTS=0`` (or ``false``/``no``/``off``), read when an app first
-publishes an event, turns it off for that app; ``app.plugins.unregister(name="keyqueue.events")``
+publishes an event, turns it off for that app; ``app.plugins.unregister(name="keyqueue.builtins.events")``
 does so from code. ``KEYQUEUE_EVENTS_SAMPLE=0.1`` keeps the events of one request in ten (chosen
 by a hash of the request id, so a kept request's history is complete; events without a request
 are sampled by key): counts in reports are then of the sample.
@@ -38,7 +38,7 @@ from keyqueue.errors import KeyqueueTimeout, StreamNotFound, TaskFailure
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.fastpub import StaticHeaders, publish_static
 from keyqueue.jetstream.subjects import QueueNames
-from keyqueue.plugins import hookimpl
+from keyqueue.plugins.manager import hookimpl
 from keyqueue.wire import CBOR
 from keyqueue.wire import headers as H
 
@@ -46,10 +46,10 @@ if TYPE_CHECKING:
     import click
     from nats.aio.client import Client
 
-    from keyqueue.app import App
+    from keyqueue.app.application import App
+    from keyqueue.app.worker import Worker
     from keyqueue.core.processor import Request, RequestContext
-    from keyqueue.task import TaskRequest
-    from keyqueue.worker import Worker
+    from keyqueue.tasks.task import TaskRequest
 
 __all__ = [
     "ENABLE_ENV",
@@ -441,6 +441,6 @@ async def keyqueue_request_dead_lettered(worker: Worker, queue: str, key: str, r
 
 @hookimpl(trylast=True)
 def keyqueue_add_commands(cli: click.Group) -> None:
-    from keyqueue.events_cli import events
+    from keyqueue.cli.events import events
 
     cli.add_command(events)

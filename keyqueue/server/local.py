@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any, Final
 from urllib.parse import urlsplit
 
-from keyqueue.server import EmbeddedServer
+from keyqueue.server.embedded import EmbeddedServer
 
 try:
     import fcntl

@@ -35,17 +35,17 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Concatenate, Final, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
 
-from keyqueue.arguments import ArgumentCodec, KeyMaker, Upgrade, check_upgrades, decode_result, takes_context
-from keyqueue.context import Context
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import ConfigError, EnqueueError, MalformedBody
-from keyqueue.invoke import invoke
 from keyqueue.jetstream.subjects import validate_queue_name
+from keyqueue.tasks.arguments import ArgumentCodec, KeyMaker, Upgrade, check_upgrades, decode_result, takes_context
+from keyqueue.tasks.context import Context
+from keyqueue.tasks.invoke import invoke
 from keyqueue.wire import CBOR, check_plain, dumps, from_fields, new_request_id, to_fields
 from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
-    from keyqueue.app import App
+    from keyqueue.app.application import App
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",

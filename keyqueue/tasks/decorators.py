@@ -11,13 +11,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-from keyqueue.context import Context
 from keyqueue.errors import ConfigError
-from keyqueue.task import Backoff, BatchTask, KeySpec, Merge, Policy, Task, TaskSpec, _TaskBase
+from keyqueue.tasks.context import Context
+from keyqueue.tasks.task import Backoff, BatchTask, KeySpec, Merge, Policy, Task, TaskSpec, _TaskBase
 
 if TYPE_CHECKING:
-    from keyqueue.app import App
-    from keyqueue.arguments import Upgrade
+    from keyqueue.app.application import App
+    from keyqueue.tasks.arguments import Upgrade
 
 __all__ = ["BatchTaskDecorator", "TaskDecorator", "declare"]
 

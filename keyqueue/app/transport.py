@@ -22,7 +22,7 @@ from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.settings import Settings
-from keyqueue.task import Receipt, TaskRequest
+from keyqueue.tasks.task import Receipt, TaskRequest
 from keyqueue.wire import header_block_size
 from keyqueue.wire import headers as H
 

@@ -1,6 +1,6 @@
 """The built-in plugin that logs what the core's own log lines cannot say: tasks and tracebacks.
 
-The core logs sessions and outcomes by key (``keyqueue.worker``); this plugin adds the worker's
+The core logs sessions and outcomes by key (``keyqueue.app.worker``); this plugin adds the worker's
 queues and tasks when it starts, a failed attempt with its traceback, and superseded requests.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from keyqueue.plugins import hookimpl
+from keyqueue.plugins.manager import hookimpl
 
 if TYPE_CHECKING:
-    from keyqueue.worker import Worker
+    from keyqueue.app.worker import Worker
 
 log = logging.getLogger("keyqueue.task")
 

@@ -25,9 +25,9 @@ from typing import Any, Final, TypeVar
 
 import pluggy
 
-from keyqueue import hookspecs
 from keyqueue.errors import ConfigError
-from keyqueue.hookspecs import PROJECT
+from keyqueue.plugins import hookspecs
+from keyqueue.plugins.hookspecs import PROJECT
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -53,7 +53,7 @@ ENTRY_POINT_GROUP: Final = "keyqueue"
 DISABLE_AUTOLOAD_ENV: Final = "KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD"
 """Set to anything but empty, ``0`` or ``false`` to skip the entry-point plugins."""
 
-BUILTIN_PLUGINS: Final = ("keyqueue.default_processor", "keyqueue.lifecycle_log", "keyqueue.events")
+BUILTIN_PLUGINS: Final = ("keyqueue.builtins.processor", "keyqueue.builtins.lifecycle_log", "keyqueue.builtins.events")
 """keyqueue's own behaviour, as plugin modules: tasks and retries, lifecycle logging and events."""
 
 
@@ -125,7 +125,7 @@ class PluginManager(pluggy.PluginManager):
         try:
             self.check_pending()
         except pluggy.PluginValidationError as exc:
-            raise ConfigError(f"{exc}; keyqueue's hooks are listed in keyqueue.hookspecs") from exc
+            raise ConfigError(f"{exc}; keyqueue's hooks are listed in keyqueue.plugins.hookspecs") from exc
         for caller in self.hook.__dict__.values():
             if not isinstance(caller, pluggy.HookCaller):
                 continue

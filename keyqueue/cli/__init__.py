@@ -27,20 +27,20 @@ from typing import IO, TYPE_CHECKING, Any, Final, TypeVar
 
 import click
 
-from keyqueue.app import App, default_app
-from keyqueue.dead_letters import DeadLetter, dead_letters, get_dead_letter, replay
+from keyqueue.admin.dead_letters import DeadLetter, dead_letters, get_dead_letter, replay
+from keyqueue.admin.inspection import KEY_LIMIT, QueueReport, inspect_queue, list_queues
+from keyqueue.app.application import App, default_app
+from keyqueue.app.transport import open_connection
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, StreamNotFound, WireError
-from keyqueue.inspection import KEY_LIMIT, QueueReport, inspect_queue, list_queues
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.jetstream.topology import QueueConfig, Topology
-from keyqueue.local_server import running_local_servers
-from keyqueue.plugins import PluginManager, autoload_disabled
-from keyqueue.server import EmbeddedServer
+from keyqueue.plugins.manager import PluginManager, autoload_disabled
+from keyqueue.server.embedded import EmbeddedServer
+from keyqueue.server.local import running_local_servers
 from keyqueue.settings import Settings
-from keyqueue.task import BatchTask, Receipt
-from keyqueue.transport import open_connection
+from keyqueue.tasks.task import BatchTask, Receipt
 from keyqueue.wire import CBOR, loads
 from keyqueue.wire import headers as H
 

@@ -20,7 +20,6 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from keyqueue.context import Context
 from keyqueue.errors import (
     ConfigError,
     DeadLettered,
@@ -30,6 +29,7 @@ from keyqueue.errors import (
     UnsupportedVersion,
 )
 from keyqueue.jetstream.subjects import validate_key
+from keyqueue.tasks.context import Context
 from keyqueue.wire import CBOR, check_plain, decode_envelope_fields, dumps, from_fields, loads, to_fields
 from keyqueue.wire import headers as H
 

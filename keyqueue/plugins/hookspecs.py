@@ -4,7 +4,7 @@ A plugin is a module, class instance or any object with ``keyqueue_*`` functions
 ``keyqueue.hookimpl``; it may implement any subset of a hook's arguments. Plugins come from
 ``App(plugins=[...])``, from the ``keyqueue`` entry-point group (unless
 ``KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD`` is set), and keyqueue's own behaviour is plugins too
-(``keyqueue.plugins.BUILTIN_PLUGINS``).
+(``keyqueue.plugins.manager.BUILTIN_PLUGINS``).
 
 Call order. pluggy calls the most recently registered plugin first (``tryfirst`` / ``trylast``
 move an implementation to either end), so built-in plugins run last. Hooks come in pairs that
@@ -39,11 +39,11 @@ import pluggy
 if TYPE_CHECKING:
     import click
 
-    from keyqueue.app import App
+    from keyqueue.app.application import App
+    from keyqueue.app.worker import Worker
     from keyqueue.core.processor import KeyProcessor, Request, RequestContext
     from keyqueue.core.retry import RetryPolicy
-    from keyqueue.task import TaskRequest, TaskSpec
-    from keyqueue.worker import Worker
+    from keyqueue.tasks.task import TaskRequest, TaskSpec
 
 PROJECT: Final = "keyqueue"
 """pluggy's project name: the marker name and the prefix of every hook."""

@@ -12,7 +12,7 @@ Bodies are decoded on the event loop, where the key sessions' lease renewals run
 they are large (:data:`DECODE_OFF_LOOP_BYTES`, summed over a batch): those are decoded in a
 thread, so one key's big batch cannot starve every other key's renewals.
 
-As a plugin module (``keyqueue.plugins.BUILTIN_PLUGINS``) it builds processors, retry policies
+As a plugin module (``keyqueue.plugins.manager.BUILTIN_PLUGINS``) it builds processors, retry policies
 and merged arguments, each ``trylast`` so any other plugin can take over.
 """
 
@@ -24,20 +24,20 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from keyqueue.arguments import decode_arguments, encode_result, result_headers
-from keyqueue.context import Context
 from keyqueue.core.processor import BaseProcessor, BatchOutcome, KeyProcessor, Reply, Request, RequestContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import MalformedBody, Reject, UnknownMessageType, WireError
-from keyqueue.plugins import hookimpl
-from keyqueue.task import BatchTask, Task, TaskSpec
+from keyqueue.plugins.manager import hookimpl
+from keyqueue.tasks.arguments import decode_arguments, encode_result, result_headers
+from keyqueue.tasks.context import Context
+from keyqueue.tasks.task import BatchTask, Task, TaskSpec
 from keyqueue.wire import headers as H
 from keyqueue.wire import peek
 
 if TYPE_CHECKING:
-    from keyqueue.app import App
-    from keyqueue.task import AnyTask
-    from keyqueue.worker import Worker
+    from keyqueue.app.application import App
+    from keyqueue.app.worker import Worker
+    from keyqueue.tasks.task import AnyTask
 
 __all__ = ["ABSORBED_BY", "TaskProcessor"]
 

@@ -29,16 +29,17 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
-from keyqueue.arguments import decode_result
+from keyqueue.app.transport import Connections, NatsTransport, Portal
 from keyqueue.core.processor import ProcessorFactory, Reply
-from keyqueue.decorators import BatchTaskDecorator, TaskDecorator, declare
 from keyqueue.errors import ConfigError, EnqueueError
 from keyqueue.jetstream.subjects import validate_key, validate_queue_name
 from keyqueue.jetstream.topology import QueueConfig
-from keyqueue.local_server import LocalServer
-from keyqueue.plugins import PluginManager, autoload_disabled
+from keyqueue.plugins.manager import PluginManager, autoload_disabled
+from keyqueue.server.local import LocalServer
 from keyqueue.settings import Settings
-from keyqueue.task import (
+from keyqueue.tasks.arguments import decode_result
+from keyqueue.tasks.decorators import BatchTaskDecorator, TaskDecorator, declare
+from keyqueue.tasks.task import (
     DEFAULT_CALL_TIMEOUT,
     AnyTask,
     Backoff,
@@ -52,15 +53,14 @@ from keyqueue.task import (
     Transport,
     _TaskBase,
 )
-from keyqueue.transport import Connections, NatsTransport, Portal
 from keyqueue.wire import Message, encode, to_fields
 from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
-    from keyqueue.arguments import Upgrade
-    from keyqueue.worker import Worker
+    from keyqueue.app.worker import Worker
+    from keyqueue.tasks.arguments import Upgrade
 
 __all__ = ["App", "default_app", "task"]
 
@@ -133,7 +133,7 @@ class App:
 
         The connection comes from ``settings`` (else ``Settings.from_env()``, i.e. ``KEYQUEUE_*``
         variables), with ``url`` overriding its URL. With no URL at all the app uses its
-        embedded server (``keyqueue.local_server``), kept under ``data_dir``. ``plugins`` are
+        embedded server (``keyqueue.server.local``), kept under ``data_dir``. ``plugins`` are
         registered after the built-in and entry-point plugins; ``autoload_plugins=False`` skips
         the entry points (default: unless ``KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD`` is set).
         """
@@ -425,7 +425,7 @@ class App:
         first) to 9. See docs/priority-groups.md. ``connect_timeout``: seconds to wait for an
         unreachable server at start, retrying with a backoff (None: wait forever).
         """
-        from keyqueue.worker import Worker
+        from keyqueue.app.worker import Worker
 
         return Worker(self, queues=queues, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
                       drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,

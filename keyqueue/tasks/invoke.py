@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from keyqueue.errors import KeyqueueTimeout
 
 if TYPE_CHECKING:
-    from keyqueue.task import TaskSpec
+    from keyqueue.tasks.task import TaskSpec
 
 __all__ = ["invoke"]
 

@@ -485,11 +485,3 @@ async def _jetstream_answers(url: str) -> bool:
         with contextlib.suppress(*_PROBE_FAILURES):
             await nc.close()
 
-
-def __getattr__(name: str) -> object:
-    # EmbeddedCluster lives in keyqueue.cluster; kept importable from here.
-    if name == "EmbeddedCluster":
-        from keyqueue.cluster import EmbeddedCluster
-
-        return EmbeddedCluster
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ import nats
 from nats.js.api import StorageType, StreamConfig
 
 from keyqueue.errors import ConfigError, KeyqueueTimeout
-from keyqueue.server import _PROBE_FAILURES, _PROBE_STREAM, HOST, ClusterSpec, EmbeddedServer, free_tcp_port
+from keyqueue.server.embedded import _PROBE_FAILURES, _PROBE_STREAM, HOST, ClusterSpec, EmbeddedServer, free_tcp_port
 
 __all__ = ["EmbeddedCluster"]
 

@@ -52,8 +52,8 @@ from keyqueue.wire import headers as H
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
-    from keyqueue.app import App
-    from keyqueue.task import AnyTask
+    from keyqueue.app.application import App
+    from keyqueue.tasks.task import AnyTask
 
 __all__ = ["Worker"]
 

@@ -1,0 +1,7 @@
+"""Operating on queues from outside a worker: the dead-letter queue and inspection.
+
+- ``dead_letters``: list, show and replay (in order) a queue's dead requests.
+- ``inspection``: a queue's streams, consumer and keys, as ``keyqueue inspect`` shows them.
+
+May import ``jetstream``, ``wire`` and ``errors``; used by the CLI and by applications.
+"""

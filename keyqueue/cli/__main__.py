@@ -1,0 +1,3 @@
+from keyqueue.cli import main
+
+main()
