@@ -37,6 +37,7 @@ from keyqueue.errors import (
     DeadLettered,
     Disconnected,
     EnqueueError,
+    EnqueueTimeout,
     InvalidKey,
     JetStreamError,
     KeyAlreadyScheduled,
@@ -65,7 +66,7 @@ from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.plugins.manager import hookimpl
 from keyqueue.settings import Settings
 from keyqueue.tasks.context import Context
-from keyqueue.tasks.task import Backoff, BatchTask, Policy, Receipt, Task, TaskRequest, TaskSpec
+from keyqueue.tasks.task import Backoff, BatchTask, Dispatcher, Policy, Receipt, Task, TaskRequest, TaskSpec
 
 __all__ = [
     "App",
@@ -79,7 +80,9 @@ __all__ = [
     "Context",
     "DeadLettered",
     "Disconnected",
+    "Dispatcher",
     "EnqueueError",
+    "EnqueueTimeout",
     "InvalidKey",
     "JetStreamError",
     "KeyAlreadyScheduled",

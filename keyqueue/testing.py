@@ -144,6 +144,7 @@ class EagerRunner:
         [receipt] = await self.enqueue([request])
         if isinstance(receipt, EnqueueError):
             raise receipt
+        request.receipt = receipt
         await self._drain_key(queue_key)
         return self._replies.pop(request.request_id)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
-from keyqueue.app.transport import Connections, NatsTransport, Portal
+from keyqueue.app.transport import Connections, NatsTransport, Portal, Transport
 from keyqueue.core.processor import ProcessorFactory, Reply
 from keyqueue.errors import ConfigError, EnqueueError
 from keyqueue.jetstream.subjects import validate_key, validate_queue_name
@@ -43,15 +43,11 @@ from keyqueue.tasks.task import (
     DEFAULT_CALL_TIMEOUT,
     AnyTask,
     Backoff,
-    BatchTask,
     KeySpec,
     Merge,
     Policy,
     Receipt,
-    Task,
     TaskRequest,
-    Transport,
-    _TaskBase,
 )
 from keyqueue.wire import Message, encode, to_fields
 from keyqueue.wire import headers as H
@@ -79,8 +75,7 @@ class _Defaults:
         self.app: App | None = None
         self.shared: list[AnyTask] = []
 
-    def add_shared(self, task: _TaskBase) -> None:
-        assert isinstance(task, (Task, BatchTask))
+    def add_shared(self, task: AnyTask) -> None:
         for other in self.shared:
             if other.name == task.name:
                 raise ConfigError(f"@keyqueue.task {task.name!r} is declared twice ({other.fn.__module__} and "
@@ -117,14 +112,17 @@ def task(*, queue: str, key: KeySpec, policy: Policy = "serial", name: str | Non
     """Declare a task on the default app (see ``App.task`` for the options; ``queue`` is required)."""
     return declare(key=key, queue=queue, name=name, policy=policy, max_attempts=max_attempts, backoff=backoff,
                    timeout=timeout, version=version, upgrades=upgrades, max_batch=max_batch, merge=merge,
-                   register=_DEFAULTS.add_shared, app=default_app)
+                   register=_DEFAULTS.add_shared, dispatcher=default_app)
 
 
 # --- the app -------------------------------------------------------------------------------------
 
 
 class App:
-    """One application: its tasks and processors by queue, its plugins, its NATS connection."""
+    """One application: its tasks and processors by queue, its plugins, its NATS connection.
+
+    It is the ``Dispatcher`` its tasks send through: ``publish``, ``ask`` and ``run_sync``.
+    """
 
     def __init__(self, name: str, url: str | None = None, *, settings: Settings | None = None,
                  plugins: Sequence[object] = (), autoload_plugins: bool | None = None,
@@ -189,10 +187,9 @@ class App:
         """
         return declare(key=key, queue=queue or self.name, name=name, policy=policy, max_attempts=max_attempts,
                        backoff=backoff, timeout=timeout, version=version, upgrades=upgrades,
-                       max_batch=max_batch, merge=merge, register=self._register, app=lambda: self)
+                       max_batch=max_batch, merge=merge, register=self._register, dispatcher=lambda: self)
 
-    def _register(self, task: _TaskBase) -> None:
-        assert isinstance(task, (Task, BatchTask))
+    def _register(self, task: AnyTask) -> None:
         tasks = self._all_tasks()
         if task.name in tasks:
             other = tasks[task.name]
@@ -326,10 +323,14 @@ class App:
                 atexit.register(self._close_portal)
         return self._portal.run(run())
 
-    # --- sending requests (tasks use these; so may processor plugins) ---
+    # --- sending requests: the ``Dispatcher`` tasks send through (processor plugins may use it too) ---
 
-    async def _publish(self, requests: list[TaskRequest]) -> list[Receipt]:
-        """Store ``requests`` (of one queue) inside their ``keyqueue_wrap_enqueue`` wrappers."""
+    async def publish(self, requests: Sequence[TaskRequest]) -> list[Receipt]:
+        """Store ``requests`` (of one queue, in order) inside their ``keyqueue_wrap_enqueue`` wrappers.
+
+        One receipt per request; a single request that was not stored raises its ``EnqueueError``,
+        several raise one ``EnqueueError`` saying how many failed (the others are stored).
+        """
         async with AsyncExitStack() as stack:
             for request in requests:
                 await self.plugins.enter_wrappers(stack, "keyqueue_wrap_enqueue", app=self, request=request)
@@ -347,8 +348,11 @@ class App:
                 ) from errors[0]
         return [r for r in results if isinstance(r, Receipt)]
 
-    async def _ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
-        """Store ``request`` and wait for its reply, inside its ``keyqueue_wrap_enqueue`` wrappers."""
+    async def ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
+        """Store ``request`` and wait up to ``timeout`` seconds for its reply: ``(headers, body)``.
+
+        Inside its ``keyqueue_wrap_enqueue`` wrappers; ``KeyqueueTimeout`` if no reply came in time.
+        """
         async with AsyncExitStack() as stack:
             await self.plugins.enter_wrappers(stack, "keyqueue_wrap_enqueue", app=self, request=request)
             return await self.transport().call(request, timeout)
@@ -367,7 +371,7 @@ class App:
         For queues served by a plugin's ``KeyProcessor`` rather than by tasks; the processor
         decodes it with ``keyqueue.wire.decode`` and its own ``Registry``.
         """
-        [receipt] = await self._publish([self._message_request(queue, key, message, request_id)])
+        [receipt] = await self.publish([self._message_request(queue, key, message, request_id)])
         return receipt
 
     async def call_message(self, queue: str, key: str, message: Message, *, request_id: str | None = None,
@@ -377,7 +381,7 @@ class App:
         A dead-lettered or failed request raises ``DeadLettered`` / ``RemoteError`` as ``Task.call`` does.
         """
         request = self._message_request(queue, key, message, request_id)
-        headers, body = await self._ask(request, timeout)
+        headers, body = await self.ask(request, timeout)
         if headers.get(H.STATUS) != H.STATUS_OK:
             decode_result(headers, body, request.request_id)  # raises the typed error
         return Reply(body, headers)

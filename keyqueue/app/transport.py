@@ -1,5 +1,8 @@
 """How an app's requests reach NATS: a connection per event loop, replies, and the sync portal.
 
+``Transport`` is where an app's requests go: ``NatsTransport`` here, or the in-process runner of
+``keyqueue.testing.eager``.
+
 An ``App`` may be used from several event loops (pytest gives each test its own; ``delay`` runs
 on a private loop in a thread), and a nats-py connection belongs to the loop that made it, so
 ``Connections`` keeps one per loop, made on first use. Each has one wildcard subscription that
@@ -14,7 +17,7 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from keyqueue.errors import ConnectionFailed, EnqueueError, KeyqueueError, KeyqueueTimeout, PayloadTooLarge
 from keyqueue.jetstream.api import JetStreamApi
@@ -30,12 +33,22 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
-__all__ = ["Connections", "LoopConnection", "NatsTransport", "Portal", "ReplyRouter", "open_connection"]
+__all__ = ["Connections", "LoopConnection", "NatsTransport", "Portal", "ReplyRouter", "Transport", "open_connection"]
 
 T = TypeVar("T")
 
 Reply = tuple[Mapping[str, str], bytes]
 """A reply's headers and body."""
+
+
+class Transport(Protocol):
+    """Where an app's requests go: NATS (``NatsTransport``) or the in-process runner (``keyqueue.testing``)."""
+
+    async def enqueue(self, requests: Sequence[TaskRequest]) -> list[Receipt | EnqueueError]:
+        """Store the requests in order; one receipt or error per request."""
+
+    async def call(self, request: TaskRequest, timeout: float) -> Reply:
+        """Store the request and wait for its reply: ``(headers, body)``; ``KeyqueueTimeout`` if none."""
 
 
 class ReplyRouter:

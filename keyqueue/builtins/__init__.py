@@ -5,5 +5,6 @@
 - ``events``: publishes lifecycle events to ``KQ_<queue>_EVENTS``.
 
 Each module is a plugin: hook implementations over ``tasks``, ``core`` and ``jetstream``. They
-import ``keyqueue.app`` for type hints only.
+import ``keyqueue.app`` for type hints only, and ``keyqueue.cli`` only inside
+``keyqueue_add_commands`` (which the CLI calls).
 """

@@ -2,7 +2,8 @@
 
 ``TaskDecorator`` makes a ``Task[F]`` of any function; ``BatchTaskDecorator`` (``policy="batch"``)
 makes a ``BatchTask[T, R]`` of a function taking ``list[T]``, its overloads telling mypy ``T`` and
-``R``. Either registers the task with whoever asked (an app, or the default app's shared tasks).
+``R``. Either registers the task with whoever asked (an app, or the default app's shared tasks)
+and binds it to a callable returning its ``Dispatcher`` (the app, looked up when the task is used).
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from keyqueue.errors import ConfigError
 from keyqueue.tasks.context import Context
-from keyqueue.tasks.task import Backoff, BatchTask, KeySpec, Merge, Policy, Task, TaskSpec, _TaskBase
+from keyqueue.tasks.task import AnyTask, Backoff, BatchTask, Dispatcher, KeySpec, Merge, Policy, Task, TaskSpec
 
 if TYPE_CHECKING:
-    from keyqueue.app.application import App
     from keyqueue.tasks.arguments import Upgrade
 
 __all__ = ["BatchTaskDecorator", "TaskDecorator", "declare"]
@@ -51,25 +51,26 @@ class _Declaration:
         )
 
 
-Register = Callable[[_TaskBase], None]
+Register = Callable[[AnyTask], None]
+"""Records a new task with whoever declared it (checking, say, that its name is free)."""
 
 
 def _check_function(fn: Any) -> None:
-    if not callable(fn) or isinstance(fn, _TaskBase):
+    if not callable(fn) or isinstance(fn, (Task, BatchTask)):
         raise ConfigError(f"@task decorates a function, not {fn!r}")
 
 
 class TaskDecorator:
     """What ``app.task(...)`` returns: apply it to a function to make a ``Task``."""
 
-    def __init__(self, declaration: _Declaration, register: Register, app: Callable[[], App]) -> None:
+    def __init__(self, declaration: _Declaration, register: Register, dispatcher: Callable[[], Dispatcher]) -> None:
         self._declaration = declaration
         self._register = register
-        self._app = app
+        self._dispatcher = dispatcher
 
     def __call__(self, fn: F) -> Task[F]:
         _check_function(fn)
-        task = Task(fn, self._declaration.spec(fn), self._declaration.key, self._app)
+        task = Task(fn, self._declaration.spec(fn), self._declaration.key, self._dispatcher)
         self._register(task)
         return task
 
@@ -77,10 +78,10 @@ class TaskDecorator:
 class BatchTaskDecorator:
     """What ``app.task(policy="batch", ...)`` returns: apply it to a function to make a ``BatchTask``."""
 
-    def __init__(self, declaration: _Declaration, register: Register, app: Callable[[], App]) -> None:
+    def __init__(self, declaration: _Declaration, register: Register, dispatcher: Callable[[], Dispatcher]) -> None:
         self._declaration = declaration
         self._register = register
-        self._app = app
+        self._dispatcher = dispatcher
 
     @overload
     def __call__(self, fn: Callable[[Context, list[T]], Awaitable[Sequence[R]]]) -> BatchTask[T, R]: ...
@@ -101,7 +102,7 @@ class BatchTaskDecorator:
 
     def __call__(self, fn: Callable[..., Any]) -> BatchTask[Any, Any]:
         _check_function(fn)
-        task: BatchTask[Any, Any] = BatchTask(fn, self._declaration.spec(fn), self._declaration.key, self._app)
+        task: BatchTask[Any, Any] = BatchTask(fn, self._declaration.spec(fn), self._declaration.key, self._dispatcher)
         self._register(task)
         return task
 
@@ -109,11 +110,11 @@ class BatchTaskDecorator:
 def declare(
     *, key: KeySpec, queue: str, name: str | None, policy: Policy, max_attempts: int, backoff: Backoff | float,
     timeout: float | None, version: int, upgrades: Mapping[int, Upgrade] | None, max_batch: int, merge: Merge | None,
-    register: Register, app: Callable[[], App],
+    register: Register, dispatcher: Callable[[], Dispatcher],
 ) -> TaskDecorator | BatchTaskDecorator:
     """The decorator for one task declaration (``App.task`` and ``keyqueue.task`` call this)."""
     declaration = _Declaration(key, queue, name, policy, max_attempts, backoff, timeout, version, upgrades,
                                max_batch, merge)
     if policy == "batch":
-        return BatchTaskDecorator(declaration, register, app)
-    return TaskDecorator(declaration, register, app)
+        return BatchTaskDecorator(declaration, register, dispatcher)
+    return TaskDecorator(declaration, register, dispatcher)

@@ -15,12 +15,9 @@ import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from keyqueue.errors import KeyqueueTimeout
-
-if TYPE_CHECKING:
-    from keyqueue.tasks.task import TaskSpec
 
 __all__ = ["invoke"]
 
@@ -60,19 +57,22 @@ async def _wait_uncancellable(future: asyncio.Future[Any]) -> None:
         raise asyncio.CancelledError
 
 
-async def invoke(spec: TaskSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-                 executor: Executor | None = None) -> Any:
-    """Run ``fn`` once: coroutine functions on the loop, others in a thread; ``spec.timeout`` applies."""
+async def invoke(task: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *,
+                 timeout: float | None, executor: Executor | None = None) -> Any:
+    """Run task ``task``'s function ``fn`` once: coroutine functions on the loop, others in a thread.
+
+    ``timeout`` (seconds, or None) bounds the run; past it the run fails with ``KeyqueueTimeout``.
+    """
     if inspect.iscoroutinefunction(fn):
-        timeout = asyncio.timeout(spec.timeout)
+        deadline = asyncio.timeout(timeout)
         try:
-            async with timeout:
+            async with deadline:
                 return await fn(*args, **kwargs)
         except TimeoutError:
-            if timeout.expired():
-                raise KeyqueueTimeout(f"task {spec.name} exceeded its timeout of {spec.timeout}s") from None
+            if deadline.expired():
+                raise KeyqueueTimeout(f"task {task} exceeded its timeout of {timeout}s") from None
             raise
-    result = await _run_in_thread(spec.name, functools.partial(fn, *args, **kwargs), spec.timeout, executor)
+    result = await _run_in_thread(task, functools.partial(fn, *args, **kwargs), timeout, executor)
     if inspect.isawaitable(result):  # a sync function that returned an awaitable
         return await result
     return result

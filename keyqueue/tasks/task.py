@@ -8,7 +8,10 @@ apart because mypy cannot otherwise tell a context parameter from an ordinary on
 signature mentions ``Any``.) A task with ``policy="batch"`` is a ``BatchTask[T, R]``: its
 function takes ``list[T]`` and each request carries one ``T``.
 
-Policies (how a key's backlog is consumed, DESIGN.md section 4b):
+A task sends its requests through a ``Dispatcher``: the part of its app it needs (``publish``,
+``ask``, ``run_sync``), which ``keyqueue.App`` implements. The app layer sits above this one.
+
+Policies (how a key's backlog is consumed):
 
 - ``serial`` (default): every request, one at a time, in order.
 - ``batch``: every available request of the key (up to ``max_batch``) in one call; the function
@@ -30,13 +33,13 @@ import functools
 import inspect
 import logging
 import typing
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Concatenate, Final, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
+from typing import Any, Concatenate, Final, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
 
 from keyqueue.core.retry import RetryPolicy
-from keyqueue.errors import ConfigError, EnqueueError, MalformedBody
+from keyqueue.errors import ConfigError, MalformedBody
 from keyqueue.jetstream.subjects import validate_queue_name
 from keyqueue.tasks.arguments import ArgumentCodec, KeyMaker, Upgrade, check_upgrades, decode_result, takes_context
 from keyqueue.tasks.context import Context
@@ -44,15 +47,13 @@ from keyqueue.tasks.invoke import invoke
 from keyqueue.wire import CBOR, check_plain, dumps, from_fields, new_request_id, to_fields
 from keyqueue.wire import headers as H
 
-if TYPE_CHECKING:
-    from keyqueue.app.application import App
-
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
     "POLICIES",
     "Backoff",
     "BatchTask",
     "BatchTaskCall",
+    "Dispatcher",
     "KeySpec",
     "Policy",
     "Receipt",
@@ -60,7 +61,6 @@ __all__ = [
     "TaskCall",
     "TaskRequest",
     "TaskSpec",
-    "Transport",
 ]
 
 P = ParamSpec("P")
@@ -180,28 +180,38 @@ class CallOptions:
     """Seconds ``call`` waits for the result (``DEFAULT_CALL_TIMEOUT`` when unset)."""
 
 
-class Transport(Protocol):
-    """Where requests go: NATS (the ``App``) or the in-process runner (``keyqueue.testing``)."""
+class Dispatcher(Protocol):
+    """What a task sends its requests through: its app (``App`` implements this).
 
-    async def enqueue(self, requests: Sequence[TaskRequest]) -> list[Receipt | EnqueueError]:
-        """Store the requests in order; one receipt or error per request."""
+    It is all ``keyqueue.tasks`` knows of the app, so this package never imports ``keyqueue.app``.
+    """
 
-    async def call(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
+    async def publish(self, requests: Sequence[TaskRequest]) -> list[Receipt]:
+        """Store the requests (of one queue) in order; ``EnqueueError`` if any was not stored."""
+
+    async def ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
         """Store the request and wait for its reply: ``(headers, body)``; ``KeyqueueTimeout`` if none."""
+
+    def run_sync(self, make: Callable[[], Awaitable[T]]) -> T:
+        """Run ``make()`` to completion from code without a running event loop (``delay``)."""
 
 
 # --- tasks ---------------------------------------------------------------------------------------
 
 
 class _TaskBase:
-    """What every task has: its function, spec and app, and the send / ask paths."""
+    """What every task has: its function, spec and dispatcher, and the send / ask paths.
+
+    ``dispatcher`` is called on each use rather than once: a ``@keyqueue.task`` may be declared
+    before the app it belongs to (the default app) exists.
+    """
 
     spec: TaskSpec
 
-    def __init__(self, fn: Callable[..., Any], spec: TaskSpec, app: Callable[[], App]) -> None:
+    def __init__(self, fn: Callable[..., Any], spec: TaskSpec, dispatcher: Callable[[], Dispatcher]) -> None:
         self.fn = fn
         self.spec = spec
-        self._app = app
+        self._dispatcher = dispatcher
         self.takes_context = takes_context(fn)
         functools.update_wrapper(typing.cast(Any, self), fn)
 
@@ -217,9 +227,14 @@ class _TaskBase:
         return self.spec.queue
 
     @property
-    def app(self) -> App:
-        """The app this task belongs to (for ``@keyqueue.task``: the default app)."""
-        return self._app()
+    def app(self) -> Dispatcher:
+        """The app this task belongs to (for ``@keyqueue.task``: the default app).
+
+        At run time it is the ``keyqueue.App``; it is typed as the ``Dispatcher`` the task sends
+        through because tasks sit below the app and must not import it. Code that needs the
+        ``App`` itself has it already (it declared the task on it) or asks ``keyqueue.default_app()``.
+        """
+        return self._dispatcher()
 
     # --- the wire, implemented by each kind of task ---
 
@@ -249,14 +264,14 @@ class _TaskBase:
 
     async def _enqueue(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
         key, fields = self.fields_for(args, kwargs)
-        [receipt] = await self.app._publish([self._request(key, fields, opts.request_id)])
+        [receipt] = await self.app.publish([self._request(key, fields, opts.request_id)])
         return receipt
 
     async def _call(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         key, fields = self.fields_for(args, kwargs)
         request = self._request(key, fields, opts.request_id)
         timeout = opts.timeout if opts.timeout is not None else DEFAULT_CALL_TIMEOUT
-        headers, body = await self.app._ask(request, timeout)
+        headers, body = await self.app.ask(request, timeout)
         return decode_result(headers, body, request.request_id, self.result_type())
 
     async def _enqueue_many(self, items: Iterable[Any], as_mapping: bool) -> list[Receipt]:
@@ -269,7 +284,7 @@ class _TaskBase:
             requests.append(self._request(key, fields, None))
         if not requests:
             return []
-        return await self.app._publish(requests)
+        return await self.app.publish(requests)
 
     def _delay(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
         return self.app.run_sync(lambda: self._enqueue(opts, args, kwargs))
@@ -281,7 +296,7 @@ class _TaskBase:
         """Run the function once with decoded arguments (the default processor calls this)."""
         if self.takes_context:
             args = [context, *args]
-        return await invoke(self.spec, self.fn, args, kwargs, executor)
+        return await invoke(self.spec.name, self.fn, args, kwargs, timeout=self.spec.timeout, executor=executor)
 
 
 _WithContext = Callable[Concatenate[Context, P], Any]
@@ -294,10 +309,10 @@ _Sync = Callable[P, R]
 class Task(_TaskBase, Generic[F]):
     """A task wrapping the function ``F``; ``enqueue`` / ``call`` take ``F``'s arguments, less the context."""
 
-    def __init__(self, fn: F, spec: TaskSpec, key: KeySpec, app: Callable[[], App]) -> None:
+    def __init__(self, fn: F, spec: TaskSpec, key: KeySpec, dispatcher: Callable[[], Dispatcher]) -> None:
         if spec.policy == "batch":
             raise ConfigError(f"task {spec.name}: policy='batch' makes a BatchTask")
-        super().__init__(fn, spec, app)
+        super().__init__(fn, spec, dispatcher)
         self.codec = ArgumentCodec(fn, spec.name)
         self.keys = KeyMaker(key, spec.name, tuple(self.codec.signature.parameters))
 
@@ -415,10 +430,11 @@ class BatchTask(_TaskBase, Generic[T, R]):
     ITEM: Final = "item"
     """The one field of a batch request's body."""
 
-    def __init__(self, fn: Callable[..., Any], spec: TaskSpec, key: KeySpec, app: Callable[[], App]) -> None:
+    def __init__(self, fn: Callable[..., Any], spec: TaskSpec, key: KeySpec,
+                 dispatcher: Callable[[], Dispatcher]) -> None:
         if spec.policy != "batch":
             raise ConfigError(f"task {spec.name}: a BatchTask needs policy='batch'")
-        super().__init__(fn, spec, app)
+        super().__init__(fn, spec, dispatcher)
         params = list(inspect.signature(fn).parameters.values())[1 if self.takes_context else 0 :]
         if len(params) != 1:
             raise ConfigError(

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -21,6 +21,7 @@ from keyqueue.errors import (
     UnsupportedVersion,
 )
 from keyqueue.tasks.arguments import decode_arguments, decode_result, takes_context
+from keyqueue.tasks.task import DEFAULT_CALL_TIMEOUT, Dispatcher
 from keyqueue.wire import CBOR, dumps, loads
 from keyqueue.wire import headers as H
 
@@ -136,6 +137,88 @@ def test_without_an_app_the_default_app_is_created(fresh_defaults: app_module._D
     def notify(user: str) -> None: ...
 
     assert notify.app.name == "default"
+
+
+# --- the dispatcher -------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class RecordingDispatcher:
+    """A ``Dispatcher`` without an app: records what tasks send, answers ``ask`` with ``reply``."""
+
+    def __init__(self, reply: Any = None) -> None:
+        self.reply = reply
+        self.published: list[keyqueue.TaskRequest] = []
+        self.asked: list[tuple[keyqueue.TaskRequest, float]] = []
+        self.synced = 0
+
+    async def publish(self, requests: Sequence[keyqueue.TaskRequest]) -> list[keyqueue.Receipt]:
+        start = len(self.published) + 1
+        self.published.extend(requests)
+        return [keyqueue.Receipt(r.request_id, r.key, seq, False, r.queue, r.message_type)
+                for seq, r in enumerate(requests, start)]
+
+    async def ask(self, request: keyqueue.TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
+        self.asked.append((request, timeout))
+        return {H.STATUS: H.STATUS_OK, H.CONTENT_TYPE: CBOR}, dumps(self.reply, CBOR)
+
+    def run_sync(self, make: Callable[[], Awaitable[T]]) -> T:
+        self.synced += 1
+
+        async def run() -> T:
+            return await make()
+
+        return asyncio.run(run())
+
+
+def charge_task(dispatcher: Callable[[], Dispatcher]) -> keyqueue.Task[Any]:
+    async def charge(ctx: keyqueue.Context, order_id: str, amount: int) -> dict[str, int]: ...
+
+    return keyqueue.Task(charge, keyqueue.TaskSpec("charge", "shop"), "{order_id}", dispatcher)
+
+
+async def test_a_task_sends_and_asks_through_its_dispatcher() -> None:
+    dispatcher = RecordingDispatcher(reply={"charged": 5})
+    charge = charge_task(lambda: dispatcher)
+
+    receipt = await charge.enqueue(order_id="o1", amount=5)
+    assert await charge.call("o2", 5) == {"charged": 5}
+    assert await charge.options(timeout=3).call(order_id="o3", amount=5) == {"charged": 5}
+    receipts = await charge.enqueue_many([{"order_id": "o4", "amount": 1}, {"order_id": "o4", "amount": 2}])
+
+    assert charge.app is dispatcher
+    assert [(r.key, dict(r.arguments)) for r in dispatcher.published] == [
+        ("o1", {"order_id": "o1", "amount": 5}), ("o4", {"order_id": "o4", "amount": 1}),
+        ("o4", {"order_id": "o4", "amount": 2}),
+    ]
+    assert (receipt.request_id, [r.seq for r in receipts]) == (dispatcher.published[0].request_id, [2, 3])
+    assert [(r.key, r.message_type, timeout) for r, timeout in dispatcher.asked] == [
+        ("o2", "charge", DEFAULT_CALL_TIMEOUT), ("o3", "charge", 3),
+    ]
+
+
+def test_delay_runs_the_enqueue_through_the_dispatchers_sync_form() -> None:
+    dispatcher = RecordingDispatcher()
+    charge = charge_task(lambda: dispatcher)
+
+    receipt = charge.delay(order_id="o1", amount=5)
+
+    assert dispatcher.synced == 1
+    assert [r.request_id for r in dispatcher.published] == [receipt.request_id]
+
+
+async def test_the_dispatcher_is_looked_up_each_time_the_task_is_used() -> None:
+    first, second = RecordingDispatcher(), RecordingDispatcher()
+    current: list[Dispatcher] = [first]
+    charge = charge_task(lambda: current[0])
+
+    await charge.enqueue(order_id="o1", amount=1)
+    current[0] = second
+    await charge.enqueue(order_id="o2", amount=2)
+
+    assert [r.key for r in first.published] == ["o1"]
+    assert [r.key for r in second.published] == ["o2"]
 
 
 # --- keys and arguments ---------------------------------------------------------------------------

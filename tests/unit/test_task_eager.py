@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -161,3 +163,34 @@ def test_delay_runs_sync_code_eagerly() -> None:
     with eager(app):
         receipt = record.delay(x="a")
     assert done == ["a"] and receipt.key == "a"
+
+
+async def test_the_app_publishes_its_tasks_requests_inside_the_enqueue_wrappers() -> None:
+    entered: list[tuple[str, int | None]] = []
+    stored: dict[str, int] = {}
+
+    class Wrap:
+        @keyqueue.hookimpl
+        def keyqueue_wrap_enqueue(self, request: keyqueue.TaskRequest) -> Any:
+            @contextlib.contextmanager
+            def wrapper() -> Iterator[None]:
+                entered.append((request.key, request.receipt.seq if request.receipt else None))
+                yield
+                assert request.receipt is not None
+                stored[request.key] = request.receipt.seq
+
+            return wrapper()
+
+    app = keyqueue.App("eager", url="nats://127.0.0.1:1", set_as_default=False, autoload_plugins=False,
+                       plugins=[Wrap()])
+
+    @app.task(key="{x}")
+    async def echo(x: str) -> str:
+        return x
+
+    with eager(app):
+        assert echo.app is app
+        receipts = await echo.enqueue_many([{"x": "a"}, {"x": "b"}])
+        assert await echo.call(x="c") == "c"
+    assert entered == [("a", None), ("b", None), ("c", None)]
+    assert stored == {"a": receipts[0].seq, "b": receipts[1].seq, "c": 3}
