@@ -39,6 +39,8 @@ PULL_CHUNK_MIN: Final = 4
 """Smallest batch of one pull request when a worker has more free slots than that."""
 NO_RESPONDERS_BACKOFF_MAX: Final = 2.0
 """Longest wait, in seconds, before pulling again after the consumer answered 503 (no leader)."""
+NO_RESPONDERS_LOG_INTERVAL: Final = 30.0
+"""Seconds between warnings while the consumer keeps answering 503."""
 PIN_ID: Final = "Nats-Pin-Id"
 """Header on messages of a pinned priority group: the pin this client must send on its pulls."""
 
@@ -63,6 +65,22 @@ class Token:
     def fencing(self) -> tuple[int, int]:
         """``(token seq, delivery count)``: strictly increases from one holder of a key to the next."""
         return (self.stream_seq, self.delivered)
+
+
+def chunk_size(capacity: int) -> int:
+    """The batch of one pull request for a worker with ``capacity`` free slots.
+
+    The server fills waiting pull requests in arrival order, each up to its batch: one pull for
+    every free slot would hand a burst of keys to one worker while the others sit idle. A worker
+    keeps about two chunks requested at a time, so its next pull queues behind other workers'
+    waiting pulls and keys spread out.
+    """
+    return max(PULL_CHUNK_MIN, -(-capacity // PULLS_PER_WORKER))
+
+
+def no_responders_backoff(streak: int) -> float:
+    """Seconds to wait before pulling again after ``streak`` 503s in a row (doubling, capped)."""
+    return min(NO_RESPONDERS_BACKOFF_MAX, 0.05 * 2.0 ** min(streak, 6))
 
 
 def parse_ack_subject(reply: str) -> tuple[int, int, float, int]:
@@ -115,6 +133,14 @@ class PullState:
         """How many more tokens to request so requested + held matches ``capacity``."""
         return max(0, capacity - self.pending)
 
+    def to_request(self, capacity: int, chunk: int, *, throttled: bool) -> int:
+        """How many tokens to request now: :meth:`wanted`, and when ``throttled`` no more than
+        :data:`OUTSTANDING_CHUNKS` chunks outstanding in all."""
+        want = self.wanted(capacity)
+        if throttled:
+            want = min(want, OUTSTANDING_CHUNKS * chunk - self.pending)
+        return max(0, want)
+
     def requested(self, batch: int, now: float) -> None:
         if self.pending == 0:
             self.last_activity = now
@@ -141,7 +167,8 @@ class TokenPuller:
 
     def __init__(self, nc: Client, names: QueueNames, *, capacity: Callable[[], int],
                  on_token: Callable[[Token], Awaitable[None]], options: PullOptions | None = None,
-                 on_pinned: Callable[[str | None], Awaitable[None]] | None = None) -> None:
+                 on_pinned: Callable[[str | None], Awaitable[None]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.nc = nc
         self.names = names
         self.api = JetStreamApi(nc)
@@ -149,7 +176,8 @@ class TokenPuller:
         self.on_token = on_token
         self.on_pinned = on_pinned
         self.options = options or PullOptions()
-        self.state = PullState()
+        self.clock = clock
+        self.state = PullState(last_activity=clock())
         self._wake = asyncio.Event()
         self._stopped = False
         self._inbox = nc.new_inbox()
@@ -161,12 +189,12 @@ class TokenPuller:
         self._closed_reported = False
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}"
         self.statuses: dict[str, int] = {}
+        """Counts of status codes seen, for tests and ``inspect``."""
         self._no_responders = 0
         """503s in a row (reset by any delivery or heartbeat)."""
-        self._no_responders_logged = -60.0
+        self._no_responders_logged = -2 * NO_RESPONDERS_LOG_INTERVAL
         self._retry_at = 0.0
-        """No pull before this time (monotonic): set while the consumer answers 503."""
-        """Counts of status codes seen, for tests and ``inspect``."""
+        """No pull before this time (on ``clock``): set while the consumer answers 503."""
 
     def wake(self) -> None:
         """Call when a slot frees up (or anything else changes what should be requested)."""
@@ -204,23 +232,17 @@ class TokenPuller:
                     if sub is not None:
                         await self._unsubscribe(sub)
                     sub = await self._subscribe_or_none()
-                now = time.monotonic()
+                now = self.clock()
                 if self.state.heartbeat_missed(now, self.options.heartbeat):
                     log.warning("queue %s: missed idle heartbeats from the server; pulling afresh",
                                 self.names.queue)
                     self.state.reset()
                     await self._check_consumer()
                 capacity = self.capacity()
-                # The server fills waiting pull requests in arrival order, each up to its batch:
-                # one pull for every free slot would hand a burst of keys to one worker while the
-                # others sit idle. A worker keeps about two chunks requested at a time, so its
-                # next pull queues behind other workers' waiting pulls and keys spread out.
-                chunk = self._chunk = max(PULL_CHUNK_MIN, -(-capacity // PULLS_PER_WORKER))
-                want = self.state.wanted(capacity)
-                if self.options.priority is None:
-                    # (With priorities the server must see every free slot of a better tier
-                    # waiting, or a worse tier gets keys first: no throttle there.)
-                    want = min(want, OUTSTANDING_CHUNKS * chunk - self.state.pending)
+                chunk = self._chunk = chunk_size(capacity)
+                # With priorities the server must see every free slot of a better tier waiting,
+                # or a worse tier gets keys first: no throttle there.
+                want = self.state.to_request(capacity, chunk, throttled=self.options.priority is None)
                 if now < self._retry_at:
                     want = 0
                 while want > 0 and sub is not None and self.nc.is_connected:
@@ -293,7 +315,7 @@ class TokenPuller:
             self.dropped += 1
             log.warning("queue %s: ignoring a delivery to an abandoned pull request", self.names.queue)
             return
-        now = time.monotonic()
+        now = self.clock()
         headers = msg.headers or {}
         status = headers.get(STATUS)
         if not status:
@@ -333,8 +355,8 @@ class TokenPuller:
             # died). Pulling again at once would spin; back off until it answers again.
             self.state.given_back(None, now)
             self._no_responders += 1
-            self._retry_at = now + min(NO_RESPONDERS_BACKOFF_MAX, 0.05 * 2 ** min(self._no_responders, 6))
-            if now - self._no_responders_logged >= 30.0:
+            self._retry_at = now + no_responders_backoff(self._no_responders)
+            if now - self._no_responders_logged >= NO_RESPONDERS_LOG_INTERVAL:
                 self._no_responders_logged = now
                 log.warning("queue %s: the token consumer does not answer pulls (503 no responders: no leader "
                             "yet?); retrying with a backoff", self.names.queue)

@@ -1,0 +1,354 @@
+"""KeyLock's fencing with a fake lease stream and a fake clock (the real server: test_key_lock.py).
+
+What a record says, that fencing numbers only grow from one holder to the next, that a holder
+only ever removes its own record, the TTL's rounding, and when a stuck record counts as expired.
+test_lock_bookkeeping.py covers when the lease runs from and how a renewal settles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from keyqueue.core.lock import KeyLock, _unix
+from keyqueue.errors import LeaseLost, WrongLastSequence
+from keyqueue.jetstream.api import StoredMsg
+
+SUBJECT = "kq.q.lease.order-17"
+WRITTEN = "2025-01-01T00:00:00Z"
+WRITTEN_UNIX = 1735689600.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Write:
+    subject: str
+    expected: int
+    body: dict[str, Any]
+    ttl: int
+    timeout: float | None
+
+
+class Store:
+    """The lease stream: sequences are stream-wide and only grow, writes are compare-and-set per
+    subject, and a record is removed by its sequence only."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.seq = 0
+        self.records: dict[str, StoredMsg] = {}
+        self.writes: list[Write] = []
+        self.removed: list[int] = []
+        self.delay = 0.0
+        """Seconds of the fake clock each write takes."""
+        self.reads_hang = False
+
+    async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
+                              timeout: float | None = None) -> int:
+        self.writes.append(Write(subject, expected, json.loads(body), ttl, timeout))
+        self.clock.now += self.delay
+        current = self.records.get(subject)
+        if (current.seq if current else 0) != expected:
+            raise WrongLastSequence("wrong last sequence", 400, 10071)
+        self.seq += 1
+        self.records[subject] = StoredMsg(subject, self.seq, {}, body, WRITTEN)
+        return self.seq
+
+    async def last_record(self, subject: str) -> StoredMsg | None:
+        if self.reads_hang:
+            await asyncio.Event().wait()
+        return self.records.get(subject)
+
+    async def remove_record(self, seq: int) -> None:
+        self.removed.append(seq)
+        self.records = {s: r for s, r in self.records.items() if r.seq != seq}
+
+    def expire(self, subject: str = SUBJECT) -> None:
+        """The server's TTL ran out."""
+        self.records.pop(subject, None)
+
+    def put(self, data: bytes, *, timestamp: str = WRITTEN, subject: str = SUBJECT) -> StoredMsg:
+        """Another writer's record."""
+        self.seq += 1
+        self.records[subject] = StoredMsg(subject, self.seq, {}, data, timestamp)
+        return self.records[subject]
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(clock: Clock) -> Store:
+    return Store(clock)
+
+
+def new_lock(store: Store, ack_wait: float = 10.0, **holder: Any) -> KeyLock:
+    return KeyLock(store, SUBJECT, ack_wait, holder=holder, clock=store.clock)
+
+
+# --- the record -------------------------------------------------------------------------------------
+
+
+async def test_a_record_names_its_holder_its_claim_and_its_ttl_in_compact_json(store: Store) -> None:
+    lock = new_lock(store, worker="w1", token=7)
+    before = datetime.now(UTC)
+    assert await lock.try_acquire()
+    record = store.records[SUBJECT]
+    body = json.loads(record.data)
+    assert body == {"worker": "w1", "token": 7, "nonce": lock.nonce, "fence": 0, "since": lock.since, "ttl": 10}
+    assert b" " not in record.data
+    since = datetime.fromisoformat(body["since"])
+    assert since.utcoffset() == timedelta(0)
+    assert len(body["since"].split(".")[1]) == len("000+00:00")  # milliseconds
+    assert before - timedelta(milliseconds=1) <= since <= datetime.now(UTC)
+
+
+async def test_the_claims_own_fields_win_over_holder_fields_of_the_same_name(store: Store) -> None:
+    lock = new_lock(store, nonce="forged", fence=99, ttl=1, since="never")
+    assert await lock.try_acquire()
+    await lock.renew()
+    body = store.writes[-1].body
+    assert (body["nonce"], body["fence"], body["ttl"], body["since"]) == (lock.nonce, lock.fence, 10, lock.since)
+
+
+async def test_the_holder_is_a_copy_of_what_the_caller_passed(store: Store) -> None:
+    holder = {"worker": "w1"}
+    lock = KeyLock(store, SUBJECT, 10.0, holder=holder, clock=store.clock)
+    holder["worker"] = "w2"
+    assert await lock.try_acquire()
+    assert store.writes[-1].body["worker"] == "w1"
+
+
+def test_every_claim_has_its_own_nonce(store: Store) -> None:
+    nonces = {new_lock(store).nonce for _ in range(100)}
+    assert len(nonces) == 100
+    assert all(len(n) == 16 and int(n, 16) >= 0 for n in nonces)
+
+
+# --- fencing ----------------------------------------------------------------------------------------
+
+
+async def test_renewals_chain_on_the_last_record_and_carry_the_fence_of_the_acquire(store: Store) -> None:
+    store.put(b"{}", subject="kq.q.lease.other")  # sequences are stream-wide
+    lock = new_lock(store)
+    assert await lock.try_acquire()
+    assert (lock.fence, lock.seq) == (2, 2)
+    await lock.renew()
+    await lock.renew()
+    assert (lock.fence, lock.seq) == (2, 4)
+    assert [(w.expected, w.body["fence"]) for w in store.writes] == [(0, 0), (2, 2), (3, 2)]
+    assert len({w.body["since"] for w in store.writes}) == 1  # when the claim began
+
+
+async def test_a_refused_acquire_leaves_the_claim_empty(store: Store) -> None:
+    holder = new_lock(store)
+    assert await holder.try_acquire()
+    other = new_lock(store)
+    assert not await other.try_acquire()
+    assert (other.fence, other.seq, other.lease, other.held) == (0, 0, None, False)
+    with pytest.raises(LeaseLost, match="never acquired"):
+        await other.renew()
+    await other.release()
+    assert store.removed == []
+    assert store.records[SUBJECT].seq == holder.seq
+
+
+async def test_each_new_holder_gets_a_greater_fence_after_a_release_or_an_expiry(store: Store) -> None:
+    first, second, third = new_lock(store), new_lock(store), new_lock(store)
+    assert await first.try_acquire()
+    await first.renew()
+    await first.release()
+    assert await second.try_acquire()
+    store.expire()
+    assert await third.try_acquire()
+    assert first.fence < second.fence < third.fence
+    assert second.fence > first.seq  # greater than any record of the former holder, renewals too
+
+
+async def test_a_former_holder_removes_only_its_own_record(store: Store) -> None:
+    former, current = new_lock(store), new_lock(store)
+    assert await former.try_acquire()
+    store.expire()
+    assert await current.try_acquire()
+    await former.release()
+    assert store.removed == [former.seq]
+    assert store.records[SUBJECT].seq == current.seq
+    with pytest.raises(LeaseLost, match="another worker acquired"):
+        await former.renew()
+    assert store.records[SUBJECT].seq == current.seq
+
+
+Step = tuple[str, int]
+STEPS = st.lists(st.tuples(st.sampled_from(["acquire", "renew", "release", "expire"]), st.integers(0, 2)),
+                 max_size=40)
+
+
+@given(STEPS)
+async def test_fences_strictly_increase_and_only_the_writer_of_the_live_record_holds_it(steps: list[Step]) -> None:
+    clock = Clock()
+    store = Store(clock)
+    locks = [new_lock(store) for _ in range(3)]
+    fences = []
+    owner: KeyLock | None = None  # whose record is live
+    for op, i in steps:
+        lock = locks[i]
+        if op == "acquire":
+            if await lock.try_acquire():
+                assert owner is None
+                owner = lock
+                fences.append(lock.fence)
+            else:
+                assert owner is not None
+        elif op == "renew":
+            try:
+                await lock.renew()
+                assert lock is owner
+            except LeaseLost:
+                assert lock is not owner
+        elif op == "release":
+            await lock.release()
+            if lock is owner:
+                owner = None
+        else:
+            store.expire()
+            owner = None
+        live = store.records.get(SUBJECT)
+        assert (live is None) == (owner is None)
+        if owner is not None and live is not None:
+            assert json.loads(live.data)["nonce"] == owner.nonce
+            assert live.seq == owner.seq
+    assert fences == sorted(set(fences))
+
+
+@pytest.mark.parametrize("data", [b"not json", b"[1, 2]", b'"a string"', b"{}"])
+async def test_an_unreadable_or_anonymous_record_is_not_ours(store: Store, data: bytes) -> None:
+    lock = new_lock(store)
+    assert await lock.try_acquire()
+    store.put(data)
+    with pytest.raises(LeaseLost):
+        await lock.renew()
+    assert not lock.held
+
+
+# --- renewal timing ---------------------------------------------------------------------------------
+
+
+async def test_a_renewal_waits_for_its_reply_no_longer_than_the_lease_has_left(store: Store, clock: Clock) -> None:
+    lock = new_lock(store)
+    assert await lock.try_acquire()  # at 100: the lease ends at 109
+    assert store.writes[0].timeout is None
+    clock.now = 103.5
+    await lock.renew()
+    assert store.writes[1].timeout == 5.5
+
+
+async def test_a_lapsed_lease_is_not_renewed(store: Store, clock: Clock) -> None:
+    lock = new_lock(store)
+    assert await lock.try_acquire()
+    clock.now = 109.0
+    with pytest.raises(LeaseLost, match="expired"):
+        await lock.renew()
+    assert len(store.writes) == 1
+
+
+async def test_a_refused_renewal_whose_lookup_outlasts_the_lease_loses_it(store: Store) -> None:
+    lock = new_lock(store)
+    assert await lock.try_acquire()
+    store.put(lock._body())  # our own renewal landed, its reply was lost: the next one is refused ...
+    store.delay = 10.0  # ... after the lease is over
+    store.reads_hang = True  # and the lookup that would prove the record ours does not come back
+    with pytest.raises(LeaseLost, match="another worker acquired"):
+        await asyncio.wait_for(lock.renew(), 5)
+
+
+# --- the TTL ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ack_wait", "ttl"), [(0.2, 1), (1.0, 1), (2.1, 3), (30.0, 30), (30.0001, 31)])
+async def test_the_ttl_is_ack_wait_rounded_up_to_whole_seconds_on_every_write(
+        store: Store, ack_wait: float, ttl: int) -> None:
+    lock = new_lock(store, ack_wait)
+    assert lock.ttl == ttl
+    assert await lock.try_acquire()
+    await lock.renew()
+    assert [w.ttl for w in store.writes] == [ttl, ttl]
+    assert [w.body["ttl"] for w in store.writes] == [ttl, ttl]
+
+
+@given(st.floats(0.001, 1e6, allow_nan=False))
+def test_the_record_never_expires_before_the_lease(ack_wait: float) -> None:
+    ttl = KeyLock(Store(Clock()), SUBJECT, ack_wait).ttl
+    assert isinstance(ttl, int)
+    assert ack_wait <= ttl < ack_wait + 1
+
+
+# --- records the server failed to expire ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("age", "cleared"), [(0.0, False), (20.0, False), (20.001, True), (3600.0, True)])
+async def test_a_record_is_cleared_only_once_older_than_twice_its_ttl(
+        store: Store, age: float, cleared: bool) -> None:
+    record = store.put(json.dumps({"ttl": 10}).encode())
+    lock = new_lock(store, 3.0)  # the record's own ttl counts, not this worker's
+    assert await lock.clear_expired(now=WRITTEN_UNIX + age) is cleared
+    assert store.removed == ([record.seq] if cleared else [])
+    assert (SUBJECT in store.records) is not cleared
+
+
+@pytest.mark.parametrize("data", [b"{}", b"not json", b"[]"])
+async def test_a_record_without_a_readable_ttl_is_judged_by_this_workers_ttl(store: Store, data: bytes) -> None:
+    store.put(data)
+    lock = new_lock(store, 3.0)
+    assert not await lock.clear_expired(now=WRITTEN_UNIX + 6.0)
+    assert await lock.clear_expired(now=WRITTEN_UNIX + 6.001)
+
+
+async def test_no_record_or_no_server_timestamp_clears_nothing(store: Store) -> None:
+    lock = new_lock(store)
+    assert not await lock.clear_expired(now=WRITTEN_UNIX + 1e6)
+    store.put(b"{}", timestamp="")
+    assert not await lock.clear_expired(now=WRITTEN_UNIX + 1e6)
+    assert store.removed == []
+
+
+@pytest.mark.parametrize(("stamp", "unix"), [
+    ("2025-01-01T00:00:00Z", WRITTEN_UNIX),
+    ("2025-01-01T00:00:00.5Z", WRITTEN_UNIX + 0.5),
+    ("2025-01-01T00:00:00.123456789Z", WRITTEN_UNIX + 0.123456),  # nanoseconds cut, not rounded
+    ("2025-01-01T00:00:00.999999999Z", WRITTEN_UNIX + 0.999999),
+])
+def test_server_timestamps_are_read_as_utc_to_the_microsecond(stamp: str, unix: float) -> None:
+    assert _unix(stamp) == pytest.approx(unix, abs=1e-7)
+
+
+def test_server_timestamps_are_utc_whatever_the_local_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TZ", "IST-5:30")  # POSIX: needs no zone database
+    time.tzset()
+    try:
+        assert _unix(WRITTEN) == WRITTEN_UNIX
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+@given(st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2200, 1, 1)), st.integers(0, 999))
+def test_a_nanosecond_timestamp_reads_as_its_microsecond(moment: datetime, nanos: int) -> None:
+    stamp = moment.strftime("%Y-%m-%dT%H:%M:%S.%f") + f"{nanos:03d}Z"
+    assert _unix(stamp) == moment.replace(tzinfo=UTC).timestamp()
