@@ -217,6 +217,23 @@ class TokenPublishFailed(EnqueueError):
         )
 
 
+class EnqueueTimeout(EnqueueError, KeyqueueTimeout):
+    """No acknowledgement came for a request, even after one retry: it may or may not be stored.
+
+    Enqueue it again with the same ``request_id`` (``task.options(request_id=...)``) within the
+    queue's duplicate window (2 minutes by default): if the first try was stored, the server
+    stores nothing new and the receipt says ``duplicate``.
+    """
+
+    def __init__(self, queue: str, key: str, request_id: str, timeout: float) -> None:
+        self.queue, self.key, self.request_id = queue, key, request_id
+        super().__init__(
+            f"no acknowledgement for request {request_id} (key {key!r}, queue {queue!r}) within {timeout}s, "
+            "twice; it may have been stored. Enqueue it again with request_id="
+            f"{request_id!r} within the duplicate window to retry without a duplicate"
+        )
+
+
 # --- JetStream API -----------------------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ rejected ack, and most token publishes are rejected with 10077 by design.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from keyqueue.errors import (
     BacklogFull,
     EnqueueError,
+    EnqueueTimeout,
     KeyAlreadyScheduled,
     KeyqueueError,
     KeyqueueTimeout,
@@ -26,6 +27,7 @@ from keyqueue.errors import (
 from keyqueue.jetstream.api import JetStreamApi, PubAck, parse_pub_ack
 from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.subjects import QueueNames, validate_key
+from keyqueue.wire.headers import MSG_ID
 
 PIPELINE_WINDOW: Final = 512
 """Publishes in flight at once during a bulk enqueue."""
@@ -66,7 +68,7 @@ class Publisher:
         return parse_pub_ack(msg)
 
     async def store(self, request: OutgoingRequest) -> Enqueued:
-        """Publish the request to the key's inbox (step 2 of DESIGN.md section 3)."""
+        """Publish the request to the key's inbox (the first step of an enqueue; the token follows)."""
         validate_key(request.key)
         try:
             ack = await self._publish(self.names.inbox(request.key), request.body, request.headers)
@@ -95,8 +97,7 @@ class Publisher:
         if self._mux is None:
             self._mux = RequestMux(self.nc)
         try:
-            ack = parse_pub_ack(await self._acknowledged(self._mux, self.names.inbox(request.key), request.body,
-                                                         request.headers))
+            ack = parse_pub_ack(await self._store_once(self._mux, request))
         except KeyAlreadyScheduled as e:  # 10077 on the inbox: the per-key backlog cap
             raise BacklogFull(self.names.queue, request.key) from e
         try:
@@ -106,6 +107,21 @@ class Publisher:
         except KeyqueueError as e:
             raise TokenPublishFailed(self.names.queue, request.key, ack.seq, e) from e
         return Enqueued(request.key, ack.seq, ack.duplicate, request.request_id)
+
+    async def _store_once(self, mux: RequestMux, request: OutgoingRequest) -> Msg:
+        """Publish the request to its key's inbox; on a timeout, once more with the same request id.
+
+        The retry is safe: the server stores a request id once within the duplicate window, so if
+        the first try was stored the second is acknowledged as a duplicate and stores nothing.
+        """
+        subject = self.names.inbox(request.key)
+        for attempt in (1, 2):
+            try:
+                return await self._acknowledged(mux, subject, request.body, request.headers)
+            except KeyqueueTimeout:
+                if attempt == 2 or not _deduplicated(request):
+                    raise EnqueueTimeout(self.names.queue, request.key, request.request_id, self.timeout) from None
+        raise AssertionError("unreachable")
 
     async def _acknowledged(self, mux: RequestMux, subject: str, body: bytes,
                             headers: Mapping[str, str] | None) -> Msg:
@@ -132,6 +148,14 @@ class Publisher:
         mux = RequestMux(self.nc)
         try:
             acks = await self._pipeline(mux, [(self.names.inbox(i.key), i.body, i.headers) for i in items], window)
+            # Requests whose acknowledgement did not come: once more, in order, with the same ids
+            # (safe: the server stores a request id once within the duplicate window).
+            again = [n for n, (i, a) in enumerate(zip(items, acks, strict=True))
+                     if isinstance(a, KeyqueueTimeout) and _deduplicated(i)]
+            retried = await self._pipeline(mux, [(self.names.inbox(items[n].key), items[n].body, items[n].headers)
+                                                 for n in again], window)
+            for n, reply in zip(again, retried, strict=True):
+                acks[n] = reply
             results: list[Enqueued | EnqueueError] = []
             for item, reply in zip(items, acks, strict=True):
                 try:
@@ -139,6 +163,8 @@ class Publisher:
                     results.append(Enqueued(item.key, ack.seq, ack.duplicate, item.request_id))
                 except KeyAlreadyScheduled:
                     results.append(BacklogFull(self.names.queue, item.key))
+                except KeyqueueTimeout:
+                    results.append(EnqueueTimeout(self.names.queue, item.key, item.request_id, self.timeout))
                 except KeyqueueError as e:
                     results.append(EnqueueError(f"request for key {item.key!r} not stored: {e}"))
             keys = list(dict.fromkeys(r.key for r in results if isinstance(r, Enqueued)))
@@ -192,32 +218,6 @@ def _reply_or_raise(reply: Msg | KeyqueueError, key: str) -> Msg:
     return reply
 
 
-class Pipeline:
-    """Ordered, windowed publishes awaiting acknowledgements later (for callers outside ``enqueue_many``).
-
-    ``publish`` sends at once, in call order on one connection, and returns an awaitable for the
-    reply; at most ``window`` replies are outstanding, so a publish may first wait for the oldest.
-    """
-
-    def __init__(self, nc: Client, *, window: int = PIPELINE_WINDOW, timeout: float = 5.0) -> None:
-        self.mux = RequestMux(nc)
-        self.window = window
-        self.timeout = timeout
-        self._outstanding: list[asyncio.Future[list[Msg]]] = []
-
-    async def __aenter__(self) -> Pipeline:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.mux.close()
-
-    async def publish(self, subject: str, body: bytes, headers: Mapping[str, str] | None) -> Awaitable[Msg]:
-        self._outstanding = [f for f in self._outstanding if not f.done()]
-        if len(self._outstanding) >= self.window:
-            await asyncio.wait([self._outstanding[0]], timeout=self.timeout)
-        future = await self.mux.send(subject, body, headers=headers)
-        self._outstanding.append(future)
-        return self._reply(subject, future)
-
-    async def _reply(self, subject: str, future: asyncio.Future[list[Msg]]) -> Msg:
-        return (await wait(future, self.timeout, f"a publish to {subject}"))[0]
+def _deduplicated(request: OutgoingRequest) -> bool:
+    """Whether the server deduplicates this request (it carries a request id), so a retry is safe."""
+    return any(name.lower() == MSG_ID.lower() for name in request.headers)

@@ -1,4 +1,4 @@
-"""Header names and values of keyqueue's wire format (DESIGN.md section 6).
+"""Header names and values of keyqueue's wire format (docs/architecture.md, "Wire format").
 
 Every request and reply carries ``X-CONTENT-TYPE``, ``X-MESSAGE-TYPE``, ``X-MESSAGE-VERSION`` and
 ``Nats-Msg-Id``; a receiver decides from these alone whether it can read the body. Names are

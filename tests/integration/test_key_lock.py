@@ -1,7 +1,7 @@
 """The lease record is the lock: late messages from a former holder cannot make a second holder.
 
-Each test plays the former holder's late message by hand against a real nats-server (DESIGN.md
-section 9 facts 3 and 5: the server accepts a stale ack and acts on a stale nak), then shows that
+Each test plays the former holder's late message by hand against a real nats-server (the server
+accepts a stale ack and acts on a stale nak: docs/architecture.md, "Fencing"), then shows that
 the key's lease record still admits no one while the rightful holder works.
 """
 

@@ -6,12 +6,14 @@ import asyncio
 import gc
 import json
 import logging
+from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from keyqueue.errors import KeyqueueTimeout
+from keyqueue.chaos.proxy import FaultProxy
+from keyqueue.errors import EnqueueTimeout, KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.mux import RequestMux
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
@@ -88,3 +90,49 @@ async def test_a_request_whose_reply_never_comes_is_released(nc: Client, nats_cl
         assert isinstance(late.exception(), KeyqueueTimeout) and mux.in_flight == 0
     finally:
         await mux.close()
+
+
+@pytest.fixture
+async def proxied(nats_url: str) -> AsyncIterator[tuple[FaultProxy, Client]]:
+    """A proxy to the server and a keyqueue connection through it."""
+    from keyqueue.jetstream.connect import connect
+
+    async with FaultProxy.for_url(nats_url) as proxy:
+        client = await connect(proxy.url)
+        try:
+            yield proxy, client
+        finally:
+            await client.close()
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["enqueue", "enqueue_many"])
+async def test_an_unacknowledged_enqueue_is_retried_with_its_id_and_says_how_to_retry(
+        nc: Client, proxied: tuple[FaultProxy, Client], many: bool) -> None:
+    proxy, pc = proxied
+    config = QueueConfig("acked")
+    api = JetStreamApi(nc)
+    await Topology(api, config).ensure()
+    publisher = Publisher(pc, config.names, timeout=0.5)
+    lost = request("k", b"x" * 2000)
+    proxy.blackhole()  # the request reaches no one and no acknowledgement comes back
+    if many:
+        [error] = await publisher.enqueue_many([lost])
+    else:
+        with pytest.raises(EnqueueTimeout) as caught:
+            await publisher.enqueue(lost)
+        error = caught.value
+    assert isinstance(error, EnqueueTimeout) and isinstance(error, KeyqueueTimeout)
+    assert "may have been stored" in str(error) and f"request_id={lost.request_id!r}" in str(error)
+    assert proxy.held_up > 2 * len(lost.body), "the request was not sent a second time"
+    proxy.heal()  # both tries land: the server stores the request id once
+    await proxy.wait_until(lambda p: p.held_bytes == 0)
+    stream = config.names.inbox_stream
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 5
+    while (await api.stream_info(stream))["state"]["messages"] == 0:
+        assert loop.time() < end, "the request never landed"
+        await asyncio.sleep(0.02)
+    # The advice works: the same request id again stores nothing new and schedules the key.
+    again = await Publisher(nc, config.names).enqueue(lost)
+    assert again.duplicate and (await api.stream_info(stream))["state"]["messages"] == 1
+    await publisher.close()
