@@ -14,7 +14,7 @@ from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
 
-__all__ = ["KeyState", "QueueReport", "inspect_queue", "list_queues"]
+__all__ = ["KEY_LIMIT", "KeyState", "QueueReport", "inspect_queue", "list_queues"]
 
 KEY_LIMIT: Final = 1000
 """Most keys a report lists (the counts cover every key)."""

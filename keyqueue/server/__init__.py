@@ -1,8 +1,10 @@
 """The embedded nats-server: real ``nats-server`` processes on loopback for development and tests.
 
-- ``embedded``: ``EmbeddedServer`` (one process, a temporary or given store) and the probe that
-  says when a server answers JetStream requests.
+- ``embedded``: ``EmbeddedServer`` (one process, a temporary or given store) and finding the
+  ``nats-server`` binary.
 - ``cluster``: ``EmbeddedCluster``, N embedded servers as one JetStream cluster.
+- ``probe``: the readiness checks both wait on (``/healthz``, JetStream answers, the cluster
+  takes a replicated stream).
 - ``local``: ``LocalServer``, how the processes of one app on one machine share one server.
 
 Imports only ``keyqueue.errors`` and nats-py; nothing above it.

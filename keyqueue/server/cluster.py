@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-import nats
-from nats.js.api import StorageType, StreamConfig
-
 from keyqueue.errors import ConfigError, KeyqueueTimeout
-from keyqueue.server.embedded import _PROBE_FAILURES, _PROBE_STREAM, HOST, ClusterSpec, EmbeddedServer, free_tcp_port
+from keyqueue.server.embedded import HOST, ClusterSpec, EmbeddedServer, free_tcp_port
+from keyqueue.server.probe import accepts_replicated_stream
 
 __all__ = ["EmbeddedCluster"]
 
@@ -67,7 +64,7 @@ class EmbeddedCluster:
         deadline = time.monotonic() + timeout
         # Concurrently: no server's JetStream answers before a quorum of its peers is up.
         await asyncio.gather(*(server.start(timeout) for server in self.servers))
-        while not await _cluster_accepts_replicated_stream(self.urls, self.size):
+        while not await accepts_replicated_stream(self.urls, self.size):
             if time.monotonic() > deadline:
                 raise KeyqueueTimeout(f"the {self.size}-server cluster did not form in {timeout}s")
             await asyncio.sleep(0.1)
@@ -101,37 +98,3 @@ class EmbeddedCluster:
     ) -> None:
         await self.aclose()
 
-
-async def _cluster_accepts_replicated_stream(urls: list[str], replicas: int) -> bool:
-    """Whether a probe stream with ``replicas`` replicas can be created (and is deleted again)."""
-
-    async def quiet(*_: object) -> None:
-        """Swallow nats-py's callbacks while the cluster forms."""
-
-    try:
-        nc = await nats.connect(
-            urls,
-            connect_timeout=1,
-            allow_reconnect=False,
-            max_reconnect_attempts=0,
-            reconnect_time_wait=0,
-            error_cb=quiet,
-        )
-    except _PROBE_FAILURES:
-        return False
-    try:
-        js = nc.jetstream(timeout=2)
-        config = StreamConfig(
-            name=_PROBE_STREAM,
-            subjects=["_keyqueue.cluster_probe"],
-            num_replicas=replicas,
-            storage=StorageType.MEMORY,
-        )
-        await js.add_stream(config)
-        await js.delete_stream(_PROBE_STREAM)
-        return True
-    except _PROBE_FAILURES:
-        return False
-    finally:
-        with contextlib.suppress(*_PROBE_FAILURES):
-            await nc.close()

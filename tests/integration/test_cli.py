@@ -12,11 +12,14 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import nats
 import pytest
 from click.testing import CliRunner
 
 import keyqueue
 from keyqueue.cli import main
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.topology import QueueConfig, Topology
 
 ROOT = Path(__file__).parents[2]
 KEYQUEUE = str(Path(sys.executable).with_name("keyqueue"))
@@ -231,3 +234,29 @@ async def test_connect_timeout_gives_up_with_one_line() -> None:
     last = err.strip().splitlines()[-1]
     assert last.startswith("Error: cannot reach NATS at nats://127.0.0.1:1") and "gave up after" in last
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [["unpin", "nosuch"], ["inspect", "nosuch"], ["recreate-consumer", "nosuch", "--yes"]])
+def test_a_queue_that_does_not_exist_is_one_line_naming_it(args: list[str], nats_url: str) -> None:
+    async def create_shop() -> None:
+        nc = await nats.connect(nats_url)
+        try:
+            await Topology(JetStreamApi(nc), QueueConfig("shop")).ensure()
+        finally:
+            await nc.close()
+
+    asyncio.run(create_shop())
+    result = CliRunner().invoke(main, [*args, "--url", nats_url])
+    assert result.exit_code == 1, result.output
+    assert result.output == ("Error: queue 'nosuch' does not exist on this server; queues: shop "
+                             "(check the name, and --url or KEYQUEUE_URL)\n")
+
+
+def test_plugin_commands_are_listed_at_the_top_level_only() -> None:
+    runner = CliRunner()
+    top = runner.invoke(main, ["--help"])
+    assert top.exit_code == 0 and re.search(r"^  events\s", top.output, re.MULTILINE), top.output
+    dlq = runner.invoke(main, ["dlq", "--help"])
+    assert dlq.exit_code == 0 and re.search(r"^  list\s", dlq.output, re.MULTILINE), dlq.output
+    assert not re.search(r"^  events\s", dlq.output, re.MULTILINE), dlq.output
+    assert runner.invoke(main, ["dlq", "events", "--help"]).exit_code == 2  # no such command

@@ -1,0 +1,72 @@
+"""``keyqueue worker MODULE:APP``: serve an app's queues until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+
+import click
+
+from keyqueue.cli.common import configure_logging, load_app, url_option
+
+__all__ = ["worker"]
+
+
+@click.command()
+@click.argument("app_spec", metavar="MODULE:APP")
+@click.option("--queue", "-q", "queues", multiple=True, metavar="QUEUE",
+              help="Serve only this queue (repeatable; default: all of the app's queues).")
+@click.option("--concurrency", "-c", type=click.IntRange(1), default=16, show_default=True,
+              help="Keys held at once, per queue.")
+@click.option("--linger", type=click.FloatRange(0), default=0.05, show_default=True,
+              help="Seconds a key stays held with no new request.")
+@click.option("--ack-wait", type=click.FloatRange(1), default=None,
+              help="Seconds of a key's lease (default: the queue's configuration, 30).")
+@click.option("--drain-timeout", type=click.FloatRange(0), default=10.0, show_default=True,
+              help="Seconds a stopping worker waits for the requests in hand.")
+@click.option("--name", default=None, metavar="NAME",
+              help="This worker's name in logs, events and inspect (default: host:pid).")
+@click.option("--overflow-min-pending", type=click.IntRange(0), default=0, metavar="N",
+              help="Overflow queues: take keys only while N or more wait for a worker.")
+@click.option("--overflow-min-ack-pending", type=click.IntRange(0), default=0, metavar="N",
+              help="Overflow queues: take keys only while N or more are held fleet-wide.")
+@click.option("--priority", type=click.IntRange(0, 9), default=None, metavar="P",
+              help="Prioritized queues: 0 (served first) to 9. See docs/priority-groups.md.")
+@click.option("--connect-timeout", type=click.FloatRange(0), default=None, metavar="SECONDS",
+              help="How long to wait for an unreachable server at start, retrying with a backoff and "
+                   "logging each attempt (default: wait forever).")
+@url_option
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
+           drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
+           priority: int | None, connect_timeout: float | None, url: str | None, log_level: str) -> None:
+    """Serve the tasks and processors of an app until SIGINT or SIGTERM.
+
+    MODULE:APP names the App, e.g. shop:app for `app` in shop.py (the current directory is
+    importable). The first signal drains: requests in hand finish (up to --drain-timeout) and
+    the worker's keys move to other workers at once; a second signal stops immediately.
+
+    With no URL configured, the worker runs the app's embedded nats-server (and says so in its
+    log); producers of the same app on this machine find it. A configured server that is not up
+    yet is waited for (each attempt logged) for --connect-timeout seconds, by default forever.
+
+    \b
+    Example:
+      $ export KEYQUEUE_URL=nats://127.0.0.1:4222
+      $ keyqueue worker examples.quickstart.app:app --concurrency 32
+      $ keyqueue worker shop:app --overflow-min-pending 50     # an overflow pool
+    """
+    configure_logging(log_level)
+    app = load_app(app_spec, url)
+    serving = app.worker(queues=list(queues) or None, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
+                         drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
+                         overflow_min_ack_pending=overflow_min_ack_pending, priority=priority,
+                         connect_timeout=connect_timeout)
+
+    async def run() -> None:
+        try:
+            await serving.serve()
+        finally:
+            await app.close()
+
+    asyncio.run(run())
