@@ -31,6 +31,7 @@ from keyqueue.core.processor import (
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import (
     BacklogFull,
+    CallOnOwnKey,
     ConfigError,
     ConnectionFailed,
     ConsumerNotFound,
@@ -74,6 +75,7 @@ __all__ = [
     "Backoff",
     "BaseProcessor",
     "BatchTask",
+    "CallOnOwnKey",
     "ConfigError",
     "ConnectionFailed",
     "ConsumerNotFound",

@@ -27,6 +27,7 @@
     ├── LeaseLost                        this worker no longer owns the key; stop without side effects
     └── TaskFailure                      the outcome of running a request
         ├── Reject                       raised by a handler: do not retry, dead-letter now
+        │   └── CallOnOwnKey             a task called a task on the key its own run holds
         ├── RemoteError                  a request failed in a worker; re-raised to the caller
         ├── DeadLettered                 the request went to the DLQ (reply to a caller)
         └── Superseded                   a newer request for the key replaced this one
@@ -42,6 +43,7 @@ from typing import Any, Final
 
 __all__ = [
     "BacklogFull",
+    "CallOnOwnKey",
     "ConfigError",
     "ConnectionFailed",
     "ConsumerNotFound",
@@ -296,6 +298,24 @@ class TaskFailure(KeyqueueError):
 
 class Reject(TaskFailure):
     """Raise from a handler to dead-letter the request at once, without retries."""
+
+
+class CallOnOwnKey(Reject):
+    """A task ``call``-ed a task on the key (of the same queue) that its own run holds.
+
+    That request cannot start before the running one ends, so the call could only wait for its
+    timeout, and every retry would store one more request. It is a programming error, so like
+    ``Reject`` it is not retried: the running request is dead-lettered at once. ``enqueue`` the
+    request instead (it runs after this one), or call a task on another key.
+    """
+
+    def __init__(self, caller: str, task: str, queue: str, key: str) -> None:
+        self.caller, self.task, self.queue, self.key = caller, task, queue, key
+        super().__init__(
+            f"{caller} called {task} on key {key!r} of queue {queue!r}, which its own run holds: that "
+            f"request cannot start before this run ends; enqueue it instead ({task}.enqueue(...) runs "
+            "after this one), or call a task on another key"
+        )
 
 
 class RemoteError(TaskFailure):

@@ -18,6 +18,9 @@ from keyqueue.errors import ConfigError
 
 __all__ = ["Settings"]
 
+_SCHEMES: Final = ("nats", "tls", "ws", "wss")
+"""The URL schemes nats-py connects with; a server without one is ``nats://``."""
+
 _SECRET_FIELDS: Final = frozenset({"password", "token"})
 _MASK: Final = "***"
 
@@ -41,9 +44,10 @@ _ENV_FIELDS: Final = {
 class Settings:
     """Connection settings for NATS.
 
-    ``url`` may list several servers separated by commas; ``None`` asks for the embedded
-    server. File fields (``creds_file``, ``nkey_seed``, ``tls_*``) are paths, read when the
-    connection options are built. ``repr()`` masks passwords, tokens and URL credentials.
+    ``url`` may list several servers separated by commas, each ``nats://``, ``tls://``, ``ws://``
+    or ``wss://`` (``nats://`` when it has no scheme); ``None`` asks for the embedded server.
+    File fields (``creds_file``, ``nkey_seed``, ``tls_*``) are paths, read when the connection
+    options are built. ``repr()`` masks passwords, tokens and URL credentials.
     """
 
     url: str | None = None
@@ -73,6 +77,13 @@ class Settings:
             )
         if self.url is not None and not self._servers():
             raise ConfigError(f"url {self.url!r} names no server; use e.g. nats://127.0.0.1:4222")
+        for server in self._servers():
+            scheme, sep, _ = server.partition("://")
+            if sep and scheme not in _SCHEMES:
+                raise ConfigError(
+                    f"url {_mask_url_credentials(server)!r} has the scheme {scheme!r}; NATS URLs use "
+                    f"{', '.join(s + '://' for s in _SCHEMES)} (e.g. nats://127.0.0.1:4222)"
+                )
         if self.password is not None and self.user is None:
             raise ConfigError("a password was given without a user")
         if self.tls_key is not None and self.tls_cert is None:

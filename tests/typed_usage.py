@@ -60,6 +60,12 @@ async def producer() -> None:
     assert_type(await reprice.call(sku="s", price=3), int)
     assert_type(await notify.call(user="u"), str)
     assert_type(await ingest.call(Reading("s", 1.0)), float)
+    # timeout= on every call: the result stays typed (the arguments of a Task are unchecked beside it).
+    assert_type(await charge.call(order_id="o1", amount=5, timeout=10), dict[str, Any])
+    assert_type(await refund.call(order_id="o1", timeout=2.5), None)
+    assert_type(await charge.options(request_id="r2").call(order_id="o1", amount=5, timeout=10), dict[str, Any])
+    assert_type(await ingest.call(Reading("s", 1.0), timeout=10), float)
+    assert_type(await ingest.options(request_id="r3").call(Reading("s", 1.0), timeout=10), float)
     await ingest.enqueue_many([Reading("s", 1.0), Reading("s", 2.0)])
     receipts = await charge.enqueue_many([{"order_id": "o1", "amount": 1}])
     assert_type(receipts, list[keyqueue.Receipt])
@@ -71,6 +77,8 @@ async def producer() -> None:
     await refund.enqueue(order_id="o1", nope=1)  # type: ignore[call-arg]
     await reprice.call(sku=1, price=3)  # type: ignore[call-overload]
     await ingest.call({"sensor": "s"})  # type: ignore[arg-type]
+    await ingest.call(Reading("s", 1.0), timeout="10")  # type: ignore[arg-type]
+    await charge.call(order_id="o1", amount=5, timeout="10")  # type: ignore[call-overload]
     bad: str = await reprice.call(sku="s", price=3)  # type: ignore[assignment]
     del bad
 

@@ -11,7 +11,7 @@ from typing import IO, Any, Final
 import click
 
 from keyqueue.cli.common import load_app, to_json, url_option
-from keyqueue.errors import ConfigError
+from keyqueue.errors import ConfigError, MalformedBody
 from keyqueue.tasks.task import BatchTask, Receipt
 
 __all__ = ["BULK_CHUNK", "enqueue"]
@@ -55,14 +55,14 @@ def enqueue(app_spec: str, task_name: str, arguments: str | None, from_file: IO[
 
     JSON is an object of keyword arguments (for a batch task: the item). Prints the receipt
     (request id, key, inbox sequence) as JSON, or with --wait the result. --from-file takes JSON
-    lines, one request each, with a progress bar.
+    lines, one request each, with a progress bar; every line is checked before any is stored.
 
     \b
-    Examples:
-      $ keyqueue enqueue examples.quickstart.app:app charge '{"order_id": "o1", "amount": 5}'
+    Examples (MODULE:APP: `app` in shop.py in the current directory):
+      $ keyqueue enqueue shop:app charge '{"order_id": "o1", "amount": 5}'
       {"request_id": "01J...", "key": "o1", "seq": 1, "duplicate": false}
-      $ keyqueue enqueue examples.quickstart.app:app charge '{"order_id": "o1", "amount": 5}' --wait
-      $ keyqueue enqueue examples.quickstart.app:app charge --from-file orders.jsonl
+      $ keyqueue enqueue shop:app charge '{"order_id": "o1", "amount": 5}' --wait
+      $ keyqueue enqueue shop:app charge --from-file orders.jsonl
     """
     if (arguments is None) == (from_file is None):
         raise click.UsageError("give the arguments as JSON or --from-file, not both or neither")
@@ -88,17 +88,23 @@ def enqueue(app_spec: str, task_name: str, arguments: str | None, from_file: IO[
         finally:
             await app.close()
 
+    def checked_line(number: int, line: str) -> Any:
+        where = f"line {number}"
+        value = check(_parse_json(line, where), where)
+        try:
+            task.fields_from_mapping(value)  # so a bad line is refused before any line is stored
+        except (TypeError, MalformedBody, ConfigError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        return value
+
     async def many(handle: IO[str]) -> None:
-        items = [check(_parse_json(line, f"line {n}"), f"line {n}") for n, line in _read_lines(handle)]
+        items = [checked_line(number, line) for number, line in _read_lines(handle)]
         stored = duplicates = 0
         try:
             with click.progressbar(length=len(items), label=f"enqueueing {task_name}", file=sys.stderr) as bar:
                 for start in range(0, len(items), BULK_CHUNK):
                     chunk = items[start:start + BULK_CHUNK]
-                    try:
-                        receipts = await task.enqueue_many(chunk)
-                    except TypeError as exc:
-                        raise ConfigError(f"lines {start + 1}-{start + len(chunk)}: {exc}") from None
+                    receipts = await task.enqueue_many(chunk)
                     stored += len(receipts)
                     duplicates += sum(r.duplicate for r in receipts)
                     bar.update(len(chunk))

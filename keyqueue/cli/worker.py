@@ -53,7 +53,7 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     \b
     Example:
       $ export KEYQUEUE_URL=nats://127.0.0.1:4222
-      $ keyqueue worker examples.quickstart.app:app --concurrency 32
+      $ keyqueue worker shop:app --concurrency 32
       $ keyqueue worker shop:app --overflow-min-pending 50     # an overflow pool
     """
     configure_logging(log_level)

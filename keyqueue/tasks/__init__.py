@@ -5,6 +5,7 @@
   task sends them through (``keyqueue.App`` implements it).
 - ``decorators``: the decorators ``App.task`` and ``keyqueue.task`` return.
 - ``arguments``: argument binding, key templates, versioned argument messages, results.
+- ``argument_types``: checking arguments against simple annotations when they are enqueued.
 - ``invoke``: calling a task function (async or in a thread) with its context.
 - ``context``: ``Context``, what a task function receives.
 

@@ -29,6 +29,7 @@ from keyqueue.errors import (
     UnsupportedVersion,
 )
 from keyqueue.jetstream.subjects import validate_key
+from keyqueue.tasks.argument_types import ArgumentTypes
 from keyqueue.tasks.context import Context
 from keyqueue.wire import CBOR, check_plain, decode_envelope_fields, dumps, from_fields, loads, to_fields
 from keyqueue.wire import headers as H
@@ -101,13 +102,19 @@ class ArgumentCodec:
             and (cls := _dataclass_type(hints.get(p.name))) is not None
         }
         self.result_dataclass = _dataclass_type(hints.get("return"))
+        self.types = ArgumentTypes(task, self.signature.parameters, hints)
 
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> inspect.BoundArguments:
-        """Bind call arguments like a call to the function would (``TypeError`` if they do not fit)."""
+        """Bind call arguments like a call to the function would, and check them against the annotations.
+
+        ``TypeError`` if they do not fit the signature or an argument does not fit its annotation
+        (see ``argument_types``; defaults are not checked).
+        """
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"{self.task}(): {exc}") from None
+        self.types.check(bound.arguments)
         bound.apply_defaults()
         return bound
 

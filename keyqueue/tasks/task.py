@@ -21,13 +21,20 @@ Policies (how a key's backlog is consumed):
 - ``merge``: the available requests are folded into one run by ``merge=`` (or a plugin's
   ``keyqueue_merge_arguments``); every caller gets that run's result.
 
-``call`` accepts ``timeout=`` at run time (seconds to wait for the result) unless the function
-has a parameter of that name. mypy cannot type an extra keyword beside a ``ParamSpec`` (PEP 612),
-so typed code writes ``charge.options(timeout=10).call(...)``.
+Every ``call`` takes ``timeout=`` (seconds to wait for the result; ``DEFAULT_CALL_TIMEOUT`` by
+default), unless the function has a parameter of that name. mypy cannot check a function's
+arguments beside an extra keyword (PEP 612): ``charge.call(..., timeout=10)`` type-checks with
+the result typed but the arguments unchecked, while ``charge.options(timeout=10).call(...)``
+checks both.
+
+A task function must not ``call`` a task on the key its own run holds (the same queue and key):
+that request cannot start before the run ends. ``call`` raises ``CallOnOwnKey`` at once (a
+``Reject``: the running request is dead-lettered, not retried); ``enqueue`` stays allowed.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -39,8 +46,9 @@ from dataclasses import dataclass, field
 from typing import Any, Concatenate, Final, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
 
 from keyqueue.core.retry import RetryPolicy
-from keyqueue.errors import ConfigError, MalformedBody
+from keyqueue.errors import CallOnOwnKey, ConfigError, MalformedBody
 from keyqueue.jetstream.subjects import validate_queue_name
+from keyqueue.tasks.argument_types import check_value, type_check
 from keyqueue.tasks.arguments import ArgumentCodec, KeyMaker, Upgrade, check_upgrades, decode_result, takes_context
 from keyqueue.tasks.context import Context
 from keyqueue.tasks.invoke import invoke
@@ -82,6 +90,11 @@ KeySpec = str | Callable[..., str]
 
 Merge = Callable[[Sequence[dict[str, Any]]], dict[str, Any]]
 """Folds the argument maps of a ``merge`` task's pending requests (oldest first) into one."""
+
+_RUNNING: Final = contextvars.ContextVar[tuple[str, str, str] | None]("keyqueue_running_task", default=None)
+"""``(queue, key, task)`` of the task function running in this context (a worker's run), so that
+``call`` can refuse to wait for a request on the key that run holds. ``invoke`` copies the
+context into the thread of a sync function, so it is seen there too."""
 
 
 # --- values --------------------------------------------------------------------------------------
@@ -269,6 +282,9 @@ class _TaskBase:
 
     async def _call(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         key, fields = self.fields_for(args, kwargs)
+        running = _RUNNING.get()
+        if running is not None and running[:2] == (self.spec.queue, key):
+            raise CallOnOwnKey(running[2], self.spec.name, self.spec.queue, key)
         request = self._request(key, fields, opts.request_id)
         timeout = opts.timeout if opts.timeout is not None else DEFAULT_CALL_TIMEOUT
         headers, body = await self.app.ask(request, timeout)
@@ -293,10 +309,19 @@ class _TaskBase:
 
     async def run(self, context: Context | None, args: Sequence[Any], kwargs: Mapping[str, Any],
                   executor: Executor | None = None) -> Any:
-        """Run the function once with decoded arguments (the default processor calls this)."""
+        """Run the function once with decoded arguments (the default processor calls this).
+
+        While it runs, ``call`` from it (or from tasks and threads it starts) refuses the key
+        ``context`` holds: see ``CallOnOwnKey``.
+        """
         if self.takes_context:
             args = [context, *args]
-        return await invoke(self.spec.name, self.fn, args, kwargs, timeout=self.spec.timeout, executor=executor)
+        token = _RUNNING.set((context.queue, context.key, self.spec.name)) if context is not None else None
+        try:
+            return await invoke(self.spec.name, self.fn, args, kwargs, timeout=self.spec.timeout, executor=executor)
+        finally:
+            if token is not None:
+                _RUNNING.reset(token)
 
 
 _WithContext = Callable[Concatenate[Context, P], Any]
@@ -352,20 +377,31 @@ class Task(_TaskBase, Generic[F]):
     async def call(self: Task[_Async[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
     @overload
     async def call(self: Task[_Sync[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    # With timeout=, mypy checks the result's type but not the arguments (see the module docstring).
+    @overload
+    async def call(self: Task[Callable[..., Coroutine[Any, Any, R]]], *args: Any, timeout: float | None,
+                   **kwargs: Any) -> R: ...
+    @overload
+    async def call(self: Task[Callable[..., R]], *args: Any, timeout: float | None, **kwargs: Any) -> R: ...
 
     async def call(self, *args: Any, **kwargs: Any) -> Any:
         """Store a request and wait for its result; remote failures raise typed errors.
 
         ``RemoteError`` / ``DeadLettered`` carry the remote exception's ``type_name`` and
         ``message``; ``Superseded`` names the request that replaced this one; ``KeyqueueTimeout``
-        if no result came in time (the request is stored and still runs). ``timeout=`` (seconds)
-        is taken unless the function has a parameter of that name.
+        if no result came in time (the request is stored and still runs); ``CallOnOwnKey`` from
+        a task function calling a task on the key it holds. ``timeout=`` (seconds) is taken unless
+        the function has a parameter of that name.
         """
-        timeout = None
-        if "timeout" in kwargs and "timeout" not in self.codec.signature.parameters:
-            kwargs = dict(kwargs)
-            timeout = kwargs.pop("timeout")
-        return await self._call(CallOptions(timeout=timeout), args, kwargs)
+        opts, arguments = self._call_timeout(CallOptions(), kwargs)
+        return await self._call(opts, args, arguments)
+
+    def _call_timeout(self, opts: CallOptions, kwargs: Mapping[str, Any]) -> tuple[CallOptions, Mapping[str, Any]]:
+        """``opts`` with the ``timeout=`` of ``call``'s keywords, and the keywords left for the function."""
+        if "timeout" not in kwargs or "timeout" in self.codec.signature.parameters:
+            return opts, kwargs
+        rest = dict(kwargs)
+        return dataclasses.replace(opts, timeout=rest.pop("timeout")), rest
 
     @overload
     def delay(self: Task[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
@@ -408,9 +444,16 @@ class TaskCall(Generic[F]):
     async def call(self: TaskCall[_Async[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
     @overload
     async def call(self: TaskCall[_Sync[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    async def call(self: TaskCall[Callable[..., Coroutine[Any, Any, R]]], *args: Any, timeout: float | None,
+                   **kwargs: Any) -> R: ...
+    @overload
+    async def call(self: TaskCall[Callable[..., R]], *args: Any, timeout: float | None, **kwargs: Any) -> R: ...
 
     async def call(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.task._call(self.call_options, args, kwargs)
+        """``Task.call`` with these options; a ``timeout=`` here wins over ``options(timeout=...)``."""
+        opts, arguments = self.task._call_timeout(self.call_options, kwargs)
+        return await self.task._call(opts, args, arguments)
 
     @overload
     def delay(self: TaskCall[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
@@ -441,22 +484,26 @@ class BatchTask(_TaskBase, Generic[T, R]):
                 f"batch task {spec.name} must take one list parameter (after the optional context), "
                 f"like def {fn.__name__}(ctx: keyqueue.Context, items: list[Item])"
             )
-        self.item_type = self._item_type(fn, params[0].name)
+        item_hint = self._item_hint(fn, params[0].name)
+        self.item_type = item_hint if isinstance(item_hint, type) and dataclasses.is_dataclass(item_hint) else None
+        self._check_item = type_check(item_hint) if item_hint is not None else None
         fields = tuple(f.name for f in dataclasses.fields(self.item_type)) if self.item_type is not None else None
         self.keys = KeyMaker(key, spec.name, fields)
 
     @staticmethod
-    def _item_type(fn: Callable[..., Any], param: str) -> type | None:
+    def _item_hint(fn: Callable[..., Any], param: str) -> Any:
+        """The annotation of one item (``Reading`` for ``list[Reading]``), or None."""
         try:
             hint = typing.get_type_hints(fn).get(param)
         except Exception:
             return None
         args = typing.get_args(hint)
-        item = args[0] if args else None
-        return item if isinstance(item, type) and dataclasses.is_dataclass(item) else None
+        return args[0] if args else None
 
     def fields_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         [item] = args
+        if self._check_item is not None:
+            check_value(self._check_item, item, f"{self.spec.name}(): item")
         if isinstance(item, Mapping):
             values: Mapping[str, Any] = item
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
@@ -492,9 +539,9 @@ class BatchTask(_TaskBase, Generic[T, R]):
         """Store a request carrying ``item``."""
         return await self._enqueue(CallOptions(), (item,), {})
 
-    async def call(self, item: T) -> R:
-        """Store a request and wait for its item's result (see ``Task.call``)."""
-        result: R = await self._call(CallOptions(), (item,), {})
+    async def call(self, item: T, *, timeout: float | None = None) -> R:
+        """Store a request and wait for its item's result, up to ``timeout`` seconds (see ``Task.call``)."""
+        result: R = await self._call(CallOptions(timeout=timeout), (item,), {})
         return result
 
     def delay(self, item: T) -> Receipt:
@@ -516,8 +563,10 @@ class BatchTaskCall(Generic[T, R]):
     async def enqueue(self, item: T) -> Receipt:
         return await self.task._enqueue(self.call_options, (item,), {})
 
-    async def call(self, item: T) -> R:
-        result: R = await self.task._call(self.call_options, (item,), {})
+    async def call(self, item: T, *, timeout: float | None = None) -> R:
+        """``BatchTask.call`` with these options; a ``timeout=`` here wins over ``options(timeout=...)``."""
+        opts = self.call_options if timeout is None else dataclasses.replace(self.call_options, timeout=timeout)
+        result: R = await self.task._call(opts, (item,), {})
         return result
 
     def delay(self, item: T) -> Receipt:

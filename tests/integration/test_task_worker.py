@@ -475,3 +475,84 @@ async def test_a_worker_that_cannot_start_raises_why(make_app: MakeApp) -> None:
     with pytest.raises(keyqueue.ConfigError, match="no tasks or processors for queue"):
         async with app.worker(queues=["nope"]):
             pass
+
+
+# --- a task calling a task on the key its own run holds (issue 15) ---------------------------------
+
+
+async def inbox_last_seq(app: keyqueue.App, queue: str) -> int:
+    """How many requests ``queue``'s inbox has ever stored."""
+    info = await JetStreamApi(await app.connection()).stream_info(QueueNames(queue).inbox_stream)
+    last_seq: int = info["state"]["last_seq"]
+    return last_seq
+
+
+async def test_a_call_on_the_key_the_task_holds_fails_at_once_and_dead_letters_its_request(
+    make_app: MakeApp,
+) -> None:
+    app = make_app()
+
+    @app.task(key="{order_id}", max_attempts=3, backoff=0.01)
+    async def charge(order_id: str, amount: int) -> int:
+        result: int = await charge.call(order_id=order_id, amount=amount, timeout=60)  # its own key
+        return result
+
+    @app.task(key="{order_id}", max_attempts=3, backoff=0.01)
+    def refund(order_id: str) -> str:
+        # A sync task reaches the loop through run_sync; another task on the same queue and key.
+        return app.run_sync(lambda: charge.call(order_id=order_id, amount=1))
+
+    async with app.worker():
+        with pytest.raises(keyqueue.DeadLettered) as dead:
+            await charge.call(order_id="o1", amount=5, timeout=20)
+        assert (dead.value.type_name, dead.value.reason) == ("CallOnOwnKey", "rejected")
+        assert dead.value.message == (
+            "charge called charge on key 'o1' of queue 'shop', which its own run holds: that request cannot "
+            "start before this run ends; enqueue it instead (charge.enqueue(...) runs after this one), or call "
+            "a task on another key")
+        with pytest.raises(keyqueue.DeadLettered, match="CallOnOwnKey: refund called charge on key 'o2'"):
+            await refund.call(order_id="o2", timeout=20)
+    assert await inbox_last_seq(app, "shop") == 2  # the two outer requests: no inner one, no retry stored one
+    letters = await dead_letters(JetStreamApi(await app.connection()), "shop")
+    assert [(d.key, d.error_type, d.attempts) for d in letters] == [("o1", "CallOnOwnKey", 1),
+                                                                     ("o2", "CallOnOwnKey", 1)]
+
+
+async def test_a_task_may_call_other_keys_and_queues_and_enqueue_on_its_own_key(make_app: MakeApp) -> None:
+    app = make_app()
+    ran: list[str] = []
+
+    @app.task(key="{order_id}")
+    async def ship(order_id: str, step: str) -> str:
+        ran.append(f"{order_id}:{step}")
+        if step == "start":
+            await ship.enqueue(order_id=order_id, step="after")  # runs once this run ends
+            assert await ship.call(order_id=f"{order_id}-parcel", step="pack") == "packed"
+            assert await bill.call(order_id=order_id) == "billed"  # same key, another queue
+        return "packed" if step == "pack" else "shipped"
+
+    @app.task(queue="billing", key="{order_id}")
+    def bill(order_id: str) -> str:
+        return "billed"
+
+    async with app.worker():
+        assert await ship.call(order_id="o1", step="start", timeout=20) == "shipped"
+        assert await ship.call(order_id="o1", step="last", timeout=20) == "shipped"
+    assert ran == ["o1:start", "o1-parcel:pack", "o1:after", "o1:last"]
+
+
+async def test_a_wrongly_typed_argument_is_refused_at_enqueue_not_dead_lettered(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.task(key="{order_id}")
+    async def charge(order_id: str, amount: int) -> int:
+        return amount
+
+    with pytest.raises(TypeError) as refused:
+        await charge.enqueue(order_id="o1", amount="ten")  # type: ignore[call-overload]
+    assert str(refused.value) == "charge(): argument 'amount' must be int, not str"
+    with pytest.raises(TypeError) as refused_item:
+        await charge.enqueue_many([{"order_id": "o1", "amount": 1}, {"order_id": "o1", "amount": True}])
+    assert str(refused_item.value) == "item 1: charge(): argument 'amount' must be int, not bool"
+    receipt = await charge.enqueue(order_id="o1", amount=1)
+    assert receipt.seq == 1  # nothing was stored before

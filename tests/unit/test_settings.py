@@ -185,3 +185,21 @@ def test_a_key_that_does_not_match_is_a_config_error(tmp_path: Path) -> None:
     settings = Settings(url="nats://h:4222", tls_cert=str(cert), tls_key=str(garbage))
     with pytest.raises(ConfigError, match=r"garbage\.pem"):
         settings.nats_connect_options()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:4222", "nats://a:4222,https://user:secret@b:4222", "NATS://h:1"])
+def test_a_url_scheme_nats_cannot_use_is_one_clear_line(url: str) -> None:
+    scheme = url.split(",")[-1].partition("://")[0]
+    with pytest.raises(ConfigError) as error:
+        Settings.from_url(url)
+    message = str(error.value)
+    assert message.endswith(f" has the scheme {scheme!r}; NATS URLs use nats://, tls://, ws://, wss:// "
+                            "(e.g. nats://127.0.0.1:4222)")
+    assert "\n" not in message and "secret" not in message
+    with pytest.raises(ConfigError, match=r"scheme 'http'.*\(from KEYQUEUE_\* environment variables\)$"):
+        Settings.from_env({"KEYQUEUE_URL": "http://127.0.0.1:4222"})
+
+
+@pytest.mark.parametrize("url", ["nats://h:1", "tls://h:1", "ws://h:80", "wss://h", "127.0.0.1:4222", "h"])
+def test_the_schemes_nats_uses_and_none_are_accepted(url: str) -> None:
+    assert Settings.from_url(url).url == url

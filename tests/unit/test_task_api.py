@@ -327,3 +327,121 @@ async def test_an_unreachable_server_is_a_clear_error(app: keyqueue.App) -> None
 
     with pytest.raises(keyqueue.ConnectionFailed, match=r"cannot reach NATS at nats://127\.0\.0\.1:1"):
         await asyncio.wait_for(f.enqueue(x="a"), 10)
+
+
+# --- timeout= on every call -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reading:
+    sensor: str
+    value: int
+
+
+async def test_every_call_takes_a_timeout() -> None:
+    dispatcher = RecordingDispatcher(reply=1)
+    charge = charge_task(lambda: dispatcher)
+
+    async def ingest(readings: list[Reading]) -> list[int]: ...
+
+    batch: keyqueue.BatchTask[Reading, int] = keyqueue.BatchTask(
+        ingest, keyqueue.TaskSpec("ingest", "readings", policy="batch"), "{sensor}", lambda: dispatcher)
+
+    await charge.call(order_id="o1", amount=5, timeout=4)
+    await charge.options(request_id="r2").call(order_id="o2", amount=5, timeout=5)
+    await charge.options(timeout=9).call(order_id="o3", amount=5, timeout=6)  # the call's own wins
+    assert await batch.call(Reading("s1", 1), timeout=7) == 1
+    await batch.options(request_id="r5").call(Reading("s2", 1), timeout=8)
+    await batch.options(timeout=2).call(Reading("s3", 1))
+    await batch.call(Reading("s4", 1))
+
+    assert [(r.key, timeout) for r, timeout in dispatcher.asked] == [
+        ("o1", 4), ("o2", 5), ("o3", 6), ("s1", 7), ("s2", 8), ("s3", 2), ("s4", DEFAULT_CALL_TIMEOUT)]
+    assert [dict(r.arguments) for r, _ in dispatcher.asked][:3] == [
+        {"order_id": f"o{n}", "amount": 5} for n in (1, 2, 3)]
+    assert dispatcher.asked[1][0].request_id == "r2"
+
+
+async def test_a_parameter_named_timeout_is_the_functions() -> None:
+    dispatcher = RecordingDispatcher()
+
+    async def wait(name: str, timeout: float) -> None: ...
+
+    task = keyqueue.Task(wait, keyqueue.TaskSpec("wait", "shop"), "{name}", lambda: dispatcher)
+    await task.call(name="n", timeout=3)
+    await task.options(timeout=9).call(name="n", timeout=3)
+    assert [(dict(r.arguments), timeout) for r, timeout in dispatcher.asked] == [
+        ({"name": "n", "timeout": 3}, DEFAULT_CALL_TIMEOUT), ({"name": "n", "timeout": 3}, 9)]
+
+
+# --- argument types, checked at enqueue -----------------------------------------------------------
+
+
+async def test_arguments_that_do_not_fit_their_annotations_are_refused_at_enqueue() -> None:
+    dispatcher = RecordingDispatcher()
+
+    async def charge(ctx: keyqueue.Context, order_id: str, amount: int, rate: float = 1.0,
+                     note: str | None = None, tags: list[str] | None = None, limits: dict[str, int] | None = None,
+                     address: Address = Address("", ""), raw: bytes = b"", *extra: int, **meta: bool) -> None: ...
+
+    task = keyqueue.Task(charge, keyqueue.TaskSpec("charge", "shop"), "{order_id}", lambda: dispatcher)
+    refused = [
+        ({"amount": "ten"}, "argument 'amount' must be int, not str"),
+        ({"amount": True}, "argument 'amount' must be int, not bool"),
+        ({"amount": 1.5}, "argument 'amount' must be int, not float"),
+        ({"rate": "1"}, "argument 'rate' must be float, not str"),
+        ({"rate": False}, "argument 'rate' must be float, not bool"),
+        ({"note": 3}, "argument 'note' must be str | None, not int"),
+        ({"tags": "a,b"}, "argument 'tags' must be list[str] | None, not str"),
+        ({"tags": ["a", 2]}, "argument 'tags'[1] must be str, not int"),
+        ({"limits": {"a": "1"}}, "argument 'limits'['a'] must be int, not str"),
+        ({"address": "Oslo"}, "argument 'address' must be Address (or a map of its fields), not str"),
+        ({"raw": "text"}, "argument 'raw' must be bytes, not str"),
+        ({"order_id": 7}, "argument 'order_id' must be str, not int"),
+        ({"flag": 1}, "argument 'meta'['flag'] must be bool, not int"),
+    ]
+    for given, message in refused:
+        with pytest.raises(TypeError) as error:
+            await task.enqueue(**{"order_id": "o1", "amount": 1, **given})
+        assert str(error.value) == f"charge(): {message}", given
+    with pytest.raises(TypeError, match=r"^charge\(\): argument 'extra'\[1\] must be int, not str$"):
+        await task.enqueue("o1", 1, 1.0, None, None, None, Address("", ""), b"", 1, "2")
+    with pytest.raises(TypeError, match=r"^item 1: charge\(\): argument 'amount' must be int, not str$"):
+        await task.enqueue_many([{"order_id": "o1", "amount": 1}, {"order_id": "o1", "amount": "1"}])
+    assert dispatcher.published == []
+
+    await task.enqueue(order_id="o1", amount=1, rate=2, note=None, tags=("a", "b"), limits={"a": 1},
+                       address={"city": "Oslo", "zip": "0150"}, flag=True)
+    await task.enqueue(order_id="o2", amount=1, address=Address("Oslo", "0150"), raw=b"\x00")
+    assert len(dispatcher.published) == 2
+
+
+async def test_unannotated_or_complex_annotations_and_defaults_are_not_checked() -> None:
+    dispatcher = RecordingDispatcher()
+
+    async def loose(key, anything: Any, seq: Sequence[int], pick: int | Sequence[int],  # type: ignore[no-untyped-def]
+                    n: int = "default") -> None: ...  # type: ignore[assignment]
+
+    task = keyqueue.Task(loose, keyqueue.TaskSpec("loose", "shop"), "{key}", lambda: dispatcher)
+    await task.enqueue(key="k", anything={"a": [1]}, seq=["x"], pick="y")
+    assert dict(dispatcher.published[0].arguments) == {
+        "key": "k", "anything": {"a": [1]}, "seq": ["x"], "pick": "y", "n": "default"}
+
+
+async def test_a_batch_item_is_checked_against_the_lists_item_type() -> None:
+    dispatcher = RecordingDispatcher()
+
+    async def ingest(readings: list[Reading]) -> None: ...
+    async def count(values: list[int]) -> None: ...
+
+    readings = keyqueue.BatchTask(ingest, keyqueue.TaskSpec("ingest", "readings", policy="batch"), "{sensor}",
+                                  lambda: dispatcher)
+    counts = keyqueue.BatchTask(count, keyqueue.TaskSpec("count", "counts", policy="batch"), "all",
+                                lambda: dispatcher)
+    with pytest.raises(TypeError, match=r"^ingest\(\): item must be Reading \(or a map of its fields\), not str$"):
+        await readings.enqueue("s1")
+    with pytest.raises(TypeError, match=r"^item 1: count\(\): item must be int, not str$"):
+        await counts.enqueue_many([1, "2"])
+    await readings.enqueue({"sensor": "s1", "value": 1})
+    await counts.enqueue_many([1, 2])
+    assert len(dispatcher.published) == 3
