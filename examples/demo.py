@@ -19,10 +19,11 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Self
+from typing import Self
 
 from nats.js.api import StorageType, StreamConfig
 
+from keyqueue.core.observer import KeyHold, NullObserver, SessionEnd
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
@@ -255,15 +256,18 @@ async def keyed_round(url: str, checks: Checks) -> None:
         held: set[str] = set()
         all_released = asyncio.Event()
 
-        def on_event(event: str, fields: dict[str, Any]) -> None:
-            """The worker's lifecycle events: track which keys are held, until all work is done."""
-            events.append(event)
-            if event == "acquired":
-                held.add(fields["key"])
-            elif event in ("released", "handed-off", "lease_lost", "session_failed"):
-                held.discard(fields["key"])
-            if len(observed.done) == len(keys) * steps and not held:
-                all_released.set()
+        class HeldKeys(NullObserver):
+            """The worker's session steps: track which keys are held, until all work is done."""
+
+            def key_acquired(self, hold: KeyHold) -> None:
+                events.append("acquired")
+                held.add(hold.key)
+
+            def key_released(self, hold: KeyHold, end: SessionEnd) -> None:
+                events.append(end.outcome.value)
+                held.discard(hold.key)
+                if len(observed.done) == len(keys) * steps and not held:
+                    all_released.set()
 
         worker = QueueWorker(
             nc,
@@ -271,7 +275,7 @@ async def keyed_round(url: str, checks: Checks) -> None:
             lambda key: ChargeProcessor(observed),
             concurrency=4,
             settings=SessionSettings(ack_wait=5, linger=0.2),
-            on_event=on_event,
+            observer=HeldKeys(),
         )
         run = asyncio.create_task(worker.run())
         await worker.started()

@@ -8,46 +8,40 @@
     await app.worker().serve()                        # until SIGINT/SIGTERM (``keyqueue worker``)
 
 A worker runs one core ``QueueWorker`` per queue on the app's connection, builds each key's
-processor through ``keyqueue_build_processor``, and turns the sessions' lifecycle events into
-hook calls. Events are delivered in order by one dispatcher task, so a failing hook never holds
-up a key session and a slow one only when it falls far behind: once ``event_backlog`` events wait
-for their hooks, key sessions wait before their next request (and new sessions before they open)
-until the hooks catch up. No lifecycle hook is ever dropped, and the queue stays bounded (by
-``event_backlog`` plus the few events each running session emits between two requests). The
-dispatcher is drained before ``keyqueue_worker_stopping`` fires.
+processor through ``keyqueue_build_processor``, and is the observer of every key session
+(``keyqueue.core.observer.SessionObserver``): each step a session reports becomes one lifecycle
+hook call, and each attempt runs inside the ``keyqueue_wrap_process`` wrappers. Hook calls are
+queued and made in order by one dispatcher task, so a failing hook never holds up a key session
+and a slow one only when it falls far behind: once ``event_backlog`` calls wait for their hooks,
+key sessions wait before their next request (and new sessions before they open) until the hooks
+catch up. No lifecycle hook is ever dropped, and the queue stays bounded (by ``event_backlog``
+plus the few calls each running session queues between two requests). The dispatcher is drained
+before ``keyqueue_worker_stopping`` fires.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
-from keyqueue.core.processor import (
-    BatchOutcome,
-    KeyProcessor,
-    ProcessorFactory,
-    Reply,
-    Request,
-    RequestContext,
-    SessionContext,
-)
-from keyqueue.core.retry import RetryPolicy
+from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, describe
+from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Request, RequestContext
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
-from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, LeaseLost
+from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError
 from keyqueue.jetstream.pull import PullOptions
-from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -59,44 +53,28 @@ __all__ = ["Worker"]
 
 log = logging.getLogger("keyqueue.worker")
 
-_LEDGER_SIZE: Final = 100_000
-"""Most in-flight requests whose message type a worker remembers for its hooks."""
-
 CONNECT_RETRY_FIRST: Final = 0.5
 """Seconds before a worker tries an unreachable server again at start (doubling)."""
 CONNECT_RETRY_MAX: Final = 5.0
 """Longest wait, in seconds, between a starting worker's connection attempts."""
 
 _EVENT_BACKLOG: Final = 10_000
-"""Lifecycle events waiting for their hooks before key sessions wait for the hooks to catch up."""
+"""Lifecycle hook calls waiting to be made before key sessions wait for the hooks to catch up."""
 
 _BACKLOG_WARN_INTERVAL: Final = 60.0
 """Seconds between two warnings that key sessions wait for slow hooks."""
 
-_OUTCOMES: Final = {
-    "released": "released",
-    "handed-off": "handed-off",
-    "lease_lost": "lease-lost",
-    "session_failed": "failed",
-    "interrupted": "interrupted",
-}
-"""Core session-ending events -> the ``outcome`` of ``keyqueue_key_released``."""
-
-_HOOKED_EVENTS: Final = frozenset({"acquired", "pinned", "unpinned", "started", "failed", "retried", "succeeded",
-                                   "dead_lettered", *_OUTCOMES})
-"""Core events that become hook calls; the others (``contended``, ...) are not queued."""
-
-
-@dataclasses.dataclass
-class _Note:
-    """What the worker learnt about a request while its processor had it."""
-
-    message_type: str
-    superseded_by: str | None = None
+HookCall = Callable[[], Awaitable[None]]
+"""One lifecycle hook call, bound to its arguments, waiting for the dispatcher."""
 
 
 class Worker:
-    """Serves an app's queues: one core ``QueueWorker`` per queue, plugins, and a clean stop."""
+    """Serves an app's queues: one core ``QueueWorker`` per queue, plugins, and a clean stop.
+
+    A processor built by ``keyqueue_build_processor`` finds what the worker serves in two public
+    members: :meth:`queue_tasks` (a queue's tasks) and :attr:`executor` (the threads for sync
+    task functions); the default processor (``keyqueue.builtins.processor``) uses both.
+    """
 
     def __init__(self, app: App, *, queues: Sequence[str] | None = None, concurrency: int = 16,
                  linger: float = 0.05, ack_wait: float | None = None, drain_timeout: float = 10.0,
@@ -127,13 +105,12 @@ class Worker:
         """Lifecycle events queued for hooks at which key sessions start waiting for them."""
         self.held_back = 0
         """Times a key session waited for slow hooks to catch up."""
-        # Unbounded as a container (the core's event sink is sync and cannot wait), bounded by
-        # back-pressure: see wait_for_hooks.
-        self._events: asyncio.Queue[tuple[str, dict[str, Any]] | None] = asyncio.Queue()
+        # Unbounded as a container (a session's notifications are sync and cannot wait), bounded
+        # by back-pressure: see wait_for_room.
+        self._events: asyncio.Queue[HookCall | None] = asyncio.Queue()
         self._room = asyncio.Event()
         self._room.set()
         self._warned_at = -_BACKLOG_WARN_INTERVAL
-        self._ledger: collections.OrderedDict[str, _Note] = collections.OrderedDict()
         self._runner: asyncio.Task[None] | None = None
         self._unsubscribe: Any = None
         self._started = False
@@ -144,7 +121,7 @@ class Worker:
 
     @property
     def events_waiting(self) -> int:
-        """Lifecycle events not yet delivered to the hooks."""
+        """Lifecycle hook calls not yet made."""
         return self._events.qsize()
 
     @property
@@ -186,7 +163,7 @@ class Worker:
                 config = dataclasses.replace(config, ack_wait=self.ack_wait)
             settings = SessionSettings(ack_wait=config.ack_wait, linger=self.linger, drain_timeout=self.drain_timeout)
             self.queue_workers[queue] = QueueWorker(nc, config, self._factory(queue), concurrency=self.concurrency,
-                                                    settings=settings, name=self.name, on_event=self._on_event,
+                                                    settings=settings, name=self.name, observer=self,
                                                     pull=self.pull)
         self._unsubscribe = self.app.on_reconnect(self._reconnected)
         self._runner = asyncio.create_task(self._run(), name=f"keyqueue-worker:{self.name}")
@@ -200,7 +177,7 @@ class Worker:
             finally:
                 await self._release()
             raise KeyqueueError(f"worker {self.name} stopped while starting")
-        await self.app.plugins.notify("keyqueue_worker_started", worker=self)
+        await self.app.plugins.lifecycle.worker_started(worker=self)
 
     async def _connect(self) -> Client:
         """The app's connection, waiting for the server while it is unreachable (services often
@@ -256,7 +233,7 @@ class Worker:
         try:
             await self._finish()
         finally:
-            await self.app.plugins.notify("keyqueue_worker_stopping", worker=self, reverse=True)
+            await self.app.plugins.lifecycle.worker_stopping(worker=self)
             await self._release()
 
     async def _release(self) -> None:
@@ -310,49 +287,89 @@ class Worker:
 
     def _factory(self, queue: str) -> ProcessorFactory:
         async def build(key: str) -> KeyProcessor:
-            processor = await self.app.plugins.first("keyqueue_build_processor", app=self.app, worker=self,
-                                                     queue=queue, key=key)
+            processor: KeyProcessor | None = await self.app.plugins.first(
+                "keyqueue_build_processor", app=self.app, worker=self, queue=queue, key=key)
             if processor is None:
                 raise ConfigError(f"no plugin built a processor for queue {queue!r} (key {key!r})")
-            return _ObservedProcessor(processor, self, queue)
+            return processor
 
         return build
 
-    def note(self, request: Request) -> None:
-        """Remember a request's message type while it is processed (for the lifecycle hooks)."""
-        if request.request_id in self._ledger:
-            return  # a retry
-        message_type = next((v for k, v in request.headers.items() if k.lower() == H.MESSAGE_TYPE.lower()), "")
-        self._ledger[request.request_id] = _Note(message_type)
-        while len(self._ledger) > _LEDGER_SIZE:
-            self._ledger.popitem(last=False)  # notes of requests whose outcome never came (lost keys)
+    # --- the sessions' steps -> hook calls (keyqueue.core.observer.SessionObserver) ---
 
-    def superseded(self, request_id: str, by: str) -> None:
-        note = self._ledger.get(request_id)
-        if note is not None:
-            note.superseded_by = by
+    def key_acquired(self, hold: KeyHold) -> None:
+        self._queue(functools.partial(self.app.plugins.lifecycle.key_acquired, worker=self, queue=hold.queue,
+                                      key=hold.key, fencing=hold.fencing))
 
-    # --- events -> hooks ---
+    def key_released(self, hold: KeyHold, end: SessionEnd) -> None:
+        if end.outcome is Outcome.CONTENDED:
+            return  # never acquired: no keyqueue_key_acquired to close
+        self._queue(functools.partial(self.app.plugins.lifecycle.key_released, worker=self, queue=hold.queue,
+                                      key=hold.key, outcome=end.outcome.value))
 
-    def _on_event(self, event: str, fields: dict[str, Any]) -> None:
-        """The core's event sink (sync): queue the event for the dispatcher, if a hook takes it."""
-        if event in _HOOKED_EVENTS:
-            self._queue(event, fields)
+    def request_started(self, attempt: RequestAttempt) -> None:
+        self._queue(functools.partial(self.app.plugins.lifecycle.request_started, worker=self, queue=attempt.queue,
+                                      key=attempt.key, request_id=attempt.request_id,
+                                      message_type=attempt.message_type, attempt=attempt.attempt))
 
-    def failed(self, queue: str, key: str, request_id: str, attempt: int, error: BaseException) -> None:
-        """An attempt raised (reported by the observing processor)."""
-        self._queue("failed", {"queue": queue, "key": key, "request_id": request_id, "attempt": attempt,
-                               "error": error})
+    def attempt_failed(self, attempt: RequestAttempt, error: BaseException) -> None:
+        self._queue(functools.partial(self.app.plugins.lifecycle.request_failed, worker=self, queue=attempt.queue,
+                                      key=attempt.key, request_id=attempt.request_id,
+                                      message_type=attempt.message_type, attempt=attempt.attempt, error=error))
 
-    def _queue(self, event: str, fields: dict[str, Any]) -> None:
-        self._events.put_nowait((event, fields))
+    def request_retried(self, attempt: RequestAttempt, delay: float, error: BaseException) -> None:
+        self._queue(functools.partial(self.app.plugins.lifecycle.request_retried, worker=self, queue=attempt.queue,
+                                      key=attempt.key, request_id=attempt.request_id,
+                                      message_type=attempt.message_type, attempt=attempt.attempt, delay=delay,
+                                      error=describe(error)))
+
+    def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
+        hooks = self.app.plugins.lifecycle
+        if superseded_by is not None:
+            self._queue(functools.partial(hooks.request_superseded, worker=self, queue=request.queue, key=request.key,
+                                          request_id=request.request_id, message_type=request.message_type,
+                                          superseded_by=superseded_by))
+        else:
+            self._queue(functools.partial(hooks.request_succeeded, worker=self, queue=request.queue, key=request.key,
+                                          request_id=request.request_id, message_type=request.message_type,
+                                          elapsed=elapsed))
+
+    def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+        self._queue(functools.partial(self.app.plugins.lifecycle.request_dead_lettered, worker=self,
+                                      queue=request.queue, key=request.key, request_id=request.request_id,
+                                      message_type=request.message_type, reason=reason, attempts=request.attempt,
+                                      error=describe(error)))
+
+    def worker_pinned(self, queue: str, pin_id: str) -> None:
+        self._queue(functools.partial(self.app.plugins.lifecycle.worker_pinned, worker=self, queue=queue,
+                                      pin_id=pin_id))
+
+    def worker_unpinned(self, queue: str, pin_id: str) -> None:
+        self._queue(functools.partial(self.app.plugins.lifecycle.worker_unpinned, worker=self, queue=queue,
+                                      pin_id=pin_id))
+
+    def around_attempt(self, attempt: RequestAttempt, context: RequestContext,
+                       requests: Sequence[Request]) -> AbstractAsyncContextManager[object]:
+        """The ``keyqueue_wrap_process`` wrappers, entered in call order and exited in reverse."""
+        return self._wrapped(attempt.queue, attempt.key, requests, context)
+
+    @contextlib.asynccontextmanager
+    async def _wrapped(self, queue: str, key: str, requests: Sequence[Request],
+                       context: RequestContext) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            await self.app.plugins.enter_wrappers(stack, "keyqueue_wrap_process", queue=queue, key=key,
+                                                  requests=requests, context=context)
+            yield
+
+    def _queue(self, call: HookCall) -> None:
+        self._events.put_nowait(call)
         if self._events.qsize() >= self.event_backlog:
             self._room.clear()
 
-    async def wait_for_hooks(self) -> None:
-        """Back-pressure: wait while ``event_backlog`` events wait for their hooks.
+    async def wait_for_room(self) -> None:
+        """Back-pressure: wait while ``event_backlog`` hook calls wait to be made.
 
-        Key sessions call it before each attempt and before they open, so a burst of events
+        Key sessions call it before each attempt and before they open, so a burst of steps
         cannot outgrow memory and no hook call is dropped; the price is that slow hooks slow the
         worker down. (A hook must therefore never wait for a request this worker processes.)
         """
@@ -368,115 +385,14 @@ class Worker:
 
     async def _dispatch(self) -> None:
         try:
-            await self._deliver_events()
+            while (call := await self._events.get()) is not None:
+                if self._events.qsize() < self.event_backlog:
+                    self._room.set()
+                await call()
         finally:
             self._room.set()  # nothing may wait for a dispatcher that has ended
-
-    async def _deliver_events(self) -> None:
-        while (item := await self._events.get()) is not None:
-            if self._events.qsize() < self.event_backlog:
-                self._room.set()
-            event, fields = item
-            call = self._hook_call(event, fields)
-            if call is not None:
-                hook, reverse, kwargs = call
-                await self.app.plugins.notify(hook, reverse=reverse, worker=self, **kwargs)
-
-    def _hook_call(self, event: str, fields: dict[str, Any]) -> tuple[str, bool, dict[str, Any]] | None:
-        base = {"queue": fields.get("queue", ""), "key": fields.get("key", "")}
-        request_id = str(fields.get("request_id", ""))
-        if event == "acquired":
-            fencing = fields.get("fencing") or (0, 0)
-            return "keyqueue_key_acquired", False, {**base, "fencing": (int(fencing[0]), int(fencing[1]))}
-        if event in _OUTCOMES:
-            return "keyqueue_key_released", True, {**base, "outcome": _OUTCOMES[event]}
-        if event in ("pinned", "unpinned"):
-            queue = {"queue": base["queue"], "pin_id": str(fields.get("pin_id", ""))}
-            return f"keyqueue_worker_{event}", event == "unpinned", queue
-        if event not in ("started", "failed", "retried", "succeeded", "dead_lettered"):
-            return None
-        final = event in ("succeeded", "dead_lettered")
-        note = self._ledger.pop(request_id, None) if final else self._ledger.get(request_id)
-        request = {**base, "request_id": request_id, "message_type": note.message_type if note else ""}
-        if event == "started":
-            return "keyqueue_request_started", False, {**request, "attempt": int(fields.get("attempt", 1))}
-        if event == "failed":
-            return "keyqueue_request_failed", True, {**request, "attempt": fields["attempt"], "error": fields["error"]}
-        if event == "retried":
-            return "keyqueue_request_retried", True, {**request, "attempt": int(fields.get("attempt", 1)),
-                                                      "delay": float(fields.get("delay", 0.0)),
-                                                      "error": str(fields.get("error", ""))}
-        if event == "dead_lettered":
-            return "keyqueue_request_dead_lettered", True, {**request, "reason": str(fields.get("reason", "")),
-                                                            "attempts": int(fields.get("attempts", 0)),
-                                                            "error": str(fields.get("error", ""))}
-        if note is not None and note.superseded_by is not None:
-            return "keyqueue_request_superseded", True, {**request, "superseded_by": note.superseded_by}
-        return "keyqueue_request_succeeded", True, {**request, "elapsed": float(fields.get("elapsed", 0.0))}
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     first = group.exceptions[0]
     return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
-
-
-class _ObservedProcessor:
-    """Wraps every processor: ``keyqueue_wrap_process`` around each attempt, notes for the hooks."""
-
-    def __init__(self, inner: KeyProcessor, worker: Worker, queue: str) -> None:
-        self.inner = inner
-        self.worker = worker
-        self.queue = queue
-
-    @property
-    def batch_size(self) -> int:
-        return int(getattr(self.inner, "batch_size", 0))
-
-    @batch_size.setter
-    def batch_size(self, value: int) -> None:
-        self.inner.batch_size = value
-
-    async def open(self, ctx: SessionContext) -> None:
-        await self.worker.wait_for_hooks()
-        await self.inner.open(ctx)
-
-    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
-        [reply] = await self._attempt(ctx, [request], batch=False)
-        if isinstance(reply, BaseException):
-            raise reply
-        return reply
-
-    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
-        return await self._attempt(ctx, requests, batch=True)
-
-    async def _attempt(self, ctx: RequestContext, requests: list[Request], *,
-                       batch: bool) -> Sequence[BatchOutcome]:
-        await self.worker.wait_for_hooks()
-        for request in requests:
-            self.worker.note(request)
-        try:
-            async with AsyncExitStack() as stack:
-                await self.worker.app.plugins.enter_wrappers(stack, "keyqueue_wrap_process", queue=self.queue,
-                                                             key=ctx.key, requests=requests, context=ctx)
-                if batch:
-                    replies = await self.inner.handle_batch(ctx, requests)
-                else:
-                    replies = [await self.inner.handle(ctx, requests[0])]
-        except LeaseLost:
-            raise
-        except Exception as exc:
-            self.worker.failed(self.queue, ctx.key, requests[0].request_id, ctx.attempt, exc)
-            raise
-        for request, reply in zip(requests, replies, strict=False):
-            if isinstance(reply, Reply) and reply.headers.get(H.STATUS) == H.STATUS_SUPERSEDED:
-                self.worker.superseded(request.request_id, reply.headers.get(H.SUPERSEDED_BY, ""))
-        return replies
-
-    async def idle(self, ctx: SessionContext) -> None:
-        await self.inner.idle(ctx)
-
-    async def close(self, ctx: SessionContext, reason: str) -> None:
-        await self.inner.close(ctx, reason)
-
-    def retry_policy(self, request: Request) -> RetryPolicy | None:
-        return self.inner.retry_policy(request)

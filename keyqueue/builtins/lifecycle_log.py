@@ -1,6 +1,6 @@
 """The built-in plugin that logs what the core's own log lines cannot say: tasks and tracebacks.
 
-The core logs sessions and outcomes by key (``keyqueue.app.worker``); this plugin adds the worker's
+The core logs sessions and outcomes by key (``keyqueue.core.worker``); this plugin adds the worker's
 queues and tasks when it starts, a failed attempt with its traceback, and superseded requests.
 """
 

@@ -53,7 +53,12 @@ so a decode left on the loop takes a few milliseconds at most; a thread hop cost
 
 
 class TaskProcessor(BaseProcessor):
-    """Runs the ``@task`` functions of one queue for one key session."""
+    """Runs the ``@task`` functions of one queue for one key session.
+
+    ``tasks`` are the queue's tasks by name; ``executor`` runs the sync ones (None: asyncio's
+    default threads). The built-in plugin takes both from the worker (``Worker.queue_tasks``,
+    ``Worker.executor``).
+    """
 
     def __init__(self, app: App, queue: str, key: str, tasks: Mapping[str, AnyTask],
                  executor: Executor | None = None) -> None:
@@ -144,7 +149,7 @@ class TaskProcessor(BaseProcessor):
         if isinstance(reading, WireError):
             raise reading
         args, kwargs = task.codec.to_call(reading[1])
-        result = await task.run(Context(ctx, task.name, (request.request_id,)), args, kwargs, self.executor)
+        result = await self._run(task, Context(ctx, task.name, (request.request_id,)), args, kwargs)
         return self.reply(task, request, result)
 
     # --- batch, latest, merge ---
@@ -178,7 +183,7 @@ class TaskProcessor(BaseProcessor):
     async def _batch(self, ctx: RequestContext, task: BatchTask[Any, Any], requests: list[Request],
                      items: list[Any]) -> list[Reply | None]:
         context = Context(ctx, task.name, tuple(r.request_id for r in requests))
-        results = await task.run(context, [items], {}, self.executor)
+        results = await self._run(task, context, [items], {})
         if results is None:
             return [self.reply(task, r, None) for r in requests]
         if not isinstance(results, Sequence) or isinstance(results, str | bytes) or len(results) != len(requests):
@@ -192,8 +197,7 @@ class TaskProcessor(BaseProcessor):
         newest = requests[-1]
         args, kwargs = task.codec.to_call(arguments[-1])
         ids = tuple(r.request_id for r in requests)
-        result = await task.run(Context(ctx, task.name, ids, request_id=newest.request_id), args, kwargs,
-                                self.executor)
+        result = await self._run(task, Context(ctx, task.name, ids, request_id=newest.request_id), args, kwargs)
         superseded = {H.STATUS: H.STATUS_SUPERSEDED, H.SUPERSEDED_BY: newest.request_id}
         replies: list[Reply | None] = [Reply(b"", {**result_headers(task.name, task.spec.version), **superseded})
                                        for _ in requests[:-1]]
@@ -213,9 +217,12 @@ class TaskProcessor(BaseProcessor):
         args, kwargs = task.codec.to_call(merged)
         newest = requests[-1]
         ids = tuple(r.request_id for r in requests)
-        result = await task.run(Context(ctx, task.name, ids, request_id=newest.request_id), args, kwargs,
-                                self.executor)
+        result = await self._run(task, Context(ctx, task.name, ids, request_id=newest.request_id), args, kwargs)
         return [self.reply(task, r, result, {ABSORBED_BY: newest.request_id}) for r in requests]
+
+    async def _run(self, task: AnyTask, context: Context, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """Call the task's function (a sync one in :attr:`executor`)."""
+        return await task.run(context, args, kwargs, self.executor)
 
 
 # --- the built-in plugin ---------------------------------------------------------------------------

@@ -8,6 +8,8 @@ under the session's fencing token (logging the ``write`` and whether it was acce
 ``end`` (``"ok": false`` when it did not finish). A refused write means this holder is a former
 one: the run ends with ``LeaseLost`` and leaves the request to the current holder.
 
+Every step of every key session is logged too, as an ``event`` record (:class:`EventLog`).
+
 Signals inject faults into this process: SIGUSR1 blocks the event loop for ``--stall-under``
 seconds, SIGUSR2 for ``--stall-over`` (each logged as ``paused`` / ``resumed``, since nothing in
 the process runs meanwhile); SIGTERM drains (a second SIGTERM stops at once).
@@ -25,6 +27,7 @@ import time
 from typing import Any
 
 from keyqueue.chaos.fenced import FencedStore
+from keyqueue.core.observer import KeyHold, NullObserver, Outcome, RequestAttempt, SessionEnd, describe
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import SessionSettings
@@ -44,6 +47,65 @@ class RunLog:
     def write(self, kind: str, **fields: Any) -> None:
         line = json.dumps({"w": self.worker, "kind": kind, "t": time.time(), **fields}, default=str)
         os.write(self.fd, (line + "\n").encode())
+
+
+class EventLog(NullObserver):
+    """A session observer that appends each step to the run log as an ``event`` record::
+
+        {"w": "w1", "kind": "event", "t": ..., "event": "acquired", "queue": "q", "worker": "w1",
+         "key": "k", "fencing": [7, 1], "delivered": 1}
+
+    Events and their fields: ``acquired`` (fencing, delivered), ``started`` (request_id, seq,
+    attempt, batch, message_type), ``retried`` (request_id, attempt, delay, error, message_type),
+    ``succeeded`` (request_id, seq, elapsed, message_type), ``dead_lettered`` (request_id, seq,
+    reason, attempts, error, message_type), ``released`` / ``handed-off`` (processed, republished),
+    ``lease_lost`` (reason), ``session_failed`` (error), ``interrupted``, ``contended``, and
+    ``pinned`` / ``unpinned`` (pin_id, key null).
+    """
+
+    def __init__(self, log: RunLog, worker: str) -> None:
+        self.log = log
+        self.worker = worker
+
+    def _write(self, event: str, queue: str, key: str | None, **fields: Any) -> None:
+        self.log.write("event", event=event, queue=queue, worker=self.worker, key=key, **fields)
+
+    def key_acquired(self, hold: KeyHold) -> None:
+        self._write("acquired", hold.queue, hold.key, fencing=hold.fencing, delivered=hold.delivered)
+
+    def key_released(self, hold: KeyHold, end: SessionEnd) -> None:
+        if end.outcome is Outcome.LEASE_LOST:
+            self._write("lease_lost", hold.queue, hold.key, reason=end.reason)
+        elif end.outcome is Outcome.FAILED:
+            self._write("session_failed", hold.queue, hold.key, error=end.reason)
+        elif end.outcome in (Outcome.INTERRUPTED, Outcome.CONTENDED):
+            self._write(end.outcome.value, hold.queue, hold.key)
+        else:
+            self._write(end.outcome.value, hold.queue, hold.key, processed=end.processed,
+                        republished=end.republished)
+
+    def request_started(self, attempt: RequestAttempt) -> None:
+        self._write("started", attempt.queue, attempt.key, request_id=attempt.request_id, seq=attempt.seq,
+                    attempt=attempt.attempt, batch=attempt.batch, message_type=attempt.message_type)
+
+    def request_retried(self, attempt: RequestAttempt, delay: float, error: BaseException) -> None:
+        self._write("retried", attempt.queue, attempt.key, request_id=attempt.request_id, attempt=attempt.attempt,
+                    delay=delay, error=describe(error), message_type=attempt.message_type)
+
+    def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
+        self._write("succeeded", request.queue, request.key, request_id=request.request_id, seq=request.seq,
+                    elapsed=elapsed, message_type=request.message_type)
+
+    def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+        self._write("dead_lettered", request.queue, request.key, request_id=request.request_id, seq=request.seq,
+                    reason=reason, attempts=request.attempt, error=describe(error),
+                    message_type=request.message_type)
+
+    def worker_pinned(self, queue: str, pin_id: str) -> None:
+        self._write("pinned", queue, None, pin_id=pin_id)
+
+    def worker_unpinned(self, queue: str, pin_id: str) -> None:
+        self._write("unpinned", queue, None, pin_id=pin_id)
 
 
 class FencedWriter(BaseProcessor):
@@ -116,7 +178,7 @@ async def main() -> None:
                                retry=RetryPolicy(max_attempts=1000, base_delay=0.05, max_delay=0.5))
     worker = QueueWorker(nc, config, lambda key: FencedWriter(log, store), concurrency=args.concurrency,
                          settings=settings, name=args.name, reconcile_interval=5.0,
-                         on_event=lambda event, fields: log.write("event", event=event, **fields))
+                         observer=EventLog(log, args.name))
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, _stall, log, args.stall_under)
     loop.add_signal_handler(signal.SIGUSR2, _stall, log, args.stall_over)

@@ -13,6 +13,10 @@
 The token only says the key has work; the lease record (core/lock.py) says who may do it. A
 lost lease ends the session at once: no ack, no nak, no delete, no reply. The keepalive task
 and the work run in one TaskGroup, so a keepalive that finds the lease lost cancels the work.
+
+Each step is told to the worker's :class:`~keyqueue.core.observer.SessionObserver` as it
+happens, with what the session knows of it (the message type, each attempt's exception, a
+superseded reply).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -31,6 +36,7 @@ from typing import Any, Final
 
 from keyqueue.core.lease import Lease
 from keyqueue.core.lock import KeyLock
+from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import KeyqueueError, LeaseLost, Reject, WireError
@@ -59,10 +65,6 @@ FAILED_SESSION_DELAY: Final = 1.0
 HAND_BACK_TIMEOUT: Final = 5.0
 """Bound, in seconds, on each step of giving a key back (settling deletes, the ack)."""
 
-Emit = Callable[..., None]
-"""``emit(event, **fields)``: the worker's sink for session lifecycle events."""
-
-
 @dataclass(frozen=True, slots=True)
 class SessionSettings:
     """How key sessions behave; one value per worker."""
@@ -74,15 +76,6 @@ class SessionSettings:
     crash_loop_limit: int = 10
     """A token delivered more than this many times dead-letters the key's head request."""
     drain_timeout: float = 10.0
-
-
-class Outcome:
-    RELEASED = "released"
-    LEASE_LOST = "lease-lost"
-    HANDED_OFF = "handed-off"
-    FAILED = "failed"
-    CONTENDED = "contended"
-    """The key's lease record stayed held by another worker until this worker began draining."""
 
 
 class _Context:
@@ -116,14 +109,14 @@ class KeySession:
     """One held key: reads its requests in order and hands them to its processor."""
 
     def __init__(self, io: QueueIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
-                 emit: Emit, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
+                 observer: SessionObserver, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
                  worker: str = "") -> None:
         self.io = io
         self.token = token
         self.key = token.key
         self.factory = factory
         self.settings = settings
-        self.emit = emit
+        self.observer = observer
         self.draining = draining
         self.should_yield = should_yield
         self.worker = worker
@@ -147,11 +140,18 @@ class KeySession:
         self._in_hand = 0
         """The inbox sequence of the request being processed (0 between requests)."""
         self.ctx = _Context(self)
+        self.ending: SessionEnd | None = None
+        """How the session ends, once that is decided (the counts are filled in when it is told)."""
         self._giving_back: asyncio.Task[None] | None = None
 
     @property
     def acquired(self) -> bool:
         return self.lock.lease is not None
+
+    def hold(self) -> KeyHold:
+        """What the observer is told of this session's hold on its key."""
+        fencing = self.ctx.fencing if self.acquired else (0, self.token.delivered)
+        return KeyHold(self.io.names.queue, self.key, fencing, self.token.delivered)
 
     def adopt(self, token: Token) -> bool:
         """Take a newer delivery of the same token (the server redelivered it to this worker while
@@ -166,11 +166,15 @@ class KeySession:
 
     # --- the whole session -----------------------------------------------------------------------
 
-    async def run(self) -> str:
-        """Run to the end; returns an :class:`Outcome`. Never raises but for cancellation."""
+    async def run(self) -> Outcome:
+        """Run to the end; returns an :class:`Outcome`. Never raises but for cancellation.
+
+        The observer hears ``key_released`` exactly once for a session that acquired its key
+        (however it ends, cancellation included) and for one that gave up waiting for it."""
         try:
             try:
                 if not await self._acquire():
+                    self.observer.key_released(self.hold(), SessionEnd(Outcome.CONTENDED))
                     return Outcome.CONTENDED
             except Exception as e:  # NATS down, a timeout: the token comes back later, to anyone
                 log.warning("queue %s key %s: could not acquire the key's lease record: %r", self.io.names.queue,
@@ -178,14 +182,15 @@ class KeySession:
                 with contextlib.suppress(Exception):
                     await self.io.nak(self.token, FAILED_SESSION_DELAY)
                 return Outcome.FAILED
-            self.emit("acquired", key=self.key, fencing=self.ctx.fencing, delivered=self.token.delivered)
             return await self._run()
         except asyncio.CancelledError:
             # Cut off by the drain deadline (or a second signal): the request in hand stays
             # stored and runs again on the next holder, who may start at once.
             if self._giving_back is None and self.acquired and self.lease.valid():
                 self._giving_back = asyncio.ensure_future(self._give_back(Outcome.HANDED_OFF))
-                self.emit("interrupted", key=self.key)
+                self.ending = SessionEnd(Outcome.INTERRUPTED)
+            elif self.ending is None and self.acquired and not self.lease.valid():
+                self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self.lease.lost_reason or "lease lost")
             if self._giving_back is not None:
                 # Even when cut off, a session that acked its token re-checks the inbox.
                 with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -195,6 +200,11 @@ class KeySession:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.shield(self.io.nak(self.token))
             raise
+        finally:
+            if self.acquired:
+                ending = self.ending or SessionEnd(Outcome.FAILED, reason="the session ended unexpectedly")
+                self.observer.key_released(self.hold(), dataclasses.replace(
+                    ending, processed=self.processed, republished=self.republished))
 
     async def _acquire(self) -> bool:
         """Acquire the key's lease record, waiting while another worker holds it."""
@@ -205,7 +215,6 @@ class KeySession:
             if self.draining.is_set():
                 with contextlib.suppress(Exception):
                     await self.io.nak(self.token)
-                self.emit("contended", key=self.key, fencing=self.token.fencing)
                 return False
             now = time.monotonic()
             if now >= next_keepalive:
@@ -231,6 +240,7 @@ class KeySession:
                 assert self.lock.lease is not None
                 self.lease = self.lock.lease
                 self.ctx.fencing = (self.lock.fence, self.token.delivered)
+                self.observer.key_acquired(self.hold())
                 if first_read is not None:
                     with contextlib.suppress(Exception):  # read again in the session
                         msgs, self.more = await first_read
@@ -250,8 +260,8 @@ class KeySession:
                         log.warning("queue %s key %s: deleted a lease record the server kept past twice its TTL",
                                     self.io.names.queue, self.key)
 
-    async def _run(self) -> str:
-        outcome = Outcome.FAILED
+    async def _run(self) -> Outcome:
+        """Work until the key is given back; sets :attr:`ending` before giving it back."""
         try:
             async with asyncio.TaskGroup() as tg:
                 keepalive = tg.create_task(self._keepalive(), name=f"keepalive:{self.key}")
@@ -263,7 +273,7 @@ class KeySession:
             lost = group.subgroup(LeaseLost)
             if lost is not None:
                 reason = self.lease.lost_reason or str(lost.exceptions[0]) or "lease lost"
-                self.emit("lease_lost", key=self.key, reason=reason)
+                self.ending = SessionEnd(Outcome.LEASE_LOST, reason=reason)
                 return Outcome.LEASE_LOST
             failed = group.subgroup(Exception)
             if failed is None:
@@ -271,13 +281,13 @@ class KeySession:
             # A processor or NATS failure: give the key back now, not after ack_wait, with a short
             # delay so a failure that repeats cannot spin through the fleet.
             first = failed.exceptions[0]
-            self.emit("session_failed", key=self.key, error=repr(first))
+            self.ending = SessionEnd(Outcome.FAILED, reason=repr(first), error=first)
             log.error("queue %s key %s: session failed: %r", self.io.names.queue, self.key, first,
                       exc_info=first)
             await self._give_back_shielded(Outcome.FAILED)
             return Outcome.FAILED
+        self.ending = SessionEnd(outcome)
         await self._give_back_shielded(outcome)
-        self.emit(outcome, key=self.key, processed=self.processed, republished=self.republished)
         return outcome
 
     async def _keepalive(self) -> None:
@@ -294,7 +304,8 @@ class KeySession:
             with contextlib.suppress(Exception):
                 await self.io.keepalive(self.token)
 
-    async def _work(self) -> str:
+    async def _work(self) -> Outcome:
+        await self.observer.wait_for_room()
         processor = await self._build_processor()
         # The arrival watch (a core subscription on the key's inbox subject) is opened only when
         # the session first has to wait: a key released at once (its worker is full and other
@@ -401,34 +412,33 @@ class KeySession:
         attempt = 0
         while True:
             attempt += 1
+            await self.observer.wait_for_room()
             self.lease.check()
             self.ctx.request_id, self.ctx.attempt = head.request_id, attempt
+            this = self._attempt(head.seq, head.headers, attempt, len(requests))
+            self.observer.request_started(this)
             started = time.monotonic()
-            self.emit("started", key=self.key, request_id=head.request_id, seq=head.seq, attempt=attempt,
-                      batch=len(requests), message_type=head.headers.get(H.MESSAGE_TYPE, ""))
             try:
-                if getattr(processor, "batch_size", 0) > 0:
-                    outcomes = await processor.handle_batch(self.ctx, requests)
-                    if not 0 < len(outcomes) <= len(requests):
-                        raise TypeError(f"handle_batch returned {len(outcomes)} outcomes for {len(requests)} "
-                                        "requests; return one per request handled, at least one")
-                else:
-                    outcomes = [await processor.handle(self.ctx, head)]
+                async with self.observer.around_attempt(this, self.ctx, requests):
+                    if getattr(processor, "batch_size", 0) > 0:
+                        outcomes = await processor.handle_batch(self.ctx, requests)
+                        if not 0 < len(outcomes) <= len(requests):
+                            raise TypeError(f"handle_batch returned {len(outcomes)} outcomes for {len(requests)} "
+                                            "requests; return one per request handled, at least one")
+                    else:
+                        outcomes = [await processor.handle(self.ctx, head)]
             except LeaseLost:
                 raise
-            except (WireError, Reject) as e:
-                await self._dead_letter(batch, e, attempt, reason="rejected")
-                return
-            except asyncio.CancelledError:
-                raise
             except Exception as e:
+                self.observer.attempt_failed(this, e)
+                if isinstance(e, WireError | Reject):
+                    await self._dead_letter(batch, e, attempt, reason="rejected")
+                    return
                 if policy.exhausted(attempt):
                     await self._dead_letter(batch, e, attempt, reason="max-attempts")
                     return
                 delay = policy.delay(attempt)
-                self.emit("retried", key=self.key, request_id=head.request_id, attempt=attempt,
-                          delay=delay, error=f"{type(e).__name__}: {e}",
-                          message_type=head.headers.get(H.MESSAGE_TYPE, ""))
+                self.observer.request_retried(this, delay, e)
                 if not await self._backoff(delay):
                     return  # draining: the request stays at the head for the next holder
                 continue
@@ -444,8 +454,13 @@ class KeySession:
                     if o is None or isinstance(o, Reply)]
             if done:
                 await self._succeeded([d[0] for d in done], [d[1] for d in done], [d[2] for d in done],
-                                      time.monotonic() - started, through=batch[-1].seq)
+                                      time.monotonic() - started, through=batch[-1].seq, attempt=attempt)
             return
+
+    def _attempt(self, seq: int, headers: Mapping[str, str], attempt: int, batch: int) -> RequestAttempt:
+        """What the observer is told of the request stored at ``seq``."""
+        return RequestAttempt(self.io.names.queue, self.key, headers.get(H.MSG_ID, ""), _message_type(headers),
+                              seq, attempt, batch)
 
     async def _backoff(self, delay: float) -> bool:
         """Sleep before a retry, holding the key; False if a drain started meanwhile."""
@@ -459,7 +474,7 @@ class KeySession:
         return not self.draining.is_set()
 
     async def _succeeded(self, batch: list[StoredMsg], requests: list[Request], replies: list[Reply | None],
-                         elapsed: float, through: int) -> None:
+                         elapsed: float, through: int, attempt: int) -> None:
         self.lease.check()
         last = through
         if len(batch) == 1 and batch[0].seq == through:
@@ -479,8 +494,11 @@ class KeySession:
                 await self.io.reply(request.reply_inbox, {H.STATUS: "ok", H.REQUEST_ID: request.request_id,
                                                           **(reply.headers if reply else {})},
                                     reply.data if reply else b"")
-            self.emit("succeeded", key=self.key, request_id=request.request_id, seq=request.seq,
-                      elapsed=elapsed, message_type=request.headers.get(H.MESSAGE_TYPE, ""))
+            superseded_by = None
+            if reply is not None and reply.headers.get(H.STATUS) == H.STATUS_SUPERSEDED:
+                superseded_by = reply.headers.get(H.SUPERSEDED_BY, "")
+            self.observer.request_succeeded(self._attempt(request.seq, request.headers, attempt, len(requests)),
+                                            elapsed, superseded_by)
 
     async def _settle_deletes(self) -> None:
         deletes, self.deletes = self.deletes, []
@@ -511,9 +529,8 @@ class KeySession:
                                             H.ERROR_TYPE: type(error).__name__,
                                             H.ERROR_MESSAGE: H.header_safe(str(error)),
                                             H.DLQ_REASON: reason}, b"")
-            self.emit("dead_lettered", key=self.key, request_id=msg.headers.get(H.MSG_ID, ""), seq=msg.seq,
-                      reason=reason, attempts=attempts, error=f"{type(error).__name__}: {error}",
-                      message_type=msg.headers.get(H.MESSAGE_TYPE, ""))
+            self.observer.request_dead_lettered(self._attempt(msg.seq, msg.headers, attempts, len(batch)), reason,
+                                                error)
 
     async def _count_head_run(self, head: StoredMsg) -> int:
         """Count one more session that starts with ``head`` on a redelivered token; the count."""
@@ -542,7 +559,7 @@ class KeySession:
 
     # --- release ---------------------------------------------------------------------------------
 
-    async def _release(self, processor: KeyProcessor, reason: str) -> str:
+    async def _release(self, processor: KeyProcessor, reason: str) -> Outcome:
         """Finish owed work; :meth:`_give_back` then gives the key back."""
         if reason == "shutdown":
             try:
@@ -554,11 +571,11 @@ class KeySession:
         await processor.idle(self.ctx)
         return Outcome.RELEASED
 
-    async def _give_back_shielded(self, outcome: str) -> None:
+    async def _give_back_shielded(self, outcome: Outcome) -> None:
         self._giving_back = asyncio.ensure_future(self._give_back(outcome))
         await asyncio.shield(self._giving_back)
 
-    async def _give_back(self, outcome: str) -> None:
+    async def _give_back(self, outcome: Outcome) -> None:
         """Settle deletes, remove the lease record, ack (or, after a failure, nak) the token, and
         re-check the inbox. Never raises: whatever fails here, the record's TTL frees the key."""
         if not self.lease.valid():
@@ -592,3 +609,12 @@ class KeySession:
         except Exception as e:
             log.warning("queue %s key %s: re-check after release failed (the reconciler schedules the key): "
                         "%r", self.io.names.queue, self.key, e)
+
+
+def _message_type(headers: Mapping[str, str]) -> str:
+    """A request's ``X-MESSAGE-TYPE``, the header's name in any case (as the wire layer reads it)."""
+    found = headers.get(H.MESSAGE_TYPE)
+    if found is None:
+        wanted = H.MESSAGE_TYPE.lower()
+        found = next((v for k, v in headers.items() if k.lower() == wanted), "")
+    return found

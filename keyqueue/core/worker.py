@@ -2,6 +2,11 @@
 
 One asyncio task per key session, owned by a TaskGroup; the puller, the reconciler, the
 loop-lag monitor and the backlog probe are owned tasks too, cancelled and awaited on exit.
+
+The sessions' steps are logged (on ``keyqueue.worker``: lease lost, dead-lettered and failed
+sessions as warnings, releases, retries and pins as info, the rest as debug), counted, and told
+to the worker's :class:`~keyqueue.core.observer.SessionObserver`, whose failures are logged and
+never reach a session.
 """
 
 from __future__ import annotations
@@ -13,13 +18,23 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, ParamSpec
 
 from nats.aio.client import Client
 
 from keyqueue.core.lease import Lease
-from keyqueue.core.processor import ProcessorFactory
+from keyqueue.core.observer import (
+    KeyHold,
+    NullObserver,
+    Outcome,
+    RequestAttempt,
+    SessionEnd,
+    SessionObserver,
+    describe,
+)
+from keyqueue.core.processor import ProcessorFactory, Request, RequestContext
 from keyqueue.core.reconciler import Reconciler
 from keyqueue.core.session import KeySession, SessionSettings
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, KeyqueueTimeout
@@ -36,7 +51,7 @@ NO_JETSTREAM_AFTER = 30.0
 LOOP_TICK = 0.1
 """Seconds between the loop-lag monitor's ticks."""
 
-EventSink = Callable[[str, dict[str, Any]], None]
+P = ParamSpec("P")
 
 
 class QueueWorker:
@@ -45,7 +60,7 @@ class QueueWorker:
     def __init__(self, nc: Client, config: QueueConfig, factory: ProcessorFactory, *,
                  concurrency: int = 16, settings: SessionSettings | None = None,
                  pull: PullOptions | None = None, reconcile_interval: float = 30.0,
-                 name: str | None = None, on_event: EventSink | None = None) -> None:
+                 name: str | None = None, observer: SessionObserver | None = None) -> None:
         self.nc = nc
         self.config = config
         self.factory = factory
@@ -57,7 +72,8 @@ class QueueWorker:
                 f"({config.ack_wait}s); use one value for both (SessionSettings(ack_wait=config.ack_wait))"
             )
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.on_event = on_event
+        self.report = _Report(config.name, observer or NullObserver())
+        """What the sessions call: logs and counts each step, then tells ``observer``."""
         self.io = QueueIO(nc, config)
         pull = dataclasses.replace(pull) if pull is not None else PullOptions()
         if config.priority_policy != "none":
@@ -83,8 +99,6 @@ class QueueWorker:
         self._last_tick = time.monotonic()
         self._stale_after = self.settings.ack_wait - Lease.default_margin(self.settings.ack_wait)
         """A stall this long may have outlived every lease this worker held."""
-        self.counts: dict[str, int] = {}
-        """Events seen, by name (acquired, succeeded, retried, dead_lettered, released, ...)."""
 
     # --- slots -----------------------------------------------------------------------------------
 
@@ -95,22 +109,10 @@ class QueueWorker:
         """An idle session releases early when every slot is busy and other keys wait for one."""
         return self._tokens_waiting and self.free_slots() <= 0
 
-    # --- events ----------------------------------------------------------------------------------
-
-    def emit(self, event: str, **fields: Any) -> None:
-        self.counts[event] = self.counts.get(event, 0) + 1
-        level = logging.WARNING if event in ("lease_lost", "dead_lettered", "session_failed") else logging.DEBUG
-        if event in ("acquired", "released", "handed-off", "retried", "interrupted", "pinned", "unpinned"):
-            level = max(level, logging.INFO if event != "acquired" else logging.DEBUG)
-        if log.isEnabledFor(level):
-            detail = " ".join(f"{k}={v}" for k, v in fields.items() if k != "key")
-            extra = {"kq_event": event, "kq_queue": self.config.name, **{f"kq_{k}": v for k, v in fields.items()}}
-            log.log(level, "%s queue=%s key=%s %s", event, self.config.name, fields.get("key"), detail, extra=extra)
-        if self.on_event is not None:
-            try:
-                self.on_event(event, {"queue": self.config.name, "worker": self.name, **fields})
-            except Exception:
-                log.exception("event observer failed on %s", event)
+    @property
+    def counts(self) -> dict[str, int]:
+        """Session steps seen, by name (acquired, started, succeeded, retried, dead_lettered, released, ...)."""
+        return self.report.counts
 
     # --- tokens ----------------------------------------------------------------------------------
 
@@ -134,7 +136,7 @@ class QueueWorker:
             with contextlib.suppress(KeyqueueError):
                 await self.io.nak(token)
             return
-        session = KeySession(self.io, token, self.factory, self.settings, emit=self.emit,
+        session = KeySession(self.io, token, self.factory, self.settings, observer=self.report,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name)
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
@@ -143,9 +145,9 @@ class QueueWorker:
     async def _on_pinned(self, pin_id: str | None) -> None:
         was, self.pinned = self.pinned, pin_id
         if pin_id is not None:
-            self.emit("pinned", key=None, pin_id=pin_id)
+            self.report.worker_pinned(self.config.name, pin_id)
         elif was is not None:
-            self.emit("unpinned", key=None, pin_id=was)
+            self.report.worker_unpinned(self.config.name, was)
 
     async def _run_session(self, session: KeySession, previous: asyncio.Task[str] | None = None) -> str:
         try:
@@ -264,3 +266,88 @@ class QueueWorker:
                 continue
             with contextlib.suppress(KeyqueueError):
                 self._tokens_waiting = await self.io.tokens_waiting() > 0
+
+
+class _Report:
+    """The observer a queue worker's sessions call: logs and counts each step (by its event name:
+    ``acquired``, ``lease_lost``, ``dead_lettered``, ...), then tells the worker's observer."""
+
+    def __init__(self, queue: str, observer: SessionObserver) -> None:
+        self.queue = queue
+        self.observer = observer
+        self.counts: dict[str, int] = {}
+
+    def _log(self, event: str, level: int, key: str | None, **fields: Any) -> None:
+        self.counts[event] = self.counts.get(event, 0) + 1
+        if log.isEnabledFor(level):
+            detail = " ".join(f"{k}={v}" for k, v in fields.items())
+            extra = {"kq_event": event, "kq_queue": self.queue, "kq_key": key,
+                     **{f"kq_{k}": v for k, v in fields.items()}}
+            log.log(level, "%s queue=%s key=%s %s", event, self.queue, key, detail, extra=extra)
+
+    def _tell(self, step: Callable[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            step(*args, **kwargs)
+        except Exception:
+            log.exception("session observer failed in %s; carrying on", step.__name__)
+
+    def key_acquired(self, hold: KeyHold) -> None:
+        self._log("acquired", logging.DEBUG, hold.key, fencing=hold.fencing, delivered=hold.delivered)
+        self._tell(self.observer.key_acquired, hold)
+
+    def key_released(self, hold: KeyHold, end: SessionEnd) -> None:
+        outcome = end.outcome
+        if outcome is Outcome.LEASE_LOST:
+            self._log("lease_lost", logging.WARNING, hold.key, reason=end.reason)
+        elif outcome is Outcome.FAILED:
+            self._log("session_failed", logging.WARNING, hold.key, error=end.reason)
+        elif outcome is Outcome.INTERRUPTED:
+            self._log(outcome.value, logging.INFO, hold.key)
+        elif outcome is Outcome.CONTENDED:
+            self._log(outcome.value, logging.DEBUG, hold.key)
+        else:
+            self._log(outcome.value, logging.INFO, hold.key, processed=end.processed, republished=end.republished)
+        self._tell(self.observer.key_released, hold, end)
+
+    def request_started(self, attempt: RequestAttempt) -> None:
+        self._log("started", logging.DEBUG, attempt.key, request_id=attempt.request_id, seq=attempt.seq,
+                  attempt=attempt.attempt, batch=attempt.batch, message_type=attempt.message_type)
+        self._tell(self.observer.request_started, attempt)
+
+    def attempt_failed(self, attempt: RequestAttempt, error: BaseException) -> None:
+        self.counts["failed"] = self.counts.get("failed", 0) + 1  # logged as retried or dead_lettered
+        self._tell(self.observer.attempt_failed, attempt, error)
+
+    def request_retried(self, attempt: RequestAttempt, delay: float, error: BaseException) -> None:
+        self._log("retried", logging.INFO, attempt.key, request_id=attempt.request_id, attempt=attempt.attempt,
+                  delay=delay, error=describe(error), message_type=attempt.message_type)
+        self._tell(self.observer.request_retried, attempt, delay, error)
+
+    def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
+        self._log("succeeded", logging.DEBUG, request.key, request_id=request.request_id, seq=request.seq,
+                  elapsed=elapsed, message_type=request.message_type)
+        self._tell(self.observer.request_succeeded, request, elapsed, superseded_by)
+
+    def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+        self._log("dead_lettered", logging.WARNING, request.key, request_id=request.request_id, seq=request.seq,
+                  reason=reason, attempts=request.attempt, error=describe(error),
+                  message_type=request.message_type)
+        self._tell(self.observer.request_dead_lettered, request, reason, error)
+
+    def worker_pinned(self, queue: str, pin_id: str) -> None:
+        self._log("pinned", logging.INFO, None, pin_id=pin_id)
+        self._tell(self.observer.worker_pinned, queue, pin_id)
+
+    def worker_unpinned(self, queue: str, pin_id: str) -> None:
+        self._log("unpinned", logging.INFO, None, pin_id=pin_id)
+        self._tell(self.observer.worker_unpinned, queue, pin_id)
+
+    def around_attempt(self, attempt: RequestAttempt, context: RequestContext,
+                       requests: Sequence[Request]) -> AbstractAsyncContextManager[object]:
+        return self.observer.around_attempt(attempt, context, requests)
+
+    async def wait_for_room(self) -> None:
+        try:
+            await self.observer.wait_for_room()
+        except Exception:
+            log.exception("session observer failed in wait_for_room; carrying on")

@@ -8,7 +8,8 @@ before entry-point plugins, which run before the built-ins.
 
 pluggy does not await; ``PluginManager.first``, ``collect`` and ``notify`` do, and ``notify``
 also isolates observers (a failing lifecycle hook is logged, never raised) and runs closing
-hooks in reverse.
+hooks in reverse. keyqueue calls the lifecycle hooks through ``PluginManager.lifecycle``
+(:class:`LifecycleHooks`): one typed method per hook, so mypy checks every call's arguments.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 from collections.abc import Awaitable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import pluggy
 
@@ -29,10 +30,14 @@ from keyqueue.errors import ConfigError
 from keyqueue.plugins import hookspecs
 from keyqueue.plugins.hookspecs import PROJECT
 
+if TYPE_CHECKING:
+    from keyqueue.app.worker import Worker
+
 __all__ = [
     "BUILTIN_PLUGINS",
     "DISABLE_AUTOLOAD_ENV",
     "ENTRY_POINT_GROUP",
+    "LifecycleHooks",
     "PluginInfo",
     "PluginManager",
     "autoload_disabled",
@@ -89,6 +94,8 @@ class PluginManager(pluggy.PluginManager):
         self.add_hookspecs(hookspecs)
         self.distributions: dict[str, str] = {}
         """Plugin name -> ``distribution version`` for entry-point plugins."""
+        self.lifecycle = LifecycleHooks(self)
+        """The lifecycle hooks, one typed method each."""
         for module_name in BUILTIN_PLUGINS:
             self.register(importlib.import_module(module_name), name=module_name)
         if autoload:
@@ -195,3 +202,65 @@ class PluginManager(pluggy.PluginManager):
                 )
             )
         return sorted(infos, key=lambda info: (info.builtin, info.name))
+
+
+class LifecycleHooks:
+    """The lifecycle hooks (``keyqueue.plugins.hookspecs``), one typed method each.
+
+    Each method takes exactly its hook's arguments, by keyword, and calls the hook through
+    :meth:`PluginManager.notify`: awaited, isolated, closing hooks in reverse order.
+    """
+
+    def __init__(self, manager: PluginManager) -> None:
+        self._notify = manager.notify
+
+    async def worker_started(self, *, worker: Worker) -> None:
+        await self._notify("keyqueue_worker_started", worker=worker)
+
+    async def worker_stopping(self, *, worker: Worker) -> None:
+        await self._notify("keyqueue_worker_stopping", reverse=True, worker=worker)
+
+    async def worker_pinned(self, *, worker: Worker, queue: str, pin_id: str) -> None:
+        await self._notify("keyqueue_worker_pinned", worker=worker, queue=queue, pin_id=pin_id)
+
+    async def worker_unpinned(self, *, worker: Worker, queue: str, pin_id: str) -> None:
+        await self._notify("keyqueue_worker_unpinned", reverse=True, worker=worker, queue=queue, pin_id=pin_id)
+
+    async def key_acquired(self, *, worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> None:
+        await self._notify("keyqueue_key_acquired", worker=worker, queue=queue, key=key, fencing=fencing)
+
+    async def key_released(self, *, worker: Worker, queue: str, key: str, outcome: str) -> None:
+        await self._notify("keyqueue_key_released", reverse=True, worker=worker, queue=queue, key=key,
+                           outcome=outcome)
+
+    async def request_started(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                              attempt: int) -> None:
+        await self._notify("keyqueue_request_started", worker=worker, queue=queue, key=key, request_id=request_id,
+                           message_type=message_type, attempt=attempt)
+
+    async def request_failed(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                             attempt: int, error: BaseException) -> None:
+        await self._notify("keyqueue_request_failed", reverse=True, worker=worker, queue=queue, key=key,
+                           request_id=request_id, message_type=message_type, attempt=attempt, error=error)
+
+    async def request_retried(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                              attempt: int, delay: float, error: str) -> None:
+        await self._notify("keyqueue_request_retried", reverse=True, worker=worker, queue=queue, key=key,
+                           request_id=request_id, message_type=message_type, attempt=attempt, delay=delay,
+                           error=error)
+
+    async def request_succeeded(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                                elapsed: float) -> None:
+        await self._notify("keyqueue_request_succeeded", reverse=True, worker=worker, queue=queue, key=key,
+                           request_id=request_id, message_type=message_type, elapsed=elapsed)
+
+    async def request_superseded(self, *, worker: Worker, queue: str, key: str, request_id: str,
+                                 message_type: str, superseded_by: str) -> None:
+        await self._notify("keyqueue_request_superseded", reverse=True, worker=worker, queue=queue, key=key,
+                           request_id=request_id, message_type=message_type, superseded_by=superseded_by)
+
+    async def request_dead_lettered(self, *, worker: Worker, queue: str, key: str, request_id: str,
+                                    message_type: str, reason: str, attempts: int, error: str) -> None:
+        await self._notify("keyqueue_request_dead_lettered", reverse=True, worker=worker, queue=queue, key=key,
+                           request_id=request_id, message_type=message_type, reason=reason, attempts=attempts,
+                           error=error)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client
 
+from keyqueue.core.observer import KeyHold, NullObserver, RequestAttempt, SessionEnd
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import SessionSettings
@@ -82,6 +84,42 @@ async def test_requests_run_in_order_and_are_deleted(nats_url: str) -> None:
     assert info["state"]["messages"] == 0
     tokens = await JetStreamApi(nc).stream_info(config.names.token_stream)
     assert tokens["state"]["messages"] == 0
+    await nc.close()
+
+
+async def test_a_failing_observer_is_logged_and_never_breaks_a_session(nats_url: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(NullObserver):
+        def key_acquired(self, hold: KeyHold) -> None:
+            raise RuntimeError("observer bug")
+
+        def request_started(self, attempt: RequestAttempt) -> None:
+            raise RuntimeError("observer bug")
+
+        def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
+            raise RuntimeError("observer bug")
+
+        def key_released(self, hold: KeyHold, end: SessionEnd) -> None:
+            raise RuntimeError("observer bug")
+
+        async def wait_for_room(self) -> None:
+            raise RuntimeError("observer bug")
+
+    nc = await connect(nats_url)
+    config = QueueConfig("observed", ack_wait=2)
+    await Topology(JetStreamApi(nc), config).ensure()
+    pub = Publisher(nc, config.names)
+    for i in range(3):
+        await pub.enqueue(request("k", b"%d" % i))
+    log: list[tuple[str, bytes]] = []
+    with caplog.at_level(logging.ERROR, logger="keyqueue.worker"):
+        async with running(nc, config, lambda key: Recorder(log), observer=Broken(),
+                           settings=SessionSettings(ack_wait=2, linger=0.05)) as worker:
+            await wait_until(lambda: len(log) == 3 and worker.counts.get("released", 0) >= 1)
+    assert log == [("k", b"0"), ("k", b"1"), ("k", b"2")]
+    assert (await JetStreamApi(nc).stream_info(config.names.inbox_stream))["state"]["messages"] == 0
+    for step in ("key_acquired", "wait_for_room", "request_started", "request_succeeded", "key_released"):
+        assert f"session observer failed in {step}" in caplog.text
     await nc.close()
 
 

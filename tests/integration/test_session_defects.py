@@ -49,10 +49,8 @@ async def test_a_token_redelivered_to_its_holder_is_adopted(nc: Client) -> None:
     config, pub = await setup(nc, "adopt", ack_wait=1)
     await pub.enqueue(request("k", b"long"))
     log: list[str] = []
-    events: list[str] = []
     settings = SessionSettings(ack_wait=1, linger=0.05)
-    worker = QueueWorker(nc, config, lambda key: Slow(log, 2.5), settings=settings,
-                         on_event=lambda event, fields: events.append(event))
+    worker = QueueWorker(nc, config, lambda key: Slow(log, 2.5), settings=settings)
 
     async def no_token_keepalive(token: object) -> None:
         return None  # the token's +WPI never arrives: the server redelivers it after ack_wait
@@ -60,12 +58,12 @@ async def test_a_token_redelivered_to_its_holder_is_adopted(nc: Client) -> None:
     worker.io.keepalive = no_token_keepalive  # type: ignore[method-assign,assignment]
     task = asyncio.create_task(worker.run())
     await worker.started()
-    await wait_until(lambda: "end long" in log and "released" in events, timeout=15)
+    await wait_until(lambda: "end long" in log and worker.counts.get("released", 0) > 0, timeout=15)
     worker.stop()
     await task
     assert [e for e in log if e.startswith("start")] == [log[0]], f"the request ran again: {log}"
-    assert "lease_lost" not in events
-    assert events.count("acquired") == 1
+    assert "lease_lost" not in worker.counts
+    assert worker.counts["acquired"] == 1
 
 
 async def test_a_failed_session_gives_the_key_back_at_once(nc: Client) -> None:
@@ -99,13 +97,11 @@ async def test_drain_naks_do_not_count_as_crashes(nc: Client) -> None:
                                old_style=True)
         await msg.respond(b"-NAK")
     log: list[tuple[str, bytes]] = []
-    events: list[str] = []
     async with running(nc, config, lambda key: Recorder(log),
-                       settings=SessionSettings(ack_wait=5, linger=0.05, crash_loop_limit=1),
-                       on_event=lambda event, fields: events.append(event)):
+                       settings=SessionSettings(ack_wait=5, linger=0.05, crash_loop_limit=1)) as worker:
         await wait_until(lambda: bool(log), timeout=10)
     assert log == [("k", b"innocent")]
-    assert "dead_lettered" not in events
+    assert "dead_lettered" not in worker.counts
 
 
 async def test_one_reconciler_per_queue(nc: Client) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from keyqueue.chaos.worker import EventLog
 from keyqueue.chaos.worker import RunLog as Log
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.retry import RetryPolicy
@@ -95,7 +96,7 @@ async def main() -> None:
                                retry=RetryPolicy(max_attempts=args.max_attempts, base_delay=args.base_delay))
     worker = QueueWorker(nc, config, lambda key: Recording(log), concurrency=args.concurrency, settings=settings,
                          reconcile_interval=args.reconcile_interval, name=args.name, pull=pull,
-                         on_event=lambda event, fields: log.write("event", event=event, **fields))
+                         observer=EventLog(log, args.name))
     loop = asyncio.get_running_loop()
     signals = {"n": 0}
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import inspect
 import logging
+import types
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
 
 import keyqueue
-from keyqueue.plugins.manager import PluginManager, autoload_disabled
+from keyqueue.plugins import hookspecs
+from keyqueue.plugins.manager import LifecycleHooks, PluginManager, autoload_disabled
 from keyqueue.tasks.task import TaskSpec
 
 
@@ -59,6 +62,52 @@ async def test_a_failing_lifecycle_hook_is_logged_and_the_rest_still_run(caplog:
     assert log == ["started:c", "started:a"]
     assert "failed in keyqueue_worker_started; carrying on" in caplog.text
     assert "RuntimeError: plugin bug" in caplog.text
+
+
+NOT_LIFECYCLE = {"keyqueue_register", "keyqueue_add_commands", "keyqueue_build_processor", "keyqueue_retry_policy",
+                 "keyqueue_merge_arguments", "keyqueue_wrap_enqueue", "keyqueue_wrap_process"}
+"""The hooks that are not lifecycle observers; a new hook must be listed here or get a typed caller."""
+
+CLOSING = {"worker_stopping", "worker_unpinned", "key_released", "request_failed", "request_retried",
+           "request_succeeded", "request_superseded", "request_dead_lettered"}
+
+
+def lifecycle_specs() -> dict[str, Any]:
+    """Each lifecycle hookspec by its caller's name (the hook's name without ``keyqueue_``)."""
+    return {name.removeprefix("keyqueue_"): spec for name, spec in vars(hookspecs).items()
+            if name.startswith("keyqueue_") and name not in NOT_LIFECYCLE}
+
+
+def test_every_lifecycle_hook_has_a_typed_caller_with_its_parameters() -> None:
+    specs = lifecycle_specs()
+    callers = {name: f for name, f in vars(LifecycleHooks).items() if not name.startswith("_")}
+    assert sorted(callers) == sorted(specs)
+    for name, spec in specs.items():
+        wanted = [(p.name, p.annotation) for p in inspect.signature(spec).parameters.values()]
+        given = [(p.name, p.annotation) for p in inspect.signature(callers[name]).parameters.values()
+                 if p.name != "self"]
+        assert given == wanted, f"LifecycleHooks.{name} does not take keyqueue_{name}'s parameters"
+
+
+async def test_each_typed_caller_calls_its_own_hook_closing_hooks_in_reverse() -> None:
+    specs = lifecycle_specs()
+    log: list[tuple[str, str]] = []
+
+    def plugin(tag: str) -> object:
+        def impl(hook: str) -> Any:
+            return keyqueue.hookimpl(lambda: log.append((tag, hook)))
+
+        return types.SimpleNamespace(**{f"keyqueue_{name}": impl(f"keyqueue_{name}") for name in specs})
+
+    manager = PluginManager(autoload=False, plugins=[plugin("first"), plugin("second")])
+    order: dict[str, list[str]] = {}
+    for name, spec in specs.items():
+        log.clear()
+        await getattr(manager.lifecycle, name)(**dict.fromkeys(inspect.signature(spec).parameters))
+        assert {hook for _, hook in log} == {f"keyqueue_{name}"}
+        order[name] = [tag for tag, _ in log]
+    assert {name for name, tags in order.items() if tags == ["first", "second"]} == CLOSING
+    assert {name for name, tags in order.items() if tags == ["second", "first"]} == set(specs) - CLOSING
 
 
 async def test_around_hooks_nest_sync_and_async_context_managers() -> None:

@@ -1,0 +1,349 @@
+"""The key session's state changes, and what it tells its observer, against a fake QueueIO.
+
+Pure logic: the fake keeps a key's inbox and lease records in memory and records every write
+the session makes. That the protocol works against NATS is proven by the integration tests
+(test_core_basic.py, test_session_defects.py, test_core_faults.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, cast
+
+from keyqueue.core.observer import KeyHold, NullObserver, Outcome, RequestAttempt, SessionEnd
+from keyqueue.core.processor import BaseProcessor, BatchOutcome, Reply, Request, RequestContext, SessionContext
+from keyqueue.core.retry import RetryPolicy
+from keyqueue.core.session import KeySession, SessionSettings
+from keyqueue.errors import Reject, WrongLastSequence
+from keyqueue.jetstream.api import StoredMsg
+from keyqueue.jetstream.pull import Token
+from keyqueue.jetstream.queue_io import QueueIO, Watch
+from keyqueue.jetstream.topology import QueueConfig
+from keyqueue.wire import headers as H
+
+KEY = "k"
+
+
+def stored(seq: int, body: bytes, message_type: str = "Work", reply: bool = False) -> StoredMsg:
+    headers = {H.MSG_ID: f"r{seq}", H.MESSAGE_TYPE: message_type}
+    if reply:
+        headers[H.REPLY_INBOX] = f"_INBOX.r{seq}"
+    return StoredMsg(f"kq.q.in.{KEY}", seq, headers, body)
+
+
+class FakeIO:
+    """One key's inbox and the queue's lease stream in memory; ``writes`` lists what the session sent."""
+
+    def __init__(self, *requests: StoredMsg) -> None:
+        self.names = QueueConfig("q").names
+        self.inbox = {m.seq: m for m in requests}
+        self.records: dict[str, StoredMsg] = {}
+        self.record_seq = 0
+        self.writes: list[tuple[Any, ...]] = []
+        self.on_refused: list[Callable[[], object]] = []
+        """Called each time a lease write is refused."""
+
+    # the key's requests
+    async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
+        found = [self.inbox[s] for s in sorted(self.inbox) if s >= from_seq]
+        return found[:limit], len(found) > limit
+
+    async def next_request_authoritative(self, key: str, from_seq: int) -> StoredMsg | None:
+        return next((self.inbox[s] for s in sorted(self.inbox) if s >= from_seq), None)
+
+    async def watch(self, key: str) -> Watch:
+        return Watch()
+
+    async def delete(self, seq: int) -> None:
+        self.writes.append(("delete", seq))
+        self.inbox.pop(seq, None)
+
+    async def delete_soon(self, seq: int) -> asyncio.Future[None]:
+        await self.delete(seq)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    async def settle(self, futures: Sequence[asyncio.Future[None]]) -> None:
+        return None
+
+    async def purge_through(self, key: str, seq: int) -> int:
+        self.writes.append(("purge", seq))
+        gone = [s for s in self.inbox if s <= seq]
+        for s in gone:
+            del self.inbox[s]
+        return len(gone)
+
+    # outputs
+    async def dead_letter(self, key: str, msg: StoredMsg, headers: Mapping[str, str]) -> None:
+        self.writes.append(("dead_letter", msg.seq, headers[H.DLQ_REASON]))
+
+    async def reply(self, inbox: str, headers: Mapping[str, str], body: bytes) -> None:
+        self.writes.append(("reply", inbox, headers[H.STATUS]))
+
+    # lease records
+    async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
+                              timeout: float | None = None) -> int:
+        last = self.records.get(subject)
+        if (last.seq if last else 0) != expected:
+            for refused in self.on_refused:
+                refused()
+            raise WrongLastSequence("wrong last sequence", 400, 10071)
+        self.record_seq += 1
+        self.records[subject] = StoredMsg(subject, self.record_seq, {}, body)
+        return self.record_seq
+
+    async def last_record(self, subject: str) -> StoredMsg | None:
+        return self.records.get(subject)
+
+    async def remove_record(self, seq: int) -> None:
+        for subject, record in list(self.records.items()):
+            if record.seq == seq:
+                del self.records[subject]
+
+    def steal(self) -> None:
+        """Another worker writes the key's lease record (this holder's lapsed)."""
+        self.record_seq += 1
+        subject = self.names.lease(KEY)
+        self.records[subject] = StoredMsg(subject, self.record_seq, {}, b'{"nonce": "theirs"}')
+
+    # the token
+    async def keepalive(self, token: Token) -> None:
+        return None
+
+    async def ack(self, token: Token, timeout: float = 5.0) -> None:
+        self.writes.append(("ack", token.reply))
+
+    async def nak(self, token: Token, delay: float = 0.0) -> None:
+        self.writes.append(("nak", token.reply))
+
+    async def schedule(self, key: str) -> bool:
+        self.writes.append(("schedule", key))
+        return True
+
+
+class Steps(NullObserver):
+    """Records every step a session reports, in order."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[Any, ...]] = []
+        self.ends: list[SessionEnd] = []
+
+    def key_acquired(self, hold: KeyHold) -> None:
+        self.steps.append(("acquired", hold.key, hold.fencing))
+
+    def key_released(self, hold: KeyHold, end: SessionEnd) -> None:
+        self.ends.append(end)
+        self.steps.append(("released", end.outcome.value))
+
+    def request_started(self, attempt: RequestAttempt) -> None:
+        self.steps.append(("started", attempt.seq, attempt.attempt, attempt.message_type))
+
+    def attempt_failed(self, attempt: RequestAttempt, error: BaseException) -> None:
+        self.steps.append(("failed", attempt.seq, attempt.attempt, type(error).__name__))
+
+    def request_retried(self, attempt: RequestAttempt, delay: float, error: BaseException) -> None:
+        self.steps.append(("retried", attempt.seq, attempt.attempt))
+
+    def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
+        self.steps.append(("succeeded", request.seq, request.message_type, superseded_by))
+
+    def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+        self.steps.append(("dead_lettered", request.seq, reason, request.attempt))
+
+    def around_attempt(self, attempt: RequestAttempt, context: RequestContext,
+                       requests: Sequence[Request]) -> AbstractAsyncContextManager[object]:
+        return self._around(attempt.seq)
+
+    @asynccontextmanager
+    async def _around(self, seq: int) -> AsyncIterator[None]:
+        self.steps.append(("enter", seq))
+        try:
+            yield
+        finally:
+            self.steps.append(("exit", seq))
+
+    async def wait_for_room(self) -> None:
+        self.steps.append(("room",))
+
+
+class Handles(BaseProcessor):
+    """Runs ``handle`` for each request: ``outcomes`` by body (an exception is raised)."""
+
+    def __init__(self, steps: Steps, outcomes: Mapping[bytes, list[Reply | Exception | None]] | None = None) -> None:
+        self.steps = steps
+        self.outcomes = {body: list(queue) for body, queue in (outcomes or {}).items()}
+
+    async def open(self, ctx: SessionContext) -> None:
+        self.steps.steps.append(("open",))
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        self.steps.steps.append(("handle", request.seq))
+        queue = self.outcomes.get(request.data)
+        outcome = queue.pop(0) if queue else None
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def retry_policy(self, request: Request) -> RetryPolicy | None:
+        return RetryPolicy(max_attempts=3, base_delay=0.0, jitter=0.0)
+
+
+def token(delivered: int = 1) -> Token:
+    return Token(KEY, f"kq.q.token.{KEY}", f"$JS.ACK.token.{delivered}", 7, delivered, time.monotonic())
+
+
+def session(io: FakeIO, processor: BaseProcessor, steps: Steps, *, delivered: int = 1,
+            draining: asyncio.Event | None = None, ack_wait: float = 5.0) -> KeySession:
+    settings = SessionSettings(ack_wait=ack_wait, linger=0.0)
+    return KeySession(cast(QueueIO, io), token(delivered), lambda key: processor, settings, observer=steps,
+                      draining=draining or asyncio.Event(), worker="w1")
+
+
+def sent(io: FakeIO, *kinds: str) -> list[tuple[Any, ...]]:
+    return [w for w in io.writes if w[0] in kinds]
+
+
+async def test_requests_run_in_order_inside_the_attempt_wrapper_and_the_key_is_released() -> None:
+    io = FakeIO(stored(3, b"a"), stored(5, b"b", message_type="Other"))
+    steps = Steps()
+    s = session(io, Handles(steps), steps)
+    assert await s.run() is Outcome.RELEASED
+    fencing = s.ctx.fencing
+    assert steps.steps == [
+        ("acquired", KEY, fencing),
+        ("room",), ("open",),
+        ("room",), ("started", 3, 1, "Work"), ("enter", 3), ("handle", 3), ("exit", 3),
+        ("succeeded", 3, "Work", None),
+        ("room",), ("started", 5, 1, "Other"), ("enter", 5), ("handle", 5), ("exit", 5),
+        ("succeeded", 5, "Other", None),
+        ("released", "released"),
+    ]
+    assert fencing[0] > 0 and fencing[1] == 1
+    assert s.cursor == 6 and steps.ends[0].processed == 2
+    assert sent(io, "delete", "ack", "nak") == [("delete", 3), ("delete", 5), ("ack", "$JS.ACK.token.1")]
+    assert io.records == {}, "the lease record was not removed"
+
+
+async def test_a_failed_attempt_is_retried_in_place_then_succeeds() -> None:
+    io = FakeIO(stored(1, b"flaky", reply=True))
+    steps = Steps()
+    s = session(io, Handles(steps, {b"flaky": [RuntimeError("down"), Reply(b"ok")]}), steps)
+    assert await s.run() is Outcome.RELEASED
+    requests = [step for step in steps.steps if step[0] in ("started", "failed", "retried", "succeeded")]
+    assert requests == [("started", 1, 1, "Work"), ("failed", 1, 1, "RuntimeError"), ("retried", 1, 1),
+                        ("started", 1, 2, "Work"), ("succeeded", 1, "Work", None)]
+    assert sent(io, "delete", "reply", "dead_letter") == [("delete", 1), ("reply", "_INBOX.r1", "ok")]
+
+
+async def test_a_reject_dead_letters_the_request_at_once_and_the_key_goes_on() -> None:
+    io = FakeIO(stored(1, b"bad", reply=True), stored(2, b"good"))
+    steps = Steps()
+    s = session(io, Handles(steps, {b"bad": [Reject("no such thing")]}), steps)
+    assert await s.run() is Outcome.RELEASED
+    requests = [step for step in steps.steps if step[0] in ("started", "failed", "dead_lettered", "succeeded")]
+    assert requests == [("started", 1, 1, "Work"), ("failed", 1, 1, "Reject"), ("dead_lettered", 1, "rejected", 1),
+                        ("started", 2, 1, "Work"), ("succeeded", 2, "Work", None)]
+    assert sent(io, "dead_letter", "delete", "reply") == [
+        ("dead_letter", 1, "rejected"), ("delete", 1), ("reply", "_INBOX.r1", "dead-lettered"), ("delete", 2)]
+    assert s.cursor == 3
+
+
+async def test_attempts_exhausted_dead_letter_with_the_count() -> None:
+    io = FakeIO(stored(1, b"poison"))
+    steps = Steps()
+    s = session(io, Handles(steps, {b"poison": [RuntimeError("x")] * 3}), steps)
+    assert await s.run() is Outcome.RELEASED
+    assert [step for step in steps.steps if step[0] in ("retried", "dead_lettered")] == [
+        ("retried", 1, 1), ("retried", 1, 2), ("dead_lettered", 1, "max-attempts", 3)]
+
+
+async def test_superseded_replies_reach_the_observer_as_superseded() -> None:
+    class Latest(Handles):
+        batch_size = 10
+
+        async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
+            newest = requests[-1].request_id
+            older = [Reply(b"", {H.STATUS: H.STATUS_SUPERSEDED, H.SUPERSEDED_BY: newest}) for _ in requests[:-1]]
+            return [*older, Reply(b"done")]
+
+    io = FakeIO(stored(1, b"v1", reply=True), stored(2, b"v2"), stored(3, b"v3", reply=True))
+    steps = Steps()
+    assert await session(io, Latest(steps), steps).run() is Outcome.RELEASED
+    assert [step for step in steps.steps if step[0] in ("started", "succeeded")] == [
+        ("started", 1, 1, "Work"),
+        ("succeeded", 1, "Work", "r3"), ("succeeded", 2, "Work", "r3"), ("succeeded", 3, "Work", None)]
+    assert sent(io, "purge", "reply") == [("purge", 3), ("reply", "_INBOX.r1", "superseded"),
+                                          ("reply", "_INBOX.r3", "ok")]
+
+
+async def test_a_token_redelivered_to_its_holder_is_adopted_and_acked() -> None:
+    io = FakeIO(stored(1, b"slow"))
+    steps = Steps()
+    running, finish = asyncio.Event(), asyncio.Event()
+
+    class Slow(Handles):
+        async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+            running.set()
+            await finish.wait()
+            return None
+
+    s = session(io, Slow(steps), steps)
+    task = asyncio.create_task(s.run())
+    await running.wait()
+    redelivered = token(delivered=2)
+    assert s.adopt(redelivered)
+    assert not s.adopt(Token(KEY, "kq.q.token.k", "$JS.ACK.other", 8, 1, time.monotonic())), \
+        "a token of another sequence is another scheduling of the key, not this one"
+    finish.set()
+    assert await task is Outcome.RELEASED
+    assert sent(io, "ack", "nak") == [("ack", "$JS.ACK.token.2")]
+
+
+async def test_a_lost_lease_ends_the_session_without_a_word_to_the_key() -> None:
+    io = FakeIO(stored(1, b"stuck", reply=True), stored(2, b"next"))
+    steps = Steps()
+    running = asyncio.Event()
+
+    class Stuck(Handles):
+        async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+            io.steal()  # this holder stalled; another worker acquired the key meanwhile
+            running.set()
+            await asyncio.Event().wait()
+            return None
+
+    # A short lease: the keepalive renews (and finds the record gone) after ack_wait / 3.
+    s = session(io, Stuck(steps), steps, ack_wait=0.3)
+    assert await asyncio.wait_for(s.run(), 5) is Outcome.LEASE_LOST
+    assert steps.steps[-1] == ("released", "lease-lost")
+    assert "another worker" in steps.ends[0].reason
+    assert sent(io, "ack", "nak", "delete", "purge", "reply", "dead_letter", "schedule") == []
+    assert 1 in io.inbox and 2 in io.inbox
+
+
+async def test_a_key_held_elsewhere_until_the_drain_is_contended() -> None:
+    io = FakeIO(stored(1, b"x"))
+    io.steal()
+    steps = Steps()
+    draining = asyncio.Event()
+    io.on_refused.append(draining.set)  # the drain begins while another worker holds the key
+    assert await session(io, Handles(steps), steps, draining=draining).run() is Outcome.CONTENDED
+    assert steps.steps == [("released", "contended")]
+    assert sent(io, "ack", "nak", "delete") == [("nak", "$JS.ACK.token.1")]
+
+
+async def test_a_failing_session_reports_its_error_and_gives_the_token_back() -> None:
+    class OpenFails(Handles):
+        async def open(self, ctx: SessionContext) -> None:
+            raise OSError("the processor's store is down")
+
+    io = FakeIO(stored(1, b"x"))
+    steps = Steps()
+    assert await session(io, OpenFails(steps), steps).run() is Outcome.FAILED
+    [end] = steps.ends
+    assert (end.outcome, type(end.error)) == (Outcome.FAILED, OSError)
+    assert sent(io, "ack", "nak", "delete") == [("nak", "$JS.ACK.token.1")]
+    assert 1 in io.inbox
