@@ -2,19 +2,27 @@
 
 ``keyqueue inspect`` prints this. A key's token is *held* when the consumer has delivered it
 (a worker owns the key, or the token waits for redelivery after a lost lease) and *scheduled*
-when it waits for a free worker.
+when it waits for a free worker. Who holds a key comes from its lease record
+(``kq.<queue>.lease.<key>``, written by ``keyqueue.core.lock.KeyLock``): the worker's name, when
+it acquired the key, and when it last renewed the record. There is no registry of live workers:
+the workers a report names are those holding keys, and the consumer's waiting pull requests
+are what idle workers leave behind.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections import Counter
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 from keyqueue.errors import StreamNotFound
-from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.subjects import QueueNames
 
-__all__ = ["KEY_LIMIT", "KeyState", "QueueReport", "inspect_queue", "list_queues"]
+__all__ = ["KEY_LIMIT", "Holder", "KeyState", "QueueReport", "inspect_queue", "list_queues"]
 
 KEY_LIMIT: Final = 1000
 """Most keys a report lists (the counts cover every key)."""
@@ -23,12 +31,29 @@ TokenState = Literal["held", "scheduled", "none"]
 
 
 @dataclass(frozen=True)
+class Holder:
+    """The worker holding a key, as its lease record says."""
+
+    worker: str | None
+    """The worker's name (``host:pid`` unless it was given one); None if the record has none."""
+    since: datetime | None
+    """When it acquired the key (the record's ``since``); None if the record does not say."""
+    renewed: datetime | None
+    """When the record was last written (the server's timestamp): the last renewal."""
+    fence: int | None
+    """The holder's fencing number (the sequence of the record that acquired the key)."""
+
+
+@dataclass(frozen=True)
 class KeyState:
-    """One key: how many requests wait, and where its token is."""
+    """One key: how many requests wait, where its token is, and who holds it."""
 
     key: str
     backlog: int
     token: TokenState
+    holder: Holder | None = None
+    """For a held key with a live lease record, its holder; else None (a held token without a
+    record waits for redelivery, or its worker is acquiring the key right now)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +72,8 @@ class QueueReport:
     dlq_size: int
     consumer: dict[str, Any]
     """The consumer's state: ack_pending, redelivered, waiting pulls, ack_wait, ..."""
+    workers: dict[str, int]
+    """Worker name -> how many of the listed keys it holds, most first."""
 
     @property
     def truncated(self) -> bool:
@@ -79,11 +106,15 @@ async def inspect_queue(api: JetStreamApi, queue: str) -> QueueReport:
         dlq = int((await api.stream_info(names.dlq_stream))["state"].get("messages", 0))
     except StreamNotFound:
         dlq = 0
+    listed = sorted(set(backlog) | set(tokens), key=lambda k: (-backlog.get(k, 0), k))[:KEY_LIMIT]
+    held = [key for key in listed if key in tokens and tokens[key] <= delivered_through]
+    holders = await _holders(api, names, held)
     states = []
-    for key in sorted(set(backlog) | set(tokens), key=lambda k: (-backlog.get(k, 0), k))[:KEY_LIMIT]:
+    for key in listed:
         seq = tokens.get(key)
         token: TokenState = "none" if seq is None else "held" if seq <= delivered_through else "scheduled"
-        states.append(KeyState(key, backlog.get(key, 0), token))
+        states.append(KeyState(key, backlog.get(key, 0), token, holders.get(key)))
+    workers = Counter(holder.worker for holder in holders.values() if holder.worker)
     config = consumer.get("config") or {}
     return QueueReport(
         queue=queue,
@@ -103,7 +134,57 @@ async def inspect_queue(api: JetStreamApi, queue: str) -> QueueReport:
             "pinned": ", ".join(f"{g.get('group')}={g['pinned_client_id']} since {g.get('pinned_ts', '?')}"
                                 for g in consumer.get("priority_groups") or [] if g.get("pinned_client_id")),
         },
+        workers=dict(workers.most_common()),
     )
+
+
+async def _holders(api: JetStreamApi, names: QueueNames, keys: list[str]) -> dict[str, Holder]:
+    """Key -> holder, from the lease records of ``keys`` (keys without a record are left out)."""
+
+    async def record(key: str) -> StoredMsg | None:
+        return await api.get_msg(names.lease_stream, last_by_subject=names.lease(key), direct=False)
+
+    try:
+        records = await asyncio.gather(*(record(key) for key in keys))
+    except StreamNotFound:
+        return {}
+    return {key: _holder(msg) for key, msg in zip(keys, records, strict=True) if msg is not None}
+
+
+def _holder(record: StoredMsg) -> Holder:
+    """A lease record's holder: ``KeyLock`` writes the worker's fields (``worker``, ``token``,
+    ``delivered``) and its own (``nonce``, ``fence``, ``since``, ``ttl``) as one JSON object."""
+    try:
+        body = json.loads(record.data)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = {}
+    worker, fence = body.get("worker"), body.get("fence")
+    if fence == 0:
+        fence = record.seq  # the record that acquired the key is written before its sequence is known
+    return Holder(
+        worker=worker if isinstance(worker, str) and worker else None,
+        since=_time(body.get("since")),
+        renewed=_time(record.timestamp),
+        fence=fence if isinstance(fence, int) and fence > 0 else None,
+    )
+
+
+def _time(text: object) -> datetime | None:
+    """An RFC 3339 time (JetStream's have nanoseconds, cut to micro here) in UTC; None if it is not one."""
+    if not isinstance(text, str) or not text:
+        return None
+    stamp = text.replace("Z", "+00:00")
+    if "." in stamp:
+        whole, rest = stamp.split(".", 1)
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        stamp = f"{whole}.{rest[:min(digits, 6)]}{rest[digits:]}"
+    try:
+        parsed = datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).astimezone(UTC)
 
 
 async def _token_seqs(api: JetStreamApi, names: QueueNames) -> dict[str, int]:

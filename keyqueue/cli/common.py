@@ -1,8 +1,9 @@
 """What the commands share: the ``--url`` option, loading an app, a connection, output, logging.
 
 Commands that need an app load it with ``load_app`` (its settings carry the connection);
-commands that only talk to NATS open ``connection(url)``. Output is JSON (``to_json``) or an
-aligned ``table``; ``follow`` prints live messages for ``watch`` and ``events tail``.
+commands that only talk to NATS open ``connection(url)`` and check a queue with
+``require_queue``. Output is JSON (``to_json``) or an aligned ``table``; ``follow`` prints live
+messages for ``watch`` and ``events tail``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from keyqueue.admin.inspection import list_queues
 from keyqueue.app.application import App, default_app
 from keyqueue.app.transport import open_connection
-from keyqueue.errors import ConfigError
+from keyqueue.errors import ConfigError, StreamNotFound
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.server.local import running_local_servers
 from keyqueue.settings import Settings
 
@@ -31,7 +35,19 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
-__all__ = ["configure_logging", "connection", "follow", "load_app", "table", "to_json", "url_option"]
+__all__ = [
+    "LOG_FORMATS",
+    "JsonLogFormatter",
+    "configure_logging",
+    "connection",
+    "follow",
+    "load_app",
+    "no_such_queue",
+    "require_queue",
+    "table",
+    "to_json",
+    "url_option",
+]
 
 
 def url_option(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,7 +64,8 @@ def load_app(spec: str, url: str | None = None) -> App:
     """
     module_name, _, attribute = spec.partition(":")
     if not module_name or (spec.count(":") > 1):
-        raise ConfigError(f"{spec!r} is not MODULE:APP (for example shop:app, or examples.quickstart.app:app)")
+        raise ConfigError(f"{spec!r} is not MODULE:APP (for example shop:app for `app` in shop.py, "
+                          "or shop.tasks:app in a package)")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -104,8 +121,24 @@ async def _connect(url: str | None) -> Client:
     return await open_connection(settings, name="keyqueue-cli")
 
 
-def to_json(value: Any) -> str:
-    """``value`` as one line of JSON; bytes as hex, datetimes in ISO 8601, anything else as its repr."""
+async def no_such_queue(api: JetStreamApi, queue: str) -> ConfigError:
+    """The one-line error for a queue the server does not have, naming the queues it has."""
+    known = ", ".join(await list_queues(api)) or "none"
+    return ConfigError(f"queue {queue!r} does not exist on this server; queues: {known} "
+                       "(check the name, and --url or KEYQUEUE_URL)")
+
+
+async def require_queue(api: JetStreamApi, queue: str) -> None:
+    """Raise ``no_such_queue``'s error unless ``queue`` exists (its inbox stream does)."""
+    try:
+        await api.stream_info(QueueNames(queue).inbox_stream)
+    except StreamNotFound:
+        raise await no_such_queue(api, queue) from None
+
+
+def to_json(value: Any, *, indent: int | None = None) -> str:
+    """``value`` as one line of JSON (``indent``: over several lines); bytes as hex, datetimes in
+    ISO 8601, anything else as its repr."""
 
     def fallback(obj: Any) -> Any:
         if isinstance(obj, bytes):
@@ -114,7 +147,7 @@ def to_json(value: Any) -> str:
             return obj.isoformat()
         return repr(obj)
 
-    return json.dumps(value, default=fallback, ensure_ascii=False)
+    return json.dumps(value, default=fallback, ensure_ascii=False, indent=indent)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -125,10 +158,48 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def configure_logging(level: str) -> None:
-    """Log to stderr at ``level`` (debug, info, warning, error) with time, level and logger name."""
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+LOG_FORMATS = ("text", "json")
+"""What ``configure_logging`` can write: ``text`` lines, or one JSON object per line."""
+
+
+def configure_logging(level: str, log_format: str = "text") -> None:
+    """Log to stderr at ``level`` (debug, info, warning, error): ``text`` lines with time, level and
+    logger name, or (``json``) one :class:`JsonLogFormatter` object per line."""
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
+
+
+_RECORD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+"""What every log record has; anything else on a record was given as ``extra``."""
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per record, on one line: ``time`` (ISO 8601, UTC), ``level``, ``logger``,
+    ``message``, then the record's ``extra`` fields (keyqueue's ``kq_queue``, ``kq_key``,
+    ``kq_request_id``, ... without the ``kq_`` prefix) and, for a record with an exception, its
+    ``traceback``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for name, value in vars(record).items():
+            if name not in _RECORD_ATTRIBUTES:
+                entry.setdefault(name.removeprefix("kq_"), value)
+        if record.exc_info:
+            entry["traceback"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["traceback"] = record.exc_text
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return to_json(entry)
 
 
 async def follow(nc: Client, subjects: Sequence[str], render: Callable[[Msg], str | None], *,
@@ -140,6 +211,10 @@ async def follow(nc: Client, subjects: Sequence[str], render: Callable[[Msg], st
 
     async def on_msg(msg: Msg) -> None:
         nonlocal seen
+        if done.is_set():
+            # nats-py hands a burst that arrived at once to this callback before the unsubscribes
+            # below run: the messages after the count, or after Ctrl-C, are not printed.
+            return
         line = render(msg)
         if line is None:
             return

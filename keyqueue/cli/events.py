@@ -1,26 +1,35 @@
 """``keyqueue events tail QUEUE``: print a queue's lifecycle events as they happen.
 
-Added to the command line by the built-in events plugin (``keyqueue.builtins.events``).
+Added to the command line by the built-in events plugin (``keyqueue.builtins.events``); the
+subjects and fields it reads are the contract in ``keyqueue.events``. The event names it takes
+are the contract's (``event_names()``: keyqueue's own and those the loaded plugins registered)
+and any others the queue's events stream already holds (a plugin installed elsewhere).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from keyqueue.cli import _connection, _run, follow, url_option
-from keyqueue.errors import WireError
+from keyqueue.cli.common import connection, follow, require_queue, url_option
+from keyqueue.errors import ConfigError, StreamNotFound, WireError
+from keyqueue.events import EVENT_FIELD_NAMES, event_names, events_stream, events_subject
+from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.wire import CBOR, loads
+from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
 
 __all__ = ["event_line", "events"]
 
-_DETAIL = ("attempt", "wait", "run", "reason", "triggers", "run_id")
+_LEADING = ("event", "ts", "queue", "key", "request_id", "task", "worker")
+_DETAIL = tuple(name for name in EVENT_FIELD_NAMES if name not in _LEADING)
+"""The fields an event line shows as ``name=value`` after its leading columns (queue is not shown)."""
 
 
 def event_line(fields: dict[str, Any]) -> str:
@@ -36,6 +45,18 @@ def event_line(fields: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+async def _known_event_names(api: JetStreamApi, queue: str) -> list[str]:
+    """The event names ``tail --event`` accepts for ``queue``: the contract's, then those only its stream holds."""
+    names = dict.fromkeys(event_names())
+    prefix = events_subject(queue, "")
+    try:
+        stored = await api.subjects(events_stream(queue), events_subject(queue, ">"))
+    except StreamNotFound:
+        stored = {}
+    names.update(dict.fromkeys(sorted(subject.removeprefix(prefix) for subject in stored)))
+    return list(names)
+
+
 @click.group()
 def events() -> None:
     """Lifecycle events of a queue (stream KQ_<queue>_EVENTS)."""
@@ -44,9 +65,10 @@ def events() -> None:
 @events.command()
 @click.argument("queue")
 @click.option("--event", "-e", "names", multiple=True, metavar="EVENT",
-              help="Only these events (enqueued, started, succeeded...); repeatable.")
+              help="Only these events (enqueued, started, succeeded...); repeatable. An unknown name is "
+                   "refused with the list of known ones.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per event.")
-@click.option("--count", type=click.IntRange(1), help="Exit after this many events.")
+@click.option("--count", type=click.IntRange(1), help="Exit after printing this many events.")
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), help="Exit after this many seconds.")
 @url_option
 def tail(queue: str, names: tuple[str, ...], as_json: bool, count: int | None, timeout: float | None,
@@ -61,7 +83,7 @@ def tail(queue: str, names: tuple[str, ...], as_json: bool, count: int | None, t
 
     def render(msg: Msg) -> str | None:
         try:
-            fields = loads(msg.data, (msg.headers or {}).get("X-CONTENT-TYPE", CBOR))
+            fields = loads(msg.data, (msg.headers or {}).get(H.CONTENT_TYPE, CBOR))
         except WireError as exc:
             click.echo(f"<undecodable event on {msg.subject}: {exc}>", err=True)
             return None
@@ -70,9 +92,16 @@ def tail(queue: str, names: tuple[str, ...], as_json: bool, count: int | None, t
         return json.dumps(fields, default=str) if as_json else event_line(fields)
 
     async def run() -> None:
-        subjects = [f"kq.{queue}.events.{name}" for name in names] or [f"kq.{queue}.events.>"]
-        async with _connection(url) as nc:
+        subjects = [events_subject(queue, name) for name in names] or [events_subject(queue, ">")]
+        async with connection(url) as nc:
+            api = JetStreamApi(nc)
+            await require_queue(api, queue)
+            if names:
+                known = await _known_event_names(api, queue)
+                if unknown := [name for name in names if name not in known]:
+                    raise ConfigError(f"unknown event {', '.join(map(repr, unknown))}; the events of queue {queue} "
+                                      f"are: {', '.join(known)}")
             await follow(nc, subjects, render, count=count, timeout=timeout,
                          banner=f"tailing events of {queue} (Ctrl-C to stop)")
 
-    _run(run)
+    asyncio.run(run())

@@ -8,23 +8,20 @@ the server has.
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import click
 
 from keyqueue.admin.consumers import unpin as unpin_queue
-from keyqueue.admin.inspection import KEY_LIMIT, QueueReport, inspect_queue, list_queues
-from keyqueue.cli.common import connection, load_app, table, url_option
-from keyqueue.errors import ConfigError, StreamNotFound
+from keyqueue.admin.inspection import KEY_LIMIT, Holder, KeyState, QueueReport, inspect_queue, list_queues
+from keyqueue.cli.common import connection, load_app, table, to_json, url_option
+from keyqueue.cli.common import no_such_queue as _no_such_queue
+from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.topology import QueueConfig, Topology
 
 __all__ = ["inspect_command", "recreate_consumer", "unpin"]
-
-
-async def _no_such_queue(api: JetStreamApi, queue: str) -> ConfigError:
-    known = ", ".join(await list_queues(api)) or "none"
-    return ConfigError(f"queue {queue!r} does not exist on this server; queues: {known} "
-                       "(check the name, and --url or KEYQUEUE_URL)")
 
 
 async def _report(api: JetStreamApi, queue: str) -> QueueReport:
@@ -36,48 +33,117 @@ async def _report(api: JetStreamApi, queue: str) -> QueueReport:
 
 @click.command("inspect")
 @click.argument("queue", required=False)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (stable keys, numbers as numbers).")
 @url_option
-def inspect_command(queue: str | None, url: str | None) -> None:
-    """Show what a queue holds: keys with backlog, keys held, pending tokens, DLQ, consumer.
+def inspect_command(queue: str | None, as_json: bool, url: str | None) -> None:
+    """Show what a queue holds: keys with backlog, keys held and by whom, workers, DLQ, consumer.
 
-    Without QUEUE, one line per queue on the server.
+    Without QUEUE, one line per queue on the server. A held key shows its holder and since when,
+    from the key's lease record. The workers listed are those holding keys; idle workers show only
+    as the consumer's waiting pull requests.
 
     \b
     Examples:
       $ keyqueue inspect                 # every queue
       $ keyqueue inspect shop            # keys of queue shop, most backlog first
+      $ keyqueue inspect shop --json
     """
 
     async def run() -> None:
         async with connection(url) as nc:
             api = JetStreamApi(nc)
             if queue is None:
-                queues = await list_queues(api)
-                if not queues:
+                reports = [await _report(api, name) for name in await list_queues(api)]
+                if as_json:
+                    click.echo(to_json({"queues": [_summary(r) for r in reports]}))
+                elif not reports:
                     click.echo("no queues on this server")
-                    return
-                rows = []
-                for name in queues:
-                    r = await _report(api, name)
-                    rows.append([name, r.requests, r.keys_with_backlog, r.keys_held, r.pending_tokens, r.dlq_size])
-                click.echo(table(["QUEUE", "REQUESTS", "KEYS", "HELD", "PENDING TOKENS", "DLQ"], rows))
+                else:
+                    rows = [[r.queue, r.requests, r.keys_with_backlog, r.keys_held, r.pending_tokens, r.dlq_size]
+                            for r in reports]
+                    click.echo(table(["QUEUE", "REQUESTS", "KEYS", "HELD", "PENDING TOKENS", "DLQ"], rows))
                 return
-            r = await _report(api, queue)
-            c = r.consumer
-            click.echo(f"queue {r.queue}: {r.requests} request(s) on {r.keys_with_backlog} key(s); "
-                       f"{r.keys_held} key(s) held; {r.pending_tokens} pending token(s); DLQ {r.dlq_size}")
-            click.echo(f"consumer: ack_pending={c['ack_pending']} redelivered={c['redelivered']} "
-                       f"waiting_pulls={c['waiting_pulls']} ack_wait={c['ack_wait_s']:g}s "
-                       f"max_ack_pending={c['max_ack_pending']} priority={c['priority_policy']}")
-            if c.get("pinned"):
-                click.echo(f"pinned: {c['pinned']}")
-            if r.keys:
-                click.echo()
-                click.echo(table(["KEY", "BACKLOG", "TOKEN"], [[k.key, k.backlog, k.token] for k in r.keys]))
-                if r.truncated:
-                    click.echo(f"(first {KEY_LIMIT} keys)")
+            report = await _report(api, queue)
+        click.echo(to_json(_report_fields(report)) if as_json else _readable_report(report))
 
     asyncio.run(run())
+
+
+def _summary(r: QueueReport) -> dict[str, Any]:
+    return {"queue": r.queue, "requests": r.requests, "keys_with_backlog": r.keys_with_backlog,
+            "keys_held": r.keys_held, "pending_tokens": r.pending_tokens, "dlq": r.dlq_size}
+
+
+def _report_fields(r: QueueReport) -> dict[str, Any]:
+    def holder(h: Holder | None) -> dict[str, Any] | None:
+        if h is None:
+            return None
+        return {"worker": h.worker, "since": _iso(h.since), "renewed": _iso(h.renewed), "fence": h.fence}
+
+    return {
+        **_summary(r),
+        "consumer": {**r.consumer, "pinned": r.consumer.get("pinned") or None},
+        "workers": [{"worker": name, "keys_held": held} for name, held in r.workers.items()],
+        "keys": [{"key": k.key, "backlog": k.backlog, "token": k.token, "holder": holder(k.holder)} for k in r.keys],
+        "keys_truncated": r.truncated,
+    }
+
+
+def _readable_report(r: QueueReport) -> str:
+    c = r.consumer
+    lines = [
+        f"queue {r.queue}: {r.requests} request(s) on {r.keys_with_backlog} key(s); "
+        f"{r.keys_held} key(s) held; {r.pending_tokens} pending token(s); DLQ {r.dlq_size}",
+        f"consumer: ack_pending={c['ack_pending']} redelivered={c['redelivered']} "
+        f"waiting_pulls={c['waiting_pulls']} ack_wait={c['ack_wait_s']:g}s "
+        f"max_ack_pending={c['max_ack_pending']} priority={c['priority_policy']}",
+    ]
+    if c.get("pinned"):
+        lines.append(f"pinned: {c['pinned']}")
+    holding = ", ".join(f"{name} ({held} key{'' if held == 1 else 's'})" for name, held in r.workers.items())
+    lines.append(f"workers holding keys: {holding or 'none'}; {c['waiting_pulls']} pull request(s) waiting "
+                 "for tokens (from idle workers)")
+    if r.keys:
+        now = datetime.now(UTC)
+        rows = [[k.key, k.backlog, k.token, *_holder_cells(k, now)] for k in r.keys]
+        lines += ["", table(["KEY", "BACKLOG", "TOKEN", "HOLDER", "SINCE"], rows)]
+        if any(k.holder is not None and k.holder.since is None for k in r.keys):
+            lines.append("(renewed: the lease record does not say when the key was acquired, only when it "
+                         "was last renewed)")
+        if r.truncated:
+            lines.append(f"(first {KEY_LIMIT} keys)")
+    return "\n".join(lines)
+
+
+def _holder_cells(k: KeyState, now: datetime) -> list[str]:
+    if k.token != "held":
+        return ["-", "-"]
+    h = k.holder
+    if h is None:
+        return ["(no lease record)", "-"]
+    if h.since is not None:
+        since = f"{_iso(h.since)} ({_age(now - h.since)} ago)"
+    elif h.renewed is not None:
+        since = f"renewed {_iso(h.renewed)} ({_age(now - h.renewed)} ago)"
+    else:
+        since = "-"
+    return [h.worker or "?", since]
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _age(elapsed: timedelta) -> str:
+    seconds = max(0, int(elapsed.total_seconds()))
+    minutes, s = divmod(seconds, 60)
+    hours, m = divmod(minutes, 60)
+    days, h = divmod(hours, 24)
+    if days:
+        return f"{days}d{h}h"
+    if hours:
+        return f"{hours}h{m:02d}m"
+    return f"{minutes}m{s:02d}s" if minutes else f"{s}s"
 
 
 @click.command()

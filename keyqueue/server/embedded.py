@@ -4,6 +4,8 @@
 lets the server pick a free port (it reports it through a ports file, so there is no
 bind-then-release race); once chosen, the port and the store are kept across ``stop()`` /
 ``start()`` and ``restart()``, so clients reconnect to the same URL and JetStream data survives.
+Two servers on one store would corrupt it: a server holds an exclusive lock on ``LOCK_FILE`` in
+its store while it runs, and a second one is refused, naming the first.
 ``EmbeddedCluster`` (``keyqueue.server.cluster``) runs N of them as one JetStream cluster;
 ``keyqueue.server.probe`` says when they are ready.
 
@@ -31,12 +33,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Self
+from typing import IO, Final, Self
 
 from keyqueue.errors import ConfigError, KeyqueueTimeout, ServerNotFound
 from keyqueue.server.probe import healthy, jetstream_answers
 
+try:
+    import fcntl
+except ImportError:  # Windows: no store lock; running two servers on one store is the user's to avoid
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = [
+    "LOCK_FILE",
     "MIN_SERVER_VERSION",
     "ClusterSpec",
     "EmbeddedServer",
@@ -47,6 +55,10 @@ __all__ = [
 
 MIN_SERVER_VERSION: Final = (2, 11, 0)
 """Oldest nats-server keyqueue runs on: consumer priority groups (ADR-42) arrived in 2.11."""
+
+LOCK_FILE: Final = "keyqueue-server.lock"
+"""In a server's store dir: locked (``flock``) while a server runs on the store; it holds that
+server's URL and pids as JSON, for the error a second server gets."""
 
 HOST: Final = "127.0.0.1"
 """Every embedded server binds loopback only: it is a development server, never a public one."""
@@ -152,11 +164,19 @@ class _Process:
 
     proc: subprocess.Popen[bytes] | None = None
     temp_dir: Path | None = None
+    store_lock: IO[str] | None = None
+    """The open, locked ``LOCK_FILE`` of the store while a server of ours may be using it."""
+
+    def unlock_store(self) -> None:
+        if self.store_lock is not None:
+            self.store_lock.close()  # closing the last descriptor releases the flock
+            self.store_lock = None
 
     def release(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self.unlock_store()
         if self.temp_dir is not None:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = None
@@ -264,20 +284,25 @@ class EmbeddedServer:
         if self.running:
             return
         deadline = time.monotonic() + timeout
-        self._launch()
+        self._lock_store()
         try:
+            self._launch()
             while (ports := self._read_ports_file()) is None:
                 self._check_alive()
                 self._check_deadline(deadline, "report its ports")
                 await asyncio.sleep(0.01)
             self._port, self._monitoring_port = ports
+            self._record_owner()
             await self._wait_ready(deadline)
         except BaseException:
             self.kill()  # a half-started server must not outlive the failed start()
+            self._process.unlock_store()
             raise
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Stop the server gracefully (SIGKILL after ``timeout`` seconds); keeps port and store."""
+        """Stop the server gracefully (SIGKILL after ``timeout`` seconds); keeps port and store.
+
+        The store is unlocked: until the next ``start()``, another server may take it."""
         await asyncio.to_thread(self.stop_sync, timeout)
 
     async def restart(self, timeout: float = 15.0) -> None:
@@ -286,7 +311,8 @@ class EmbeddedServer:
         await self.start(timeout)
 
     def kill(self) -> None:
-        """SIGKILL the server now, as a crash would (for fault-injection tests)."""
+        """SIGKILL the server now, as a crash would (for fault-injection tests); the store stays
+        locked for this object's next ``start()``."""
         proc = self._process.proc
         if proc is not None and proc.poll() is None:
             proc.kill()
@@ -317,16 +343,16 @@ class EmbeddedServer:
     def stop_sync(self, timeout: float = 5.0) -> None:
         """``stop()`` for code without a running event loop."""
         proc = self._process.proc
-        if proc is None or proc.poll() is not None:
-            return
-        # nats-server shuts down cleanly on SIGINT and SIGTERM alike (flushes JetStream, removes
-        # its ports file); SIGINT makes it exit 0.
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None and proc.poll() is None:
+            # nats-server shuts down cleanly on SIGINT and SIGTERM alike (flushes JetStream, removes
+            # its ports file); SIGINT makes it exit 0.
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._process.unlock_store()
 
     def close_sync(self) -> None:
         """Kill the server if it still runs and delete its temporary directory."""
@@ -339,6 +365,37 @@ class EmbeddedServer:
         if self._process.temp_dir is None:
             raise RuntimeError("this EmbeddedServer was closed; create a new one")
         return self._process.temp_dir
+
+    def _lock_store(self) -> None:
+        """Take the store's lock, or raise ``ConfigError`` naming the server that holds it."""
+        if fcntl is None or self._process.store_lock is not None:
+            return
+        self._store_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(self._store_dir / LOCK_FILE, "a+")  # noqa: SIM115  # kept open while the server runs
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = _owner_text(handle.read())
+            handle.close()
+            raise ConfigError(f"the store {self._store_dir} is in use by another nats-server{owner}; stop it or "
+                              "use another store directory") from None
+        except BaseException:
+            handle.close()
+            raise
+        self._process.store_lock = handle
+        self._write_owner({"pid": os.getpid()})
+
+    def _record_owner(self) -> None:
+        proc = self._process.proc
+        self._write_owner({"url": self.url, "pid": os.getpid(), "server_pid": proc.pid if proc else None})
+
+    def _write_owner(self, owner: dict[str, object]) -> None:
+        handle = self._process.store_lock
+        if handle is not None:
+            handle.truncate(0)
+            handle.write(json.dumps(owner))
+            handle.flush()
 
     def _launch(self) -> None:
         config = self._work_dir / "nats-server.conf"
@@ -355,6 +412,9 @@ class EmbeddedServer:
                 # Own session: a Ctrl-C in the terminal reaches our process, which stops the
                 # server in order, instead of killing the server behind our back.
                 start_new_session=True,
+                # The server shares the store lock: should this process die without stopping it,
+                # the store stays locked while the orphaned server still writes to it.
+                pass_fds=(self._process.store_lock.fileno(),) if self._process.store_lock else (),
             )
 
     def _config_text(self) -> str:
@@ -426,6 +486,21 @@ class EmbeddedServer:
         except OSError:
             return []
         return text.splitlines()[-_LOG_TAIL_LINES:]
+
+
+def _owner_text(lock_text: str) -> str:
+    """`` at <url> (pid N, started by pid M)`` from a store lock's contents, as much as it says."""
+    try:
+        owner = json.loads(lock_text)
+    except ValueError:
+        return ""
+    if not isinstance(owner, dict):
+        return ""
+    pids = [f"pid {owner['server_pid']}"] if owner.get("server_pid") else []
+    if owner.get("pid"):
+        pids.append(f"started by pid {owner['pid']}")
+    where = f" at {owner['url']}" if owner.get("url") else ""
+    return where + (f" ({', '.join(pids)})" if pids else "")
 
 
 def _url_port(url: str) -> int:

@@ -132,7 +132,7 @@ async def test_the_quickstart_end_to_end(quickstart_worker: Process, nats_url: s
     assert code == 0 and "DLQ 1" in out
     code, out, _ = await run("dlq", "list", "shop", env=env)
     assert code == 0 and re.search(r"1\s+o2\s+charge\s+max-attempts\s+3\s+ValueError: amount must be positive", out)
-    code, out, _ = await run("dlq", "show", "shop", "1", env=env)
+    code, out, _ = await run("dlq", "show", "shop", "1", "--json", env=env)
     assert code == 0 and json.loads(out)["arguments"] == {"order_id": "o2", "amount": -1}
     code, out, _ = await run("dlq", "replay", "shop", "--key", "o2", env=env)
     assert (code, out) == (0, "replayed 1 request(s)\n")
@@ -260,3 +260,70 @@ def test_plugin_commands_are_listed_at_the_top_level_only() -> None:
     assert dlq.exit_code == 0 and re.search(r"^  list\s", dlq.output, re.MULTILINE), dlq.output
     assert not re.search(r"^  events\s", dlq.output, re.MULTILINE), dlq.output
     assert runner.invoke(main, ["dlq", "events", "--help"]).exit_code == 2  # no such command
+
+
+# --- first hour with keyqueue (issue 15) ------------------------------------------------------------
+
+
+NATS_SCHEMES = "NATS URLs use nats://, tls://, ws://, wss:// (e.g. nats://127.0.0.1:4222)"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "line"),
+    [
+        (["inspect", "--url", "http://127.0.0.1:4222"], {},
+         f"Error: url 'http://127.0.0.1:4222' has the scheme 'http'; {NATS_SCHEMES}\n"),
+        (["inspect"], {"KEYQUEUE_URL": "https://127.0.0.1:4222"},
+         f"Error: url 'https://127.0.0.1:4222' has the scheme 'https'; {NATS_SCHEMES} "
+         "(from KEYQUEUE_* environment variables)\n"),
+        (["enqueue", "examples.quickstart.app:app", "charge", '{"order_id": "o1", "amount": 1}', "--url",
+          "http://127.0.0.1:4222"], {}, f"Error: url 'http://127.0.0.1:4222' has the scheme 'http'; {NATS_SCHEMES}\n"),
+    ],
+)
+def test_a_url_that_is_not_a_nats_url_is_one_line(args: list[str], env: dict[str, str], line: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    result = CliRunner().invoke(main, args, env={"KEYQUEUE_URL": None, **env})
+    assert (result.exit_code, result.output) == (1, line)
+
+
+def test_lines_of_a_file_are_counted_from_one_in_every_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    lines = tmp_path / "orders.jsonl"
+    good = '{"order_id": "o1", "amount": 1}\n'
+    runner = CliRunner()
+    for bad, message in [
+        ('{"order_id": "o2"}', "charge(): missing a required argument: 'amount'"),
+        ('{"order_id": "o2", "amount": "ten"}', "charge(): argument 'amount' must be int, not str"),
+        ('{"order_id": "o 2", "amount": 1}', "contains ' '"),
+        ('["o2", 1]', "must be a JSON object of keyword arguments for charge, not list"),
+    ]:
+        lines.write_text(f"{good}\n{bad}\n{good}")
+        result = runner.invoke(main, ["enqueue", "examples.quickstart.app:app", "charge", "--from-file", str(lines)],
+                               env={"KEYQUEUE_URL": "nats://127.0.0.1:1"})
+        assert result.exit_code == 1, result.output
+        assert re.match(r"Error: line 3\b", result.output) and message in result.output, result.output
+        assert result.output.count("\n") == 1
+
+
+def test_an_argument_of_the_wrong_type_is_refused_at_enqueue(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    result = CliRunner().invoke(main, ["enqueue", "examples.quickstart.app:app", "charge",
+                                       '{"order_id": "o1", "amount": "ten"}'], env={"KEYQUEUE_URL": "nats://127.0.0.1:1"})
+    assert (result.exit_code, result.output) == (1, "Error: charge(): argument 'amount' must be int, not str\n")
+
+
+def test_help_examples_name_a_users_module_not_the_repositorys() -> None:
+    runner = CliRunner()
+    for command in (["worker", "--help"], ["enqueue", "--help"]):
+        result = runner.invoke(main, command)
+        assert result.exit_code == 0 and "shop:app" in result.output
+        assert "examples." not in result.output, command
+    result = runner.invoke(main, ["worker", "a:b:c"])
+    assert result.exit_code == 1 and "examples." not in result.output and "shop:app" in result.output
+
+
+def test_the_dlq_delete_and_purge_commands_have_an_example_in_their_help() -> None:
+    for command in ("delete", "purge"):
+        result = CliRunner().invoke(main, ["dlq", command, "--help"])
+        assert result.exit_code == 0 and "Example" in result.output, command

@@ -8,9 +8,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 import keyqueue
-from keyqueue.admin.dead_letters import REPLAY_OF, DeadLetter, dead_letters, get_dead_letter, replay
+from keyqueue.admin.dead_letters import (
+    REPLAY_OF,
+    TRACEBACK,
+    DeadLetter,
+    dead_letters,
+    delete_dead_letters,
+    get_dead_letter,
+    replay,
+    replay_request,
+)
+from keyqueue.cli import main
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.subjects import QueueNames
@@ -204,3 +215,170 @@ async def test_a_replay_ends_at_the_last_dead_request_there_when_it_began(app: k
     letters = await dead_letters(api, "shop")
     assert [d.seq for d in letters] == [5, 6, 7, 8]  # the four replays, dead again, wait for the next replay
     assert all(d.request_id.startswith(d.headers[REPLAY_OF] + ".replay-") for d in letters)
+
+
+# --- the dlq commands, as a user runs them ----------------------------------------------------------
+
+
+async def cli(url: str, *args: str, answer: str | None = None) -> tuple[int, str]:
+    """``keyqueue ARGS --url URL`` (in a thread: the command runs its own event loop); exit code and stdout."""
+    result = await asyncio.to_thread(CliRunner().invoke, main, [*args, "--url", url], input=answer)
+    return result.exit_code, result.stdout
+
+
+async def dead(app: keyqueue.App, *requests: tuple[str, int]) -> list[int]:
+    """Run ``(key, n)`` requests of a task that always fails once each; their DLQ sequences, in order."""
+
+    @app.task(key="{k}", max_attempts=1, name="fail")
+    async def fail(k: str, n: int) -> None:
+        raise ValueError(f"fail {n}")
+
+    nc = await app.connection()
+    await fail.options(request_id="warm-up").enqueue(k="warm-up", n=0)  # creates the queue's streams
+    arrivals = await nc.subscribe(NAMES.dlq_prefix + ">")
+    async with app.worker():
+        for k, n in requests:
+            await fail.options(request_id=f"{k}-{n}").enqueue(k=k, n=n)
+        for _ in range(len(requests) + 1):
+            await arrivals.next_msg(timeout=10)
+    await arrivals.unsubscribe()
+    letters = await dead_letters(JetStreamApi(nc), "shop")
+    assert letters[0].key == "warm-up"
+    await delete_dead_letters(JetStreamApi(nc), "shop", [letters[0].seq])
+    return [d.seq for d in letters[1:]]
+
+
+async def dlq_seqs(app: keyqueue.App) -> list[int]:
+    return [d.seq for d in await dead_letters(JetStreamApi(await app.connection()), "shop")]
+
+
+async def test_dlq_delete_and_purge_remove_dead_requests(app: keyqueue.App, nats_url: str) -> None:
+    s1, s2, s3 = await dead(app, ("a", 1), ("a", 2), ("b", 3))
+
+    assert await cli(nats_url, "dlq", "delete", "shop", str(s1), "999") == (1, "")
+    result = await asyncio.to_thread(CliRunner().invoke, main, ["dlq", "delete", "shop", "999", "--url", nats_url])
+    assert result.output == "Error: queue shop has no dead request at sequence 999; nothing was changed\n"
+    assert await dlq_seqs(app) == [s1, s2, s3]
+    assert await cli(nats_url, "dlq", "delete", "shop", str(s1)) == (0, "deleted 1 dead request(s) from queue shop\n")
+    assert await dlq_seqs(app) == [s2, s3]
+
+    code, out = await cli(nats_url, "dlq", "purge", "shop", "--key", "a", answer="n\n")
+    assert code == 1 and out.startswith("Remove 1 dead request(s) from queue shop (key a)? ")
+    assert await dlq_seqs(app) == [s2, s3]
+    code, out = await cli(nats_url, "dlq", "purge", "shop", "--key", "a", answer="y\n")
+    assert code == 0 and out.endswith("\nremoved 1 dead request(s) from queue shop (key a)\n")
+    assert await dlq_seqs(app) == [s3]
+    assert await cli(nats_url, "dlq", "purge", "shop", "--yes") == (0, "removed 1 dead request(s) from queue shop\n")
+    assert await cli(nats_url, "dlq", "purge", "shop", "--yes") == (0, "no dead requests in queue shop\n")
+
+
+async def test_dlq_replay_takes_chosen_sequences_in_order_and_a_dry_run_changes_nothing(
+    app: keyqueue.App, nats_url: str
+) -> None:
+    s1, s2, s3 = await dead(app, ("a", 1), ("b", 2), ("c", 3))
+    api = JetStreamApi(await app.connection())
+
+    code, out = await cli(nats_url, "dlq", "replay", "shop", "--dry-run")
+    assert code == 0
+    assert out.splitlines() == [
+        "SEQ  KEY  TASK  REPLAYED AS",
+        f"{s1:<3}  a    fail  a-1.replay-{s1}",
+        f"{s2:<3}  b    fail  b-2.replay-{s2}",
+        f"{s3:<3}  c    fail  c-3.replay-{s3}",
+        "would replay 3 request(s); nothing was changed (--dry-run)",
+    ]
+    assert await dlq_seqs(app) == [s1, s2, s3]
+    inbox_before = int((await api.stream_info(NAMES.inbox_stream))["state"]["last_seq"])
+
+    assert (await cli(nats_url, "dlq", "replay", "shop", "--seq", "999", "--seq", str(s1)))[0] == 1
+    assert await dlq_seqs(app) == [s1, s2, s3]  # one missing: nothing replayed
+
+    assert await cli(nats_url, "dlq", "replay", "shop", "--seq", str(s3), "--seq", str(s1)) == (
+        0, "replayed 2 request(s)\n")
+    assert await dlq_seqs(app) == [s2]
+    stored = []
+    seq = inbox_before + 1
+    while (msg := await api.get_msg(NAMES.inbox_stream, seq=seq, next_by_subject=NAMES.inbox_prefix + ">")) is not None:
+        stored.append(msg.headers[H.MSG_ID])
+        seq = msg.seq + 1
+    assert stored == [f"a-1.replay-{s1}", f"c-3.replay-{s3}"]  # oldest first, whatever order they were named in
+
+
+async def test_dlq_show_is_readable_with_the_traceback_when_there_is_one_and_json_on_request(
+    app: keyqueue.App, nats_url: str
+) -> None:
+    [seq] = await dead(app, ("a", 1))
+    code, out = await cli(nats_url, "dlq", "show", "shop", str(seq))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[:2] == [f"seq:           {seq}", "key:           a"]
+    assert "task:          fail (version 1)" in lines and "request id:    a-1" in lines
+    assert "reason:        max-attempts" in lines and "attempts:      1" in lines
+    assert "error:         ValueError: fail 1" in lines
+    assert lines[-5:] == ["arguments:", "  {", '    "k": "a",', '    "n": 1', "  }"]
+    assert "traceback:" not in lines
+
+    # A worker that records tracebacks (none does yet) puts one in X-KQ-DLQ-Traceback.
+    nc = await app.connection()
+    letter = await get_dead_letter(JetStreamApi(nc), "shop", seq)
+    trace = 'Traceback (most recent call last):\n  File "shop.py", line 3, in fail\nValueError: fail 1\n'
+    headers = {**letter.headers, H.MSG_ID: "with-traceback", TRACEBACK: json.dumps(trace)}
+    with_trace = (await nc.jetstream().publish(NAMES.dlq("a"), letter.data, headers=headers)).seq
+    code, out = await cli(nats_url, "dlq", "show", "shop", str(with_trace))
+    assert code == 0 and out.splitlines()[-4:] == [
+        "traceback:", "  Traceback (most recent call last):", '    File "shop.py", line 3, in fail',
+        "  ValueError: fail 1"]
+
+    code, out = await cli(nats_url, "dlq", "show", "shop", str(with_trace), "--json")
+    shown = json.loads(out)
+    assert code == 0 and {k: shown[k] for k in ("seq", "key", "request_id", "task", "version", "attempts", "arguments",
+                                                 "error_type", "error_message", "traceback")} == {
+        "seq": with_trace, "key": "a", "request_id": "a-1", "task": "fail", "version": 1, "attempts": 1,
+        "arguments": {"k": "a", "n": 1}, "error_type": "ValueError", "error_message": "fail 1", "traceback": trace}
+    assert isinstance(shown["original_seq"], int) and shown["headers"][H.DLQ_REASON] == "max-attempts"
+
+
+async def test_dlq_list_says_when_the_limit_hides_some_and_speaks_json(app: keyqueue.App, nats_url: str) -> None:
+    s1, s2, _ = await dead(app, ("a", 1), ("a", 2), ("b", 3))
+    code, out = await cli(nats_url, "dlq", "list", "shop", "--limit", "2")
+    assert code == 0 and out.splitlines()[-1] == "... and 1 more; --limit to see them" and len(out.splitlines()) == 4
+    code, out = await cli(nats_url, "dlq", "list", "shop", "--key", "a", "--limit", "1")
+    assert code == 0 and out.splitlines()[-1] == "... and 1 more; --limit to see them"
+    code, out = await cli(nats_url, "dlq", "list", "shop")
+    assert code == 0 and "more" not in out and len(out.splitlines()) == 4
+
+    code, out = await cli(nats_url, "dlq", "list", "shop", "--limit", "2", "--json")
+    listed = json.loads(out)
+    assert code == 0 and (listed["queue"], listed["key"], listed["total"]) == ("shop", None, 3)
+    first = listed["dead_letters"][0]
+    assert [d["seq"] for d in listed["dead_letters"]] == [s1, s2]
+    assert sorted(first) == ["attempts", "dead_lettered_at", "error_message", "error_type", "key", "original_seq",
+                             "reason", "request_id", "seq", "task", "truncated_from", "version"]
+    assert (first["attempts"], first["version"], first["truncated_from"]) == (1, 1, None)
+    assert isinstance(first["original_seq"], int)
+    code, out = await cli(nats_url, "dlq", "list", "shop", "--key", "zzz", "--json")
+    assert json.loads(out) == {"queue": "shop", "key": "zzz", "total": 0, "dead_letters": []}
+
+
+async def test_a_replayed_request_that_dies_again_is_replayed_under_its_id_with_the_suffix_replaced(
+    app: keyqueue.App, nats_url: str
+) -> None:
+    [first] = await dead(app, ("a", 1))
+    nc = await app.connection()
+    api = JetStreamApi(nc)
+    arrivals = await nc.subscribe(NAMES.dlq_prefix + ">")
+    assert await cli(nats_url, "dlq", "replay", "shop") == (0, "replayed 1 request(s)\n")
+    async with app.worker():  # the replayed request fails again
+        await arrivals.next_msg(timeout=10)
+    [again] = await dead_letters(api, "shop")
+    assert again.request_id == f"a-1.replay-{first}"
+
+    # A replay interrupted after storing it and before removing it from the DLQ...
+    assert not (await Publisher(nc, NAMES).enqueue(replay_request(again))).duplicate
+    # ...run again, stores it once.
+    assert await cli(nats_url, "dlq", "replay", "shop") == (0, "replayed 1 request(s)\n")
+    subjects = await api.subjects(NAMES.inbox_stream, NAMES.inbox("a"))
+    assert subjects == {NAMES.inbox("a"): 1}
+    stored = await api.get_msg(NAMES.inbox_stream, last_by_subject=NAMES.inbox("a"))
+    assert stored is not None and stored.headers[H.MSG_ID] == f"a-1.replay-{again.seq}"
+    assert stored.headers[REPLAY_OF] == f"a-1.replay-{first}"

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import re
+import shutil
 import signal
 import socket
 import stat
@@ -21,7 +25,7 @@ from nats.js.api import StreamConfig
 
 from keyqueue.errors import ConfigError, KeyqueueTimeout, ServerNotFound
 from keyqueue.server.cluster import EmbeddedCluster
-from keyqueue.server.embedded import EmbeddedServer, find_nats_server
+from keyqueue.server.embedded import LOCK_FILE, EmbeddedServer, find_nats_server
 
 
 async def _publish(url: str, stream: str, count: int, *, replicas: int = 1) -> None:
@@ -266,3 +270,84 @@ def test_dev_server_command_serves_until_sigint(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --- one store, one server -----------------------------------------------------------------------
+
+
+async def test_a_second_server_on_a_store_in_use_is_refused_naming_the_first(tmp_path: Path) -> None:
+    async with EmbeddedServer(store_dir=tmp_path / "store") as first:
+        second = EmbeddedServer(store_dir=tmp_path / "store")
+        with pytest.raises(ConfigError) as refused:
+            await second.start()
+        assert str(refused.value) == (f"the store {tmp_path / 'store'} is in use by another nats-server at {first.url} "
+                                      f"(pid {first.pid}, started by pid {os.getpid()}); stop it or use another "
+                                      "store directory")
+        assert not second.running
+        first.kill()  # a crash: the store stays this object's for its restart
+        with pytest.raises(ConfigError, match="in use by another nats-server"):
+            await second.start()
+        await first.start()
+        await first.stop()  # a stop hands the store over
+        await second.start()
+        await _publish(second.url, "SECOND", 1)
+        await second.aclose()
+        await first.start()
+        assert await _stored_messages(first.url, "SECOND") == 1
+
+
+def _dev_server(store: Path) -> subprocess.Popen[str]:
+    keyqueue = Path(sys.executable).parent / "keyqueue"
+    return subprocess.Popen([str(keyqueue), "dev-server", "--port", "0", "--store-dir", str(store)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _served(proc: subprocess.Popen[str]) -> tuple[str, Path]:
+    """The URL a dev-server prints, and the directory of its log (temporary: its own to delete)."""
+    assert proc.stdout is not None
+    log: Path | None = None
+    for line in proc.stdout:
+        if line.startswith("store: "):
+            log = Path(line.rsplit("; log: ", 1)[1].strip())
+        if line.startswith("export KEYQUEUE_URL="):
+            assert log is not None
+            return line.strip().split("=", 1)[1], log.parent
+    raise AssertionError(f"dev-server printed no URL: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def test_dev_server_refuses_a_store_another_dev_server_uses(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    first = _dev_server(store)
+    started = [first]
+    orphan: int | None = None
+    work_dir: Path | None = None
+    try:
+        url, work_dir = _served(first)
+        second = _dev_server(store)
+        started.append(second)
+        _, err = second.communicate(timeout=30)
+        assert second.returncode == 1
+        assert re.fullmatch(rf"Error: the store {re.escape(str(store))} is in use by another nats-server at "
+                            rf"{re.escape(url)} \(pid (\d+), started by pid {first.pid}\); stop it or use another "
+                            r"store directory\n", err), err
+
+        # The first dev-server dies without stopping its nats-server, which goes on using the store:
+        # the store stays locked by it.
+        first.kill()
+        first.wait()
+        orphan = int(json.loads((store / LOCK_FILE).read_text())["server_pid"])
+        third = _dev_server(store)
+        started.append(third)
+        _, err = third.communicate(timeout=30)
+        assert third.returncode == 1 and f"at {url} (pid {orphan}, started by pid {first.pid})" in err, err
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=10)
+        if orphan is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(orphan, signal.SIGKILL)
+        if work_dir is not None:
+            shutil.rmtree(work_dir, ignore_errors=True)  # the killed dev-server could not delete it

@@ -1,0 +1,113 @@
+"""``keyqueue inspect`` as a user runs it while a worker holds a key, against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+import keyqueue
+from keyqueue.jetstream.subjects import QueueNames
+
+KEYQUEUE = str(Path(sys.executable).with_name("keyqueue"))
+
+
+async def run(url: str, *args: str) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYQUEUE_")}
+    proc = await asyncio.create_subprocess_exec(KEYQUEUE, *args, env={**env, "KEYQUEUE_URL": url},
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+async def holding(nats_url: str) -> AsyncIterator[None]:
+    """Worker ``w-test`` holding key o1 of queue shop (its task waits until the test ends); o2 waits behind it."""
+    app = keyqueue.App("shop", url=nats_url, set_as_default=False, autoload_plugins=False)
+    started, release = asyncio.Event(), asyncio.Event()
+
+    @app.task(key="{k}")
+    async def hold(k: str) -> None:
+        started.set()
+        await release.wait()
+
+    try:
+        async with app.worker(name="w-test", concurrency=1):
+            await hold.enqueue(k="o1")
+            await hold.enqueue(k="o1")
+            await asyncio.wait_for(started.wait(), 15)
+            yield
+            release.set()
+    finally:
+        await app.close()
+
+
+async def test_inspect_shows_who_holds_a_key_since_when_and_the_workers(holding: None, nats_url: str) -> None:
+    code, out, err = await run(nats_url, "inspect", "shop")
+    assert code == 0, err
+    assert re.search(r"^workers holding keys: w-test \(1 key\); \d+ pull request\(s\) waiting for tokens "
+                     r"\(from idle workers\)$", out, re.MULTILINE), out
+    assert re.search(r"^KEY\s+BACKLOG\s+TOKEN\s+HOLDER\s+SINCE$", out, re.MULTILINE), out
+    assert re.search(r"^o1\s+2\s+held\s+w-test\s+\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(\d+s ago\)$", out, re.MULTILINE), out
+
+
+async def test_inspect_json_has_stable_keys_and_numbers(holding: None, nats_url: str) -> None:
+    code, out, err = await run(nats_url, "inspect", "shop", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert sorted(report) == ["consumer", "dlq", "keys", "keys_held", "keys_truncated", "keys_with_backlog",
+                              "pending_tokens", "queue", "requests", "workers"]
+    assert (report["queue"], report["requests"], report["keys_held"], report["dlq"]) == ("shop", 2, 1, 0)
+    assert report["workers"] == [{"worker": "w-test", "keys_held": 1}]
+    assert isinstance(report["consumer"]["waiting_pulls"], int) and report["keys_truncated"] is False
+    [o1] = [k for k in report["keys"] if k["key"] == "o1"]
+    holder = o1.pop("holder")
+    assert o1 == {"key": "o1", "backlog": 2, "token": "held"}
+    assert holder["worker"] == "w-test" and isinstance(holder["fence"], int)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", holder["since"])
+    assert holder["renewed"] >= holder["since"]
+
+    code, out, err = await run(nats_url, "inspect", "--json")
+    assert code == 0, err
+    assert json.loads(out) == {"queues": [{"queue": "shop", "requests": 2, "keys_with_backlog": 1, "keys_held": 1,
+                                           "pending_tokens": 0, "dlq": 0}]}
+
+
+async def test_a_lease_record_without_its_acquisition_time_shows_the_last_renewal_and_says_so(nats_url: str) -> None:
+    app = keyqueue.App("shop", url=nats_url, set_as_default=False, autoload_plugins=False)
+
+    @app.task(key="{k}")
+    async def hold(k: str) -> None:
+        pass
+
+    try:
+        await hold.enqueue(k="o1")
+        nc = await app.connection()
+        js = nc.jetstream()
+        names = QueueNames("shop")
+        # A worker took the key's token and wrote a lease record that does not say since when it holds
+        # the key (only the server's timestamp says when it was last written).
+        tokens = await js.pull_subscribe_bind(names.consumer, names.token_stream)
+        [token] = await tokens.fetch(1, timeout=10)
+        record = {"worker": "old-worker", "token": token.metadata.sequence.stream, "nonce": "n", "fence": 0, "ttl": 30}
+        await js.publish(names.lease("o1"), json.dumps(record).encode())
+
+        code, out, err = await run(nats_url, "inspect", "shop")
+        assert code == 0, err
+        assert re.search(r"^o1\s+1\s+held\s+old-worker\s+renewed \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(\d+s ago\)$", out,
+                         re.MULTILINE), out
+        assert out.splitlines()[-1] == ("(renewed: the lease record does not say when the key was acquired, only "
+                                        "when it was last renewed)")
+        code, out, err = await run(nats_url, "inspect", "shop", "--json")
+        [o1] = json.loads(out)["keys"]
+        assert o1["holder"]["worker"] == "old-worker" and o1["holder"]["since"] is None
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", o1["holder"]["renewed"])
+    finally:
+        await app.close()
