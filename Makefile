@@ -6,10 +6,13 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint java-check bench bench-quick chaos clean
 
-$(STAMP): pyproject.toml
+# keyqueue's own plugins, each a distribution of its own (OpenTelemetry, Spark, the Rebaser).
+PLUGINS := plugins/keyqueue_otel plugins/keyqueue_spark contrib/rebaser
+
+$(STAMP): pyproject.toml $(PLUGINS:%=%/pyproject.toml)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,spark]'
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]' $(PLUGINS:%=-e %)
 	@touch $@
 
 demo: $(STAMP)
@@ -38,10 +41,10 @@ test: $(STAMP) java-check
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check keyqueue tests
-	$(PY) -m mypy keyqueue tests/typed_usage.py
+	$(PY) -m ruff check keyqueue plugins contrib tests
+	$(PY) -m mypy keyqueue plugins contrib tests/typed_usage.py
 
-# Spark (the spark extra: tests/spark, keyqueue report / backfill, examples/spark) needs Java 17+.
+# Spark (keyqueue-spark: tests/spark, keyqueue report / backfill, examples/spark) needs Java 17+.
 # Without it, install Debian's headless JRE (as root, or with sudo).
 JAVA_MIN := 17
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -60,4 +63,4 @@ java-check:
 	fi
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info $(PLUGINS:%=%/*.egg-info)

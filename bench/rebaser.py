@@ -1,7 +1,7 @@
 """Workload 7: the Rebaser, update requests per second with DVU coalescing on 50 change sets.
 
 One worker (in this process, the Rebaser plugin on its own queue) and one producer. Each change
-set first gets the graph of ``contrib.rebaser.workload.setup_updates``; then, timed, every change
+set first gets the graph of ``keyqueue_rebaser.workload.setup_updates``; then, timed, every change
 set gets ``per_change_set`` single-value updates enqueued at once, interleaved across change
 sets, and finally one request that waits for the DVU run covering it. The figure is update
 requests per second from the first enqueue to the last covering DVU; the detail says how many
@@ -14,10 +14,10 @@ import random
 import time
 from dataclasses import dataclass
 
-from contrib.rebaser import RebaserClient, Update
-from contrib.rebaser.plugin import RebaserPlugin
-from contrib.rebaser.workload import INPUTS, setup_updates
 from keyqueue import App
+from keyqueue_rebaser import RebaserClient, Update
+from keyqueue_rebaser.plugin import RebaserPlugin
+from keyqueue_rebaser.workload import INPUTS, setup_updates
 
 
 @dataclass(frozen=True)

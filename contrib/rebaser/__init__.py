@@ -1,4 +1,4 @@
-"""The Rebaser: keyqueue's reference plugin (see README.md in this folder).
+"""The Rebaser: keyqueue's reference plugin, distribution ``keyqueue-rebaser`` (see README.md in this folder).
 
 Per change set (key ``<workspace>.<change_set>`` of the ``rebaser`` queue) update requests apply
 strictly in order, and "dependent values update" (DVU) runs one at a time beside them,
@@ -7,12 +7,13 @@ coalescing any number of triggers into one more run.
 
 from __future__ import annotations
 
-from contrib.rebaser.client import Accepted, RebaserClient, change_set_key
-from contrib.rebaser.dvu import SerialDvuTask
-from contrib.rebaser.errors import DvuFailed, RebaserError, SnapshotConflict, UnreadableSnapshot
-from contrib.rebaser.functions import BUILTINS, FunctionRegistry, hookimpl, load_functions
-from contrib.rebaser.graph import Node, UpdateError, apply_updates, full_recompute, recompute
-from contrib.rebaser.messages import (
+from .client import Accepted, RebaserClient, change_set_key
+from .dvu import SerialDvuTask
+from .errors import DvuFailed, RebaserError, SnapshotConflict, UnreadableSnapshot
+from .events import DVU_EVENTS, DVU_FINISHED, DVU_STARTED
+from .functions import BUILTINS, FunctionRegistry, hookimpl, load_functions
+from .graph import Node, UpdateError, apply_updates, full_recompute, recompute
+from .messages import (
     REGISTRY,
     EnqueueUpdatesRequest,
     EnqueueUpdatesRequestV1,
@@ -21,13 +22,16 @@ from contrib.rebaser.messages import (
     EnqueueUpdatesResponse,
     Update,
 )
-from contrib.rebaser.plugin import RebaserPlugin, RebaserProcessors, queue_config
-from contrib.rebaser.processor import RebaserProcessor, RebaserSettings
-from contrib.rebaser.state import ChangeSetState, DvuRun
-from contrib.rebaser.store import SnapshotStore
+from .plugin import RebaserPlugin, RebaserProcessors, queue_config
+from .processor import RebaserProcessor, RebaserSettings
+from .state import ChangeSetState, DvuRun
+from .store import SnapshotStore
 
 __all__ = [
     "BUILTINS",
+    "DVU_EVENTS",
+    "DVU_FINISHED",
+    "DVU_STARTED",
     "REGISTRY",
     "Accepted",
     "ChangeSetState",

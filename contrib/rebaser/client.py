@@ -19,25 +19,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, overload
 
-from contrib.rebaser._keyqueue import (
-    CBOR,
-    Client,
-    Enqueued,
-    InvalidKey,
-    JetStreamApi,
-    KeyqueueError,
-    KeyqueueTimeout,
-    Message,
-    OutgoingRequest,
-    Publisher,
-    Topology,
-    connect,
-    decode,
-    encode,
-    validate_key,
-    wire_headers,
-)
-from contrib.rebaser.messages import (
+from keyqueue import InvalidKey, KeyqueueError, KeyqueueTimeout
+from keyqueue.ext import Client, Enqueued, JetStreamApi, OutgoingRequest, Publisher, Topology, connect, validate_key
+from keyqueue.wire import CBOR, Message, decode, encode
+from keyqueue.wire import headers as wire_headers
+
+from .messages import (
     AWAIT_DVU,
     REGISTRY,
     STATUS_ERROR,
@@ -45,9 +32,9 @@ from contrib.rebaser.messages import (
     EnqueueUpdatesResponse,
     Update,
 )
-from contrib.rebaser.plugin import queue_config
-from contrib.rebaser.state import ChangeSetState
-from contrib.rebaser.store import DEFAULT_BUCKET, SnapshotStore
+from .plugin import queue_config
+from .state import ChangeSetState
+from .store import DEFAULT_BUCKET, SnapshotStore
 
 __all__ = ["Accepted", "RebaserClient", "change_set_key"]
 

@@ -23,8 +23,9 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 
-from contrib.rebaser._keyqueue import LeaseLost
-from contrib.rebaser.errors import DvuFailed
+from keyqueue import LeaseLost
+
+from .errors import DvuFailed
 
 __all__ = ["SerialDvuTask"]
 

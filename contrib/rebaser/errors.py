@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from contrib.rebaser._keyqueue import KeyqueueError
+from keyqueue import KeyqueueError
 
 __all__ = ["DvuFailed", "RebaserError", "SnapshotConflict", "UnreadableSnapshot"]
 

@@ -10,7 +10,7 @@ The registry starts with :data:`BUILTINS` and is extended through the ``rebaser`
 ``rebaser_register_functions(functions)``: from plugin objects passed to :func:`load_functions`
 and from the entry-point group ``keyqueue.rebaser``::
 
-    from contrib.rebaser import hookimpl
+    from keyqueue_rebaser import hookimpl
 
     @hookimpl
     def rebaser_register_functions(functions):
@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import pluggy
 
-from contrib.rebaser._keyqueue import ConfigError
+from keyqueue import ConfigError
 
 __all__ = [
     "BUILTINS",

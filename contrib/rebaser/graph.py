@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from contrib.rebaser.functions import FunctionRegistry
-from contrib.rebaser.messages import Update
+from .functions import FunctionRegistry
+from .messages import Update
 
 __all__ = ["Node", "Recomputed", "UpdateError", "apply_updates", "dependents", "full_recompute", "recompute"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final, Self
 
-from contrib.rebaser._keyqueue import Message, Registry
+from keyqueue.wire import Message, Registry
 
 __all__ = [
     "AWAIT_DVU",

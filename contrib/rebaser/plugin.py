@@ -1,13 +1,13 @@
 """The Rebaser as a keyqueue plugin: queue ``rebaser``, a :class:`RebaserProcessor` per change set.
 
-Run a worker with keyqueue's own command line, from the repository root::
+Run a worker with keyqueue's own command line::
 
-    keyqueue worker contrib.rebaser.app:app --url nats://127.0.0.1:4222 --concurrency 64
+    keyqueue worker keyqueue_rebaser.app:app --url nats://127.0.0.1:4222 --concurrency 64
 
-``contrib.rebaser.app:app`` is a ``keyqueue.App`` with this plugin. To add the Rebaser to an app
-of your own, pass ``RebaserPlugin()`` in ``App(plugins=[...])``, or install the
-``keyqueue-rebaser`` distribution (``contrib/rebaser/pyproject.toml``), whose ``keyqueue`` entry
-point registers :data:`plugin` with every app. Registering twice (entry point and explicit) is
+``keyqueue_rebaser.app:app`` is a ``keyqueue.App`` with this plugin. To add the Rebaser to an app
+of your own, pass ``RebaserPlugin()`` in ``App(plugins=[...])``; installing the
+``keyqueue-rebaser`` distribution (``contrib/rebaser/pyproject.toml``) also registers
+:data:`plugin` with every app, through its ``keyqueue`` entry point. Registering twice (entry point and explicit) is
 harmless: the first registration wins.
 """
 
@@ -21,19 +21,14 @@ from typing import Any
 
 import click
 
-from contrib.rebaser._keyqueue import (
-    App,
-    Client,
-    KeyProcessor,
-    QueueConfig,
-    Worker,
-    connect,
-    keyqueue_hookimpl,
-    publish_event,
-)
-from contrib.rebaser.functions import FunctionRegistry, load_functions
-from contrib.rebaser.processor import Observer, PublishEvent, RebaserProcessor, RebaserSettings
-from contrib.rebaser.store import SnapshotStore
+from keyqueue import App, KeyProcessor, QueueConfig, Worker
+from keyqueue import hookimpl as keyqueue_hookimpl
+from keyqueue.events import publish_event
+from keyqueue.ext import Client, connect
+
+from .functions import FunctionRegistry, load_functions
+from .processor import Observer, PublishEvent, RebaserProcessor, RebaserSettings
+from .store import SnapshotStore
 
 __all__ = ["RebaserPlugin", "RebaserProcessors", "plugin", "queue_config"]
 
@@ -151,7 +146,7 @@ def show(workspace: str, change_set: str, url: str, bucket: str) -> None:
     """Print a change set's values, pending roots and DVU runs."""
     import asyncio
 
-    from contrib.rebaser.client import change_set_key
+    from .client import change_set_key
 
     async def run() -> None:
         nc = await connect(url, name="rebaser-show")

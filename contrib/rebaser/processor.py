@@ -26,33 +26,24 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from contrib.rebaser._keyqueue import (
-    BaseProcessor,
-    LeaseLost,
-    Reject,
-    Reply,
-    Request,
-    RequestContext,
-    RetryPolicy,
-    SessionContext,
-    decode,
-    encode,
-    peek,
-    wire_headers,
-)
-from contrib.rebaser.dvu import SerialDvuTask
-from contrib.rebaser.errors import SnapshotConflict
-from contrib.rebaser.functions import FunctionRegistry
-from contrib.rebaser.graph import recompute
-from contrib.rebaser.messages import (
+from keyqueue import BaseProcessor, LeaseLost, Reject, Reply, Request, RequestContext, RetryPolicy, SessionContext
+from keyqueue.wire import decode, encode, peek
+from keyqueue.wire import headers as wire_headers
+
+from .dvu import SerialDvuTask
+from .errors import SnapshotConflict
+from .events import DVU_FINISHED, DVU_STARTED
+from .functions import FunctionRegistry
+from .graph import recompute
+from .messages import (
     AWAIT_DVU,
     REGISTRY,
     STATUS_SUCCESS,
     EnqueueUpdatesRequest,
     EnqueueUpdatesResponse,
 )
-from contrib.rebaser.state import ChangeSetState, DvuRun, Waiter
-from contrib.rebaser.store import SnapshotStore
+from .state import ChangeSetState, DvuRun, Waiter
+from .store import SnapshotStore
 
 __all__ = ["Observer", "RebaserProcessor", "RebaserSettings", "SendReply"]
 
@@ -66,7 +57,8 @@ SendReply = Callable[[str, Mapping[str, str], bytes], Awaitable[None]]
 """Publishes a message to a caller's inbox (the DVU's follow-up responses)."""
 
 PublishEvent = Callable[[str, str, dict[str, Any]], Awaitable[None]]
-"""``publish(event, key, fields)``: a ``dvu_started`` / ``dvu_finished`` event to keyqueue's events stream."""
+"""``publish(event, key, fields)``: a ``dvu_started`` / ``dvu_finished`` event to keyqueue's events stream
+(:mod:`.events`)."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +193,7 @@ class RebaserProcessor(BaseProcessor):
         number = self.state.dvu_runs + 1
         started = time.time()
         self._emit("dvu_started", run=number, roots=len(plan.roots), triggers=plan.triggers, covered=plan.covered)
-        await self._event("dvu_started", ctx.key, ts=started, run_id=f"{ctx.key}#{number}",
+        await self._event(DVU_STARTED, ctx.key, ts=started, run_id=f"{ctx.key}#{number}",
                           worker=self.settings.worker or None)
         # Functions are user code and may be slow: compute in a thread so keepalives keep flowing.
         result = await asyncio.to_thread(recompute, plan.nodes, plan.roots, self.functions)
@@ -221,7 +213,7 @@ class RebaserProcessor(BaseProcessor):
         self._emit("dvu_finished", run=run.run, covered=run.covered, triggers=run.triggers, roots=run.roots,
                    recomputed=run.recomputed, errors=len(run.errors), elapsed=round(run.finished - run.started, 4),
                    waiters=len(served))
-        await self._event("dvu_finished", ctx.key, ts=run.finished, run=run.finished - run.started,
+        await self._event(DVU_FINISHED, ctx.key, ts=run.finished, run=run.finished - run.started,
                           triggers=run.triggers, run_id=f"{ctx.key}#{run.run}", worker=run.worker or None)
         for waiter in served:
             await self._notify(waiter, run)

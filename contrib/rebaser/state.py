@@ -19,11 +19,13 @@ from typing import Any, Final
 
 import cbor2
 
-from contrib.rebaser._keyqueue import CBOR, WireError, from_fields, loads_map
-from contrib.rebaser.errors import UnreadableSnapshot
-from contrib.rebaser.functions import FunctionRegistry
-from contrib.rebaser.graph import Node, Recomputed, UpdateError, apply_updates
-from contrib.rebaser.messages import (
+from keyqueue import WireError
+from keyqueue.wire import CBOR, from_fields, loads_map
+
+from .errors import UnreadableSnapshot
+from .functions import FunctionRegistry
+from .graph import Node, Recomputed, UpdateError, apply_updates
+from .messages import (
     STATUS_ERROR,
     STATUS_SUCCESS,
     EnqueueUpdatesRequest,

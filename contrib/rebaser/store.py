@@ -2,7 +2,7 @@
 
 The KV key is the change set's queue key, ``<workspace>.<change_set>``. Every write names the
 revision its writer read; a write that lost the race (someone wrote since) is refused by the
-server and raises :class:`~contrib.rebaser.errors.SnapshotConflict`, naming the writer's fencing
+server and raises :class:`~keyqueue_rebaser.errors.SnapshotConflict`, naming the writer's fencing
 token. So a stale holder of a change set (paused past its lease, say) can never overwrite what
 the current holder wrote: its next write fails, and when it reloads it finds a newer fencing
 token in the state and stops.
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Final
 
-from contrib.rebaser._keyqueue import Client, KeyValue, WrongLastSequence
-from contrib.rebaser.errors import SnapshotConflict
-from contrib.rebaser.state import ChangeSetState, decode_state, encode_state
+from keyqueue import WrongLastSequence
+from keyqueue.ext import Client, KeyValue
+
+from .errors import SnapshotConflict
+from .state import ChangeSetState, decode_state, encode_state
 
 __all__ = ["DEFAULT_BUCKET", "SnapshotStore"]
 

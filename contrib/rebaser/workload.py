@@ -11,9 +11,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from contrib.rebaser.functions import FunctionRegistry, load_functions
-from contrib.rebaser.graph import Node, UpdateError, apply_updates, full_recompute
-from contrib.rebaser.messages import Update
+from .functions import FunctionRegistry, load_functions
+from .graph import Node, UpdateError, apply_updates, full_recompute
+from .messages import Update
 
 __all__ = ["ChangeSetModel", "compare", "setup_updates"]
 

@@ -26,11 +26,11 @@ import time
 from collections import Counter, deque
 from pathlib import Path
 
-from contrib.rebaser import ChangeSetState, RebaserClient, Update
-from contrib.rebaser.workload import ChangeSetModel, compare, setup_updates
 from examples.rebaser.app import FUNCTIONS
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.server.embedded import EmbeddedServer
+from keyqueue_rebaser import ChangeSetState, RebaserClient, Update
+from keyqueue_rebaser.workload import ChangeSetModel, compare, setup_updates
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("w1", "w2")

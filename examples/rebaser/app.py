@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keyqueue
-from contrib.rebaser import FunctionRegistry, RebaserPlugin, hookimpl, load_functions
+from keyqueue_rebaser import FunctionRegistry, RebaserPlugin, hookimpl, load_functions
 
 DIGEST_SECONDS = 0.05
 """What one ``digest`` costs."""

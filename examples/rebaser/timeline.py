@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import keyqueue
-from contrib.rebaser import FunctionRegistry, RebaserClient, RebaserPlugin, Update, hookimpl, load_functions
 from keyqueue.server.embedded import EmbeddedServer
+from keyqueue_rebaser import FunctionRegistry, RebaserClient, RebaserPlugin, Update, hookimpl, load_functions
 
 OUT = Path(__file__).resolve().parents[2] / "docs" / "images" / "rebaser-dvu-timeline.png"
 REQUESTS, SPACING, DIGEST = 60, 0.02, 0.25

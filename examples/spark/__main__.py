@@ -20,9 +20,9 @@ import pandas as pd
 
 from examples.spark.fleet import drain
 from keyqueue.server.embedded import EmbeddedServer
-from plugins.keyqueue_spark.backfill import BackfillJob, run_backfill
-from plugins.keyqueue_spark.report import run_report
-from plugins.keyqueue_spark.session import spark_session
+from keyqueue_spark.backfill import BackfillJob, run_backfill
+from keyqueue_spark.report import run_report
+from keyqueue_spark.session import spark_session
 
 QUEUE, TASK = "rebaser", "EnqueueUpdatesRequest"
 
@@ -91,14 +91,14 @@ def main() -> None:
 
 
 async def _drain_and_record(url: str, enqueued: dict[str, tuple[float, str]]) -> int:
-    from plugins.keyqueue_spark import _keyqueue as kq
-    from plugins.keyqueue_spark.events import event
+    from keyqueue.events import ensure_events_stream, event
+    from keyqueue_spark.streams import connect_to, publish_events
 
-    nc = await kq.connect_to(url)
+    nc = await connect_to(url)
     try:
-        await kq.ensure_events_stream(nc, QUEUE)
-        await kq.publish_events(nc, QUEUE, [event("enqueued", ts, QUEUE, key=key, request_id=rid, task=TASK)
-                                            for rid, (ts, key) in enqueued.items()])
+        await ensure_events_stream(nc, QUEUE)
+        await publish_events(nc, QUEUE, [event("enqueued", ts, QUEUE, key=key, request_id=rid, task=TASK)
+                                         for rid, (ts, key) in enqueued.items()])
     finally:
         await nc.close()
     times = {rid: ts for rid, (ts, _) in enqueued.items()}

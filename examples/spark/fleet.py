@@ -16,15 +16,18 @@ from typing import Any
 
 from nats.aio.client import Client
 
+from keyqueue.core.observer import NullObserver, RequestAttempt, SessionObserver, describe
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext, SessionContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
 from keyqueue.errors import Reject
+from keyqueue.events import ensure_events_stream, event
+from keyqueue.ext import QueueNames
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.wire import loads_map
-from plugins.keyqueue_spark import _keyqueue as kq
-from plugins.keyqueue_spark.events import event
+from keyqueue_rebaser.events import DVU_FINISHED, DVU_STARTED
+from keyqueue_spark.streams import connect_to, publish_events, stream_bounds
 
 
 class EventRecorder:
@@ -39,24 +42,34 @@ class EventRecorder:
     def add(self, name: Any, **fields: Any) -> None:
         self.buffer.append(event(name, time.time(), self.queue, **fields))
 
-    def on_worker_event(self, name: str, fields: dict[str, Any]) -> None:
-        """The worker's ``on_event`` sink: map its events onto the contract."""
-        rid = fields.get("request_id")
-        common = {"key": fields.get("key"), "request_id": rid, "task": self.task, "worker": fields.get("worker")}
-        if name == "started":
-            wait = time.time() - self.enqueued_at[rid] if rid in self.enqueued_at else None
-            self.add("started", attempt=fields.get("attempt"), wait=wait, **common)
-        elif name == "succeeded":
-            self.add("succeeded", run=fields.get("elapsed"), **common)
-        elif name == "retried":
-            self.add("retried", attempt=fields.get("attempt"), reason=fields.get("error"), **common)
-        elif name == "dead_lettered":
-            self.add("dead_lettered", attempt=fields.get("attempts"), reason=fields.get("reason"), **common)
+    def observer(self, worker: str) -> SessionObserver:
+        """The worker's session observer: map its steps onto the contract."""
+        recorder = self
+
+        class Steps(NullObserver):
+            def _common(self, r: RequestAttempt) -> dict[str, Any]:
+                return {"key": r.key, "request_id": r.request_id, "task": recorder.task, "worker": worker}
+
+            def request_started(self, attempt: RequestAttempt) -> None:
+                enqueued = recorder.enqueued_at.get(attempt.request_id)
+                wait = time.time() - enqueued if enqueued is not None else None
+                recorder.add("started", attempt=attempt.attempt, wait=wait, **self._common(attempt))
+
+            def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
+                recorder.add("succeeded", run=elapsed, **self._common(request))
+
+            def request_retried(self, attempt: RequestAttempt, delay: float, error: BaseException) -> None:
+                recorder.add("retried", attempt=attempt.attempt, reason=describe(error), **self._common(attempt))
+
+            def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+                recorder.add("dead_lettered", attempt=request.attempt, reason=reason, **self._common(request))
+
+        return Steps()
 
     async def _flush(self) -> None:
         batch, self.buffer = self.buffer, []
         if batch:
-            self.published += await kq.publish_events(self.nc, self.queue, batch)
+            self.published += await publish_events(self.nc, self.queue, batch)
 
     async def _run(self) -> None:
         while True:
@@ -99,10 +112,10 @@ class ChangeSetProcessor(BaseProcessor):
             return
         self.runs += 1
         run_id = f"{ctx.key}#{ctx.fencing[0]}.{self.runs}"
-        self.recorder.add("dvu_started", key=ctx.key, run_id=run_id)
+        self.recorder.add(DVU_STARTED, key=ctx.key, run_id=run_id)
         started = time.monotonic()
         await asyncio.sleep(0.002 * self.pending_triggers)  # DVU cost grows with the roots touched
-        self.recorder.add("dvu_finished", key=ctx.key, run_id=run_id, run=time.monotonic() - started,
+        self.recorder.add(DVU_FINISHED, key=ctx.key, run_id=run_id, run=time.monotonic() - started,
                           triggers=self.pending_triggers)
         self.pending_triggers = 0
 
@@ -110,20 +123,20 @@ class ChangeSetProcessor(BaseProcessor):
 async def drain(url: str, queue: str, enqueued_at: dict[str, float], task: str, *, concurrency: int = 64,
                 report_every: float = 5.0) -> int:
     """Run a worker until the queue's inbox is empty; returns how many events were published."""
-    nc = await kq.connect_to(url)
+    nc = await connect_to(url)
     try:
-        await kq.ensure_events_stream(nc, queue)
+        await ensure_events_stream(nc, queue)
         failed_once: set[str] = set()
         async with EventRecorder(nc, queue, enqueued_at, task) as recorder:
             settings = SessionSettings(retry=RetryPolicy(max_attempts=3, base_delay=0.05, max_delay=0.2))
             worker = QueueWorker(nc, QueueConfig(queue), lambda key: ChangeSetProcessor(recorder, failed_once),
                                  concurrency=concurrency, settings=settings, name="example-worker",
-                                 on_event=recorder.on_worker_event)
+                                 observer=recorder.observer("example-worker"))
             runner = asyncio.create_task(worker.run(), name="worker")
             try:
                 await worker.started()
                 last = time.monotonic()
-                while (left := (await kq.stream_bounds(nc, kq.inbox_stream(queue))).messages) > 0:
+                while (left := (await stream_bounds(nc, QueueNames(queue).inbox_stream)).messages) > 0:
                     if time.monotonic() - last >= report_every:
                         print(f"  worker: {left:,} requests left, {recorder.published:,} events published", flush=True)
                         last = time.monotonic()

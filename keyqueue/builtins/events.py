@@ -1,11 +1,8 @@
 """The built-in plugin that publishes lifecycle events to the queue's events stream.
 
-Stream ``KQ_<queue>_EVENTS`` (limits retention: 7 days, 5 million events, oldest dropped first), subjects
-``kq.<queue>.events.<event>``. Each message has the headers ``X-CONTENT-TYPE:
-application/cbor``, ``X-MESSAGE-TYPE: KeyqueueEvent``, ``X-MESSAGE-VERSION: 1`` and a CBOR map
-body with every field of :data:`EVENT_FIELDS` (null where it does not apply). This is the
-contract ``plugins.keyqueue_spark`` reads (``keyqueue report``), which takes these constants
-from here.
+What an event is, and where it goes, is the contract in :mod:`keyqueue.events`. This plugin
+publishes keyqueue's own events (:data:`keyqueue.events.EVENT_NAMES`) from its hooks, and the
+events other plugins publish with :func:`keyqueue.events.publish_event` (through :func:`publish`).
 
 Events are best-effort telemetry: they go out as plain core publishes (no ack round trip on
 the hot path), so a broken connection or a full server may lose some, and the order of events
@@ -34,13 +31,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import cbor2
 
-from keyqueue.errors import KeyqueueTimeout, StreamNotFound, TaskFailure
-from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.errors import KeyqueueTimeout, TaskFailure
+from keyqueue.events import EVENT_HEADERS, ensure_events_stream, events_stream
 from keyqueue.jetstream.fastpub import StaticHeaders, publish_static
-from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.plugins.manager import hookimpl
-from keyqueue.wire import CBOR
-from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
     import click
@@ -51,126 +45,23 @@ if TYPE_CHECKING:
     from keyqueue.core.processor import Request, RequestContext
     from keyqueue.tasks.task import TaskRequest
 
-__all__ = [
-    "ENABLE_ENV",
-    "EVENT_FIELDS",
-    "EVENT_FIELD_NAMES",
-    "EVENT_MESSAGE_TYPE",
-    "EVENT_NAMES",
-    "EVENT_VERSION",
-    "MAX_AGE",
-    "MAX_MSGS",
-    "SAMPLE_ENV",
-    "ensure_events_stream",
-    "event",
-    "events_stream",
-    "events_subject",
-    "publish_event",
-    "sample_rate",
-    "sampled",
-    "stream_config",
-]
+__all__ = ["ENABLE_ENV", "SAMPLE_ENV", "enabled", "publish", "sample_rate", "sampled"]
 
 log = logging.getLogger("keyqueue.events")
 
 ENABLE_ENV: Final = "KEYQUEUE_EVENTS"
-SAMPLE_ENV: Final = "KEYQUEUE_EVENTS_SAMPLE"
-"""Fraction (0 < f <= 1) of requests whose events are published; default 1 (all)."""
 """``0``, ``false``, ``no`` or ``off`` turns the events plugin off."""
 
-EVENT_NAMES: Final = (
-    "enqueued", "acquired", "started", "succeeded", "retried", "dead_lettered",
-    "superseded", "released", "dvu_started", "dvu_finished",
-)
-"""Every value the ``event`` field takes (the ``dvu_*`` events come from DVU processors)."""
+SAMPLE_ENV: Final = "KEYQUEUE_EVENTS_SAMPLE"
+"""Fraction (0 < f <= 1) of requests whose events are published; default 1 (all)."""
 
-EVENT_FIELDS: Final = (
-    ("event", "string", "one of EVENT_NAMES"),
-    ("ts", "double", "when it happened, Unix seconds"),
-    ("queue", "string", "the queue"),
-    ("key", "string", "the key, or null for queue-wide events"),
-    ("request_id", "string", "the request's Nats-Msg-Id, or null"),
-    ("task", "string", "the task (X-MESSAGE-TYPE of the request), or null"),
-    ("worker", "string", "the worker's name, or null"),
-    ("attempt", "long", "1 for the first run of a request, 2 for its first retry, ...; or null"),
-    ("wait", "double", "on started: seconds from enqueue to handler start; else null"),
-    ("run", "double", "on succeeded/dead_lettered: handler seconds; on dvu_finished: DVU seconds; else null"),
-    ("reason", "string", "DLQ reason, retry error or superseded/merged reason; or null"),
-    ("triggers", "long", "on dvu_finished: how many requests/triggers the DVU run covered; else null"),
-    ("run_id", "string", "DVU run id, or null"),
-)
-"""The body fields of a ``KeyqueueEvent`` v1: (name, type, meaning). Every field is nullable."""
-
-EVENT_FIELD_NAMES: Final = tuple(name for name, _, _ in EVENT_FIELDS)
-
-EVENT_MESSAGE_TYPE: Final = "KeyqueueEvent"
-EVENT_VERSION: Final = 1
-
-MAX_AGE: Final = 7 * 24 * 3600.0
-"""Seconds an event is kept."""
-
-MAX_MSGS: Final = 5_000_000
-"""Events the stream of one queue keeps (oldest dropped first): about 1 GiB at ~200 bytes an event.
-
-A count rather than ``max_bytes``: nats-server reserves a stream's ``max_bytes`` against the
-JetStream storage limit up front, so 1 GiB per queue would soon leave no room to create the
-queues' own streams (the embedded server's store is 4 GB)."""
-
-_HEADERS: Final = StaticHeaders({H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: EVENT_MESSAGE_TYPE,
-                                 H.MESSAGE_VERSION: str(EVENT_VERSION)})
+_HEADERS: Final = StaticHeaders(EVENT_HEADERS)
 
 _RUNS_KEPT: Final = 10_000
 """Most attempt durations remembered (for the ``run`` of a ``dead_lettered`` event)."""
 
 
-# --- the format ------------------------------------------------------------------------------------
-
-
-def events_stream(queue: str) -> str:
-    """``KQ_<queue>_EVENTS``."""
-    QueueNames(queue)
-    return f"KQ_{queue}_EVENTS"
-
-
-def events_subject(queue: str, event: str) -> str:
-    """``kq.<queue>.events.<event>``."""
-    return f"kq.{queue}.events.{event}"
-
-
-def event(name: str, ts: float, queue: str, **fields: Any) -> dict[str, Any]:
-    """An event body with every field of the contract (unset ones null); raises on unknown fields."""
-    unknown = set(fields) - set(EVENT_FIELD_NAMES)
-    if unknown:
-        raise ValueError(f"not event fields: {', '.join(sorted(unknown))}")
-    if name not in EVENT_NAMES:
-        raise ValueError(f"{name!r} is not one of {', '.join(EVENT_NAMES)}")
-    body: dict[str, Any] = dict.fromkeys(EVENT_FIELD_NAMES)
-    body.update(fields, event=name, ts=float(ts), queue=queue)
-    return body
-
-
-def stream_config(queue: str, *, max_age: float = MAX_AGE, max_msgs: int = MAX_MSGS,
-                  max_bytes: int | None = None) -> dict[str, Any]:
-    """The events stream's configuration (limits retention, file storage, oldest discarded).
-
-    ``max_bytes`` is left out unless given: the server reserves it up front (see ``MAX_MSGS``).
-    """
-    config = {"name": events_stream(queue), "subjects": [f"kq.{queue}.events.>"], "retention": "limits",
-              "storage": "file", "num_replicas": 1, "max_age": int(max_age * 1e9), "max_msgs": max_msgs,
-              "allow_direct": True, "discard": "old"}
-    if max_bytes is not None:
-        config["max_bytes"] = max_bytes
-    return config
-
-
-async def ensure_events_stream(nc: Client, queue: str, *, max_age: float = MAX_AGE, max_msgs: int = MAX_MSGS,
-                               max_bytes: int | None = None) -> None:
-    """Create ``KQ_<queue>_EVENTS`` if it does not exist (an existing one is used as it is)."""
-    api = JetStreamApi(nc)
-    try:
-        await api.stream_info(events_stream(queue))
-    except StreamNotFound:
-        await api.add_stream(stream_config(queue, max_age=max_age, max_msgs=max_msgs, max_bytes=max_bytes))
+# --- switches --------------------------------------------------------------------------------------
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -291,15 +182,8 @@ async def _emit(worker: Worker, name: str, queue: str, key: str | None, request_
                              "wait": wait, "run": run, "reason": reason, "triggers": None, "run_id": None})
 
 
-async def publish_event(app: App, name: str, queue: str, key: str | None = None, *, ts: float | None = None,
-                        **fields: Any) -> None:
-    """Publish one event of ``queue`` through ``app``'s events plugin (nothing if it is off).
-
-    For processors with lifecycle steps of their own, e.g. a DVU's ``dvu_started`` /
-    ``dvu_finished`` (with ``run``, ``triggers``, ``run_id``). ``fields`` are event fields
-    (``ValueError`` for others); ``ts`` defaults to now. Best effort, like every event.
-    """
-    body = event(name, time.time() if ts is None else ts, queue, key=key, **fields)
+async def publish(app: App, body: dict[str, Any]) -> None:
+    """Publish one event body through ``app``'s publisher (what :func:`keyqueue.events.publish_event` calls)."""
     await _of(app).publish(body)
 
 

@@ -10,6 +10,9 @@ Receiving::
     msg = decode(raw.headers, raw.data, registry)   # the latest version of the type
 
 Header names and reply/dead-letter header values live in ``keyqueue.wire.headers``.
+
+This package's ``__all__`` and ``keyqueue.wire.headers`` are public, for plugins too (they are
+among ``keyqueue.ext.PUBLIC_MODULES``); its other modules are how it is built.
 """
 
 from __future__ import annotations

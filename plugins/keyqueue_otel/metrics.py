@@ -43,7 +43,7 @@ class Metrics:
     """The instruments, and one method per thing counted."""
 
     def __init__(self, meter_provider: Any = None) -> None:
-        from plugins.keyqueue_otel.plugin import INSTRUMENTATION, _version
+        from .plugin import INSTRUMENTATION, _version
 
         meter = metrics.get_meter(INSTRUMENTATION, _version(), meter_provider=meter_provider)
         made: dict[str, Any] = {}

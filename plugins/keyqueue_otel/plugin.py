@@ -28,14 +28,12 @@ from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from keyqueue.plugins.manager import hookimpl
+from keyqueue import hookimpl
 
 if TYPE_CHECKING:
-    from keyqueue.app.application import App
-    from keyqueue.core.processor import Request, RequestContext
-    from keyqueue.tasks.task import TaskRequest
-    from keyqueue.app.worker import Worker
-    from plugins.keyqueue_otel.metrics import Metrics
+    from keyqueue import App, Request, RequestContext, TaskRequest, Worker
+
+    from .metrics import Metrics
 
 __all__ = ["INSTRUMENTATION", "OtelPlugin", "configure_from_env", "plugin"]
 
@@ -194,7 +192,7 @@ class OtelPlugin:
         if isinstance(provider, otel_metrics.NoOpMeterProvider) or type(provider).__name__ == "_ProxyMeterProvider":
             return None
         if self._meters_of is not provider:
-            from plugins.keyqueue_otel.metrics import Metrics
+            from .metrics import Metrics
 
             self._meters = Metrics(provider)
             self._meters_of = provider

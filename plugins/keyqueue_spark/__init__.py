@@ -1,13 +1,14 @@
 """keyqueue on Spark: the ``keyqueue`` data source (reader and sink), ``keyqueue report`` and
-``keyqueue backfill``. Install with the ``spark`` extra; see docs/spark.md.
+``keyqueue backfill``. The ``keyqueue-spark`` distribution (this folder's pyproject.toml); see
+docs/spark.md.
 
-Only :mod:`plugins.keyqueue_spark._keyqueue` imports keyqueue itself; :mod:`.events` imports
-neither keyqueue nor pyspark, so its schema constant is cheap to import anywhere.
+Importing the package does not import pyspark: the data source, the sink and the commands import
+it when used.
 """
 
 from __future__ import annotations
 
-from plugins.keyqueue_spark.events import EVENT_FIELDS, EVENT_NAMES, event_schema
-from plugins.keyqueue_spark.session import register, spark_session
+from .events import event_schema
+from .session import register, spark_session
 
-__all__ = ["EVENT_FIELDS", "EVENT_NAMES", "event_schema", "register", "spark_session"]
+__all__ = ["event_schema", "register", "spark_session"]

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from plugins.keyqueue_spark import _keyqueue as kq
-from plugins.keyqueue_spark.sink import read_summary
+from keyqueue.errors import KeyqueueError
+from keyqueue.ext import QueueNames
+
+from .sink import read_summary
+from .streams import connect_to, stream_bounds
 
 ROW_COLUMN: Final = "_kq_row"
 """The input row number the backfill adds (and uses as the request identity)."""
@@ -72,14 +75,14 @@ class WriteProgress:
 
     def _last_seq(self) -> int:
         async def last() -> int:
-            nc = await kq.connect_to(self.url)
+            nc = await connect_to(self.url)
             try:
-                return (await kq.stream_bounds(nc, kq.inbox_stream(self.queue))).last_seq
+                return (await stream_bounds(nc, QueueNames(self.queue).inbox_stream)).last_seq
             finally:
                 await nc.close()
         try:
             return asyncio.run(last())
-        except kq.KeyqueueError:
+        except KeyqueueError:
             return 0
 
     def line(self) -> str:

@@ -1,7 +1,7 @@
 """The ``keyqueue report`` and ``keyqueue backfill`` commands (click).
 
-Registered into the ``keyqueue`` command line by :mod:`plugins.keyqueue_spark.plugin` through the
-``keyqueue_add_commands`` hook; also runnable as ``python -m plugins.keyqueue_spark``. pyspark is
+Registered into the ``keyqueue`` command line by :mod:`keyqueue_spark.plugin` through the
+``keyqueue_add_commands`` hook; also runnable as ``python -m keyqueue_spark``. pyspark is
 imported only when a command runs, so listing commands stays fast.
 """
 
@@ -17,14 +17,16 @@ from typing import Any
 
 import click
 
-from plugins.keyqueue_spark import _keyqueue as kq
+from keyqueue.errors import KeyqueueError
+
+from .streams import DEFAULT_URL
 
 _URL_HELP = "NATS URL(s) [env KEYQUEUE_URL; default nats://127.0.0.1:4222]"
 _MASTER_HELP = "Spark master: local[*] (this machine, default), spark://host:7077, yarn, k8s://..."
 
 
 def _url(url: str | None) -> str:
-    return url or os.environ.get("KEYQUEUE_URL") or kq.DEFAULT_URL
+    return url or os.environ.get("KEYQUEUE_URL") or DEFAULT_URL
 
 
 @contextmanager
@@ -33,9 +35,9 @@ def _session(master: str, app: str) -> Iterator[Any]:
     try:
         from pyspark.sql import SparkSession
 
-        from plugins.keyqueue_spark.session import register, spark_session
+        from .session import register, spark_session
     except ImportError as e:  # pragma: no cover - depends on the installation
-        raise click.ClickException(f"{e}; install the spark extra: pip install 'keyqueue[spark]'") from e
+        raise click.ClickException(f"{e}; install keyqueue-spark with its dependencies (pyspark, pyarrow)") from e
     active = SparkSession.getActiveSession()
     if active is not None:
         register(active)
@@ -64,7 +66,7 @@ def _session(master: str, app: str) -> Iterator[Any]:
 def report(queue: str, url: str | None, master: str, out_dir: Path | None, events_from: str | None,
            save_events: str | None, top: int, bucket: float | None) -> None:
     """Report what QUEUE did, from its lifecycle events: an HTML page with charts and Parquet aggregates."""
-    from plugins.keyqueue_spark.report import run_report
+    from .report import run_report
 
     started = time.monotonic()
     target = out_dir or Path(f"keyqueue-report-{queue}")
@@ -72,7 +74,7 @@ def report(queue: str, url: str | None, master: str, out_dir: Path | None, event
         with _session(master, f"keyqueue report {queue}") as spark:
             page, data = run_report(spark, queue, target, url=None if events_from else _url(url),
                                     events_from=events_from, save_events=save_events, top=top, bucket=bucket)
-    except kq.KeyqueueError as e:
+    except KeyqueueError as e:
         raise click.ClickException(str(e)) from e
     s = data.summary
     ratio = s["coalescing_ratio"]
@@ -102,7 +104,7 @@ def backfill(input_path: str, queue: str, task: str, key_column: str, input_form
              task_version: int, job_id: str | None, partitions: int | None, max_errors: int, url: str | None,
              master: str) -> None:
     """Enqueue every row of INPUT_PATH (Parquet, CSV or JSON) as a request of TASK for the row's key."""
-    from plugins.keyqueue_spark.backfill import BackfillJob, run_backfill
+    from .backfill import BackfillJob, run_backfill
 
     started = time.monotonic()
     job = BackfillJob(input_path=input_path, queue=queue, task=task, key=key_column, url=_url(url),
@@ -112,7 +114,7 @@ def backfill(input_path: str, queue: str, task: str, key_column: str, input_form
     try:
         with _session(master, f"keyqueue backfill {queue}") as spark:
             summary = run_backfill(spark, job)
-    except (kq.KeyqueueError, ValueError) as e:
+    except (KeyqueueError, ValueError) as e:
         raise click.ClickException(str(e)) from e
     except Exception as e:  # Spark wraps the sink's error; show its message, not a JVM trace
         if "KeyqueueWriteError" in str(e):

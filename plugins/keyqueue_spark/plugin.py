@@ -1,26 +1,24 @@
 """The keyqueue plugin: adds ``keyqueue report`` and ``keyqueue backfill`` to the command line.
 
-Registered through the entry-point group ``keyqueue``::
+Registered through the entry-point group ``keyqueue`` (this folder's pyproject.toml)::
 
     [project.entry-points.keyqueue]
-    spark = "plugins.keyqueue_spark.plugin"
+    spark = "keyqueue_spark.plugin"
 
-Importing this module imports neither pyspark nor keyqueue.
+Importing this module does not import pyspark.
 """
 
 from __future__ import annotations
 
 import click
-import pluggy
 
-hookimpl = pluggy.HookimplMarker("keyqueue")
-"""keyqueue's hook marker (``keyqueue.hookimpl``), made here so this module needs no keyqueue import."""
+from keyqueue import hookimpl
 
 
 @hookimpl
 def keyqueue_add_commands(cli: click.Group) -> None:
     """Add ``report`` and ``backfill``."""
-    from plugins.keyqueue_spark.cli import commands
+    from .cli import commands
 
     for command in commands():
         cli.add_command(command)

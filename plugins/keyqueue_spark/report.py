@@ -94,7 +94,7 @@ def _quantile_columns(column: str, prefix: str) -> list[Column]:
 
 def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float | None = None,
             progress: Progress | None = None) -> ReportData:
-    """The report's aggregates from an events DataFrame (columns of events.EVENT_FIELDS)."""
+    """The report's aggregates from an events DataFrame (columns of keyqueue.events.EVENT_FIELDS)."""
     from pyspark.sql import functions as F
 
     step = progress or Progress(6, enabled=False)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 def register(spark: SparkSession) -> None:
     """Make ``format("keyqueue")`` available on ``spark`` (idempotent)."""
-    from plugins.keyqueue_spark.source import KeyqueueDataSource
+    from .source import KeyqueueDataSource
 
     spark.dataSource.register(KeyqueueDataSource)
 
@@ -23,7 +23,7 @@ def spark_session(master: str = "local[*]", app_name: str = "keyqueue", *,
     """A session on ``master`` (``local[*]`` by default) with the keyqueue source registered.
 
     Locally, Python workers run this interpreter (so they import keyqueue and nats-py); on a
-    cluster, set ``spark.pyspark.python`` to an environment that has ``keyqueue[spark]``.
+    cluster, set ``spark.pyspark.python`` to an environment with ``keyqueue-spark`` installed.
     """
     from pyspark.sql import SparkSession
 

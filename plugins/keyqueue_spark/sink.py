@@ -61,8 +61,12 @@ from pyspark.sql.types import (
 )
 from ulid import ULID
 
-from plugins.keyqueue_spark import _keyqueue as kq
-from plugins.keyqueue_spark.source import lower_keys, resolve_url
+from keyqueue.errors import KeyqueueError, TokenPublishFailed
+from keyqueue.ext import Enqueued, OutgoingRequest
+from keyqueue.wire import CBOR
+
+from .source import lower_keys, resolve_url
+from .streams import connect_to, encode_fields, enqueue_many, ensure_queue, request_message
 
 ID_SCHEME: Final = "keyqueue-spark/1"
 """Mixed into every derived request id; bump it only to change how ids are derived."""
@@ -107,7 +111,7 @@ class SinkOptions:
                              'e.g. .option("queue", "rebaser").option("task", "Reindex").option("key", "doc_id")')
         columns = options.get("columns")
         content = (options.get("contenttype") or "cbor").lower()
-        content_type = {"cbor": kq.CBOR, "json": "application/json"}.get(content, content)
+        content_type = {"cbor": CBOR, "json": "application/json"}.get(content, content)
         window = options.get("duplicatewindow")
         return cls(
             url=resolve_url(options), queue=str(options["queue"]), task=str(options["task"]),
@@ -258,9 +262,9 @@ class KeyqueueWriter(DataSourceWriter):
         asyncio.run(self._ensure_queue())
 
     async def _ensure_queue(self) -> None:
-        nc = await kq.connect_to(self.options.url)
+        nc = await connect_to(self.options.url)
         try:
-            await kq.ensure_queue(nc, self.options.queue, create=self.options.create_queue,
+            await ensure_queue(nc, self.options.queue, create=self.options.create_queue,
                                   duplicate_window=self.options.duplicate_window)
         finally:
             await nc.close()
@@ -271,9 +275,9 @@ class KeyqueueWriter(DataSourceWriter):
         converters = [(name, index, plain_converter(data_type)) for name, index, data_type in self.arguments]
         identity = RowIdentity()
         summary = WriteSummary(partitions=1)
-        batch: list[kq.OutgoingRequest] = []
+        batch: list[OutgoingRequest] = []
         with asyncio.Runner() as runner:
-            nc = runner.run(kq.connect_to(opts.url))
+            nc = runner.run(connect_to(opts.url))
             try:
                 for index, row in enumerate(iterator):
                     summary.rows += 1
@@ -290,7 +294,7 @@ class KeyqueueWriter(DataSourceWriter):
         return summary
 
     def _request(self, row: Row, converters: list[tuple[str, int, Callable[[Any], Any]]], identity: RowIdentity,
-                 partition: int, index: int, summary: WriteSummary) -> kq.OutgoingRequest | None:
+                 partition: int, index: int, summary: WriteSummary) -> OutgoingRequest | None:
         opts = self.options
         where = f"partition {partition} row {index}"
         key = row[self.key_index]
@@ -300,24 +304,24 @@ class KeyqueueWriter(DataSourceWriter):
         key = str(key)
         try:
             fields = {name: convert(row[i]) for name, i, convert in converters}
-            body = kq.encode_fields(fields, opts.content_type)
+            body = encode_fields(fields, opts.content_type)
             if self.id_index is not None:
                 ident = RowIdentity.by_column(row[self.id_index])
             else:
                 ident = identity.by_content(key, body)
             request_id = derive_request_id(opts.job_id, opts.task, opts.version, key, ident)
-            return kq.request_message(key, opts.task, opts.version, body, request_id, opts.content_type)
-        except (kq.KeyqueueError, ValueError, TypeError) as e:
+            return request_message(key, opts.task, opts.version, body, request_id, opts.content_type)
+        except (KeyqueueError, ValueError, TypeError) as e:
             summary.error(f"{where} (key {key!r}): {type(e).__name__}: {e}")
             return None
 
-    async def _flush(self, nc: Any, batch: list[kq.OutgoingRequest], summary: WriteSummary) -> None:
-        results = await kq.enqueue_many(nc, self.options.queue, batch)
+    async def _flush(self, nc: Any, batch: list[OutgoingRequest], summary: WriteSummary) -> None:
+        results = await enqueue_many(nc, self.options.queue, batch)
         for request, result in zip(batch, results, strict=True):
-            if isinstance(result, kq.Enqueued):
+            if isinstance(result, Enqueued):
                 summary.accepted += 1
                 summary.duplicates += int(result.duplicate)
-            elif isinstance(result, kq.TokenPublishFailed):
+            elif isinstance(result, TokenPublishFailed):
                 summary.accepted += 1
                 summary.unscheduled += 1
             else:

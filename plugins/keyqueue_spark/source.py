@@ -5,7 +5,7 @@ Reading (batch and streaming)::
     spark.read.format("keyqueue").option("queue", "rebaser").option("stream", "events").load()
     spark.readStream.format("keyqueue").option("queue", "rebaser").load()
 
-Writing is in :mod:`plugins.keyqueue_spark.sink`. Options (case-insensitive):
+Writing is in :mod:`keyqueue_spark.sink`. Options (case-insensitive):
 
 ``url``               NATS URL(s); default ``$KEYQUEUE_URL`` on the driver, else nats://127.0.0.1:4222
 ``queue``             the queue whose stream is read (required unless ``streamName``)
@@ -59,8 +59,19 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from plugins.keyqueue_spark import _keyqueue as kq
-from plugins.keyqueue_spark.events import EVENT_FIELD_NAMES, coerce_event, event_schema
+from .events import coerce_event, event_schema
+from .streams import (
+    DEFAULT_URL,
+    Decoded,
+    StoredMessage,
+    StreamBounds,
+    connect_to,
+    decode_message,
+    key_of_subject,
+    read_range,
+    stream_bounds,
+    stream_name,
+)
 
 NAME: Final = "keyqueue"
 """The format name: ``spark.read.format("keyqueue")``."""
@@ -93,7 +104,7 @@ EVENTS_SCHEMA: Final = StructType([
     *event_schema().fields,
     StructField("decode_error", StringType(), True),
 ])
-"""Events reads: one column per event field (events.EVENT_FIELDS)."""
+"""Events reads: one column per event field (keyqueue.events.EVENT_FIELDS)."""
 
 
 # --- options -----------------------------------------------------------------------------------------
@@ -106,7 +117,7 @@ def lower_keys(options: Mapping[str, str]) -> dict[str, str]:
 
 def resolve_url(options: Mapping[str, str]) -> str:
     """The ``url`` option, else ``$KEYQUEUE_URL``, else the local default (read on the driver only)."""
-    return options.get("url") or os.environ.get(URL_ENV) or kq.DEFAULT_URL
+    return options.get("url") or os.environ.get(URL_ENV) or DEFAULT_URL
 
 
 def _int_option(options: Mapping[str, str], name: str, default: int | None) -> int | None:
@@ -141,7 +152,7 @@ class SourceOptions:
         if options.get("streamname"):
             stream, events = str(options["streamname"]), kind == "events" and bool(options.get("stream"))
         elif options.get("queue"):
-            stream, events = kq.stream_name(str(options["queue"]), kind), kind == "events"
+            stream, events = stream_name(str(options["queue"]), kind), kind == "events"
         else:
             raise ValueError("the keyqueue source needs option queue (and stream: events, inbox or dlq) "
                              "or option streamName")
@@ -222,7 +233,7 @@ def _coercer(data_type: DataType) -> Callable[[Any], Any]:
     return lambda v: v
 
 
-RowMaker = Callable[[kq.StoredMessage, kq.Decoded], tuple[Any, ...]]
+RowMaker = Callable[[StoredMessage, Decoded], tuple[Any, ...]]
 
 
 def row_maker(schema: StructType, events: bool) -> RowMaker:
@@ -233,23 +244,23 @@ def row_maker(schema: StructType, events: bool) -> RowMaker:
     any other column is the body field of that name, fitted to the column's type.
     """
     if events and [f.name for f in schema.fields] == [f.name for f in EVENTS_SCHEMA.fields]:
-        def event_row(m: kq.StoredMessage, d: kq.Decoded) -> tuple[Any, ...]:
+        def event_row(m: StoredMessage, d: Decoded) -> tuple[Any, ...]:
             return (m.seq, m.subject, m.timestamp, d.message_type, d.version,
                     *coerce_event(d.fields or {}), d.error)
         return event_row
 
-    getters: list[Callable[[kq.StoredMessage, kq.Decoded], Any]] = []
+    getters: list[Callable[[StoredMessage, Decoded], Any]] = []
     for field in schema.fields:
         getters.append(_getter(field, events))
 
-    def row(m: kq.StoredMessage, d: kq.Decoded) -> tuple[Any, ...]:
+    def row(m: StoredMessage, d: Decoded) -> tuple[Any, ...]:
         return tuple(get(m, d) for get in getters)
     return row
 
 
-def _getter(field: StructField, events: bool) -> Callable[[kq.StoredMessage, kq.Decoded], Any]:
+def _getter(field: StructField, events: bool) -> Callable[[StoredMessage, Decoded], Any]:
     name = field.name
-    fixed: dict[str, Callable[[kq.StoredMessage, kq.Decoded], Any]] = {
+    fixed: dict[str, Callable[[StoredMessage, Decoded], Any]] = {
         "seq": lambda m, d: m.seq,
         "subject": lambda m, d: m.subject,
         "timestamp": lambda m, d: m.timestamp,
@@ -261,7 +272,7 @@ def _getter(field: StructField, events: bool) -> Callable[[kq.StoredMessage, kq.
         "decode_error": lambda m, d: d.error,
     }
     if name == "key" and not events:
-        return lambda m, d: kq.key_of_subject(m.subject)
+        return lambda m, d: key_of_subject(m.subject)
     if name in fixed:
         return fixed[name]
     fit = _coercer(field.dataType)
@@ -273,8 +284,8 @@ def read_rows(url: str, stream: str, part: SequenceRange, subject: str | None, s
     """The rows of one partition, read page by page on this executor's own connection."""
     make = row_maker(schema, events)
     with asyncio.Runner() as runner:
-        nc = runner.run(kq.connect_to(url))
-        pages = kq.read_range(nc, stream, part.first, part.last, subject=subject)
+        nc = runner.run(connect_to(url))
+        pages = read_range(nc, stream, part.first, part.last, subject=subject)
         try:
             while True:
                 try:
@@ -282,17 +293,17 @@ def read_rows(url: str, stream: str, part: SequenceRange, subject: str | None, s
                 except StopAsyncIteration:
                     break
                 for message in page:
-                    yield make(message, kq.decode_message(message.headers, message.data))
+                    yield make(message, decode_message(message.headers, message.data))
         finally:
             runner.run(pages.aclose())
             runner.run(nc.close())
 
 
-def current_bounds(url: str, stream: str) -> kq.StreamBounds:
-    async def bounds() -> kq.StreamBounds:
-        nc = await kq.connect_to(url)
+def current_bounds(url: str, stream: str) -> StreamBounds:
+    async def bounds() -> StreamBounds:
+        nc = await connect_to(url)
         try:
-            return await kq.stream_bounds(nc, stream)
+            return await stream_bounds(nc, stream)
         finally:
             await nc.close()
     return asyncio.run(bounds())
@@ -324,7 +335,7 @@ class KeyqueueDataSource(DataSource):
         return KeyqueueStreamReader(SourceOptions.from_options(self.options), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
-        from plugins.keyqueue_spark.sink import KeyqueueWriter
+        from .sink import KeyqueueWriter
 
         return KeyqueueWriter(self.options, schema, overwrite)
 
@@ -403,7 +414,6 @@ class KeyqueueStreamReader(DataSourceStreamReader):
 
 __all__ = [
     "EVENTS_SCHEMA",
-    "EVENT_FIELD_NAMES",
     "META_SCHEMA",
     "NAME",
     "REQUEST_SCHEMA",

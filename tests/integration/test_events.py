@@ -1,8 +1,13 @@
-"""The built-in events plugin against a real nats-server: what a known workload leaves in KQ_<queue>_EVENTS."""
+"""The built-in events plugin against a real nats-server: what a known workload leaves in KQ_<queue>_EVENTS.
+
+The contract the events follow is :mod:`keyqueue.events` (``ev`` here); the publisher is the
+built-in plugin ``keyqueue.builtins.events``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -11,8 +16,9 @@ from typing import Any
 import pytest
 
 import keyqueue
-from keyqueue.builtins import events as ev
-from keyqueue.jetstream.api import JetStreamApi
+from keyqueue import events as ev
+from keyqueue.builtins.events import sample_rate, sampled
+from keyqueue.ext import JetStreamApi, Topology
 from keyqueue.wire import CBOR, loads
 
 MakeApp = Callable[..., keyqueue.App]
@@ -37,7 +43,7 @@ async def read_events(app: keyqueue.App, queue: str) -> list[dict[str, Any]]:
     api = JetStreamApi(await app.connection())
     info = await api.stream_info(ev.events_stream(queue))
     out = []
-    for seq in range(int(info["state"]["first_seq"]), int(info["state"]["last_seq"]) + 1):
+    for seq in range(max(1, int(info["state"]["first_seq"])), int(info["state"]["last_seq"]) + 1):  # empty reports 0..0
         msg = await api.get_msg(ev.events_stream(queue), seq=seq, direct=False)
         if msg is None:
             continue
@@ -156,6 +162,7 @@ async def test_switched_off_nothing_is_published(make_app: MakeApp, monkeypatch:
 async def test_events_tail_prints_events_live(make_app: MakeApp, nats_url: str) -> None:
     app = make_app()
     charge = workload(app)
+    await Topology(JetStreamApi(await app.connection()), app.queue_config("shop")).ensure()  # tail needs the queue
     tail = await asyncio.create_subprocess_exec(
         KEYQUEUE, "events", "tail", "shop", "--url", nats_url, "--count", "4", "--timeout", "30",
         "-e", "enqueued", "-e", "succeeded", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -173,11 +180,11 @@ async def test_events_tail_prints_events_live(make_app: MakeApp, nats_url: str) 
     assert all("run=" in line for line in lines if " succeeded " in line)
 
 
-def test_the_format_matches_the_spark_readers_contract() -> None:
-    spark_events = pytest.importorskip("plugins.keyqueue_spark.events")
-    assert ev.EVENT_FIELDS == spark_events.EVENT_FIELDS
-    assert ev.EVENT_NAMES == spark_events.EVENT_NAMES
-    assert (ev.EVENT_MESSAGE_TYPE, ev.EVENT_VERSION) == (spark_events.EVENT_MESSAGE_TYPE, spark_events.EVENT_VERSION)
+def test_the_stream_config_bounds_the_events_kept() -> None:
+    config = ev.stream_config("shop")
+    assert (config["name"], config["subjects"]) == ("KQ_shop_EVENTS", ["kq.shop.events.>"])
+    assert (config["max_msgs"], config["max_age"], config["discard"]) == (ev.MAX_MSGS, int(ev.MAX_AGE * 1e9), "old")
+    assert "max_bytes" not in config and ev.stream_config("shop", max_bytes=1 << 20)["max_bytes"] == 1 << 20
 
 
 async def test_latest_policy_supersedes_with_the_newest_request_named(make_app: MakeApp) -> None:
@@ -203,20 +210,40 @@ async def test_latest_policy_supersedes_with_the_newest_request_named(make_app: 
         assert by_request[old][-1]["reason"] == f"superseded by {ids[2]}"
 
 
-async def test_processors_publish_their_own_events(make_app: MakeApp) -> None:
+async def test_plugins_publish_events_of_their_own_once_registered(make_app: MakeApp) -> None:
     app = make_app()
     workload(app)
-    await ev.publish_event(app, "dvu_finished", "shop", "o1", run=0.5, triggers=3, run_id="r1", worker="w9")
+    step = f"step_{secrets.token_hex(4)}"  # names stay registered for the process: one no other test uses
+    with pytest.raises(ValueError, match=f"'{step}' is not one of enqueued"):
+        await ev.publish_event(app, step, "shop", "o1")
+    ev.register_event_names(step)
+    assert ev.event_names()[:len(ev.EVENT_NAMES)] == ev.EVENT_NAMES and step in ev.event_names()
+    await ev.publish_event(app, step, "shop", "o1", run=0.5, triggers=3, run_id="r1", worker="w9")
     with pytest.raises(ValueError, match="not event fields: colour"):
-        await ev.publish_event(app, "dvu_started", "shop", "o1", colour="red")
+        await ev.publish_event(app, step, "shop", "o1", colour="red")
     [found] = await events_until(app, "shop", lambda es: len(es) == 1)
     assert (found["event"], found["key"], found["run"], found["triggers"], found["run_id"], found["worker"]) == (
-        "dvu_finished", "o1", 0.5, 3, "r1", "w9")
+        step, "o1", 0.5, 3, "r1", "w9")
+
+
+def test_event_names_of_plugins_are_subject_tokens_of_their_own() -> None:
+    with pytest.raises(ValueError, match="keyqueue's own"):
+        ev.register_event_names("started")
+    for bad in ("Step", "a.b", "a b", "", ">"):
+        with pytest.raises(ValueError, match="subject token"):
+            ev.register_event_names(bad)
+    assert not any(name.startswith("dvu") for name in ev.EVENT_NAMES + ev.EVENT_FIELD_NAMES)
+
+
+async def test_an_app_without_the_events_plugin_publishes_none(make_app: MakeApp) -> None:
+    app = make_app()
+    app.plugins.unregister(name=ev.PUBLISHER)
+    await ev.publish_event(app, "started", "shop", "o1")
+    with pytest.raises(keyqueue.StreamNotFound):
+        await JetStreamApi(await app.connection()).stream_info(ev.events_stream("shop"))
 
 
 def test_sampling_keeps_whole_requests_by_a_hash_of_their_id() -> None:
-    from keyqueue.builtins.events import sample_rate, sampled
-
     ids = [f"01JREQ{i:020d}" for i in range(2000)]
     kept = [i for i in ids if sampled(i, 0.1)]
     assert 120 < len(kept) < 280, len(kept)  # about one in ten

@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import keyqueue
-from plugins.keyqueue_otel import OtelPlugin
+from keyqueue_otel import OtelPlugin
 
 
 class Telemetry:
@@ -177,7 +177,7 @@ async def test_metrics_for_a_known_workload(setup: tuple[keyqueue.App, Telemetry
 def test_without_an_sdk_the_entry_point_plugin_records_nothing() -> None:
     from opentelemetry import metrics
 
-    from plugins.keyqueue_otel import plugin
+    from keyqueue_otel import plugin
 
     if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         assert plugin.tracer() is None

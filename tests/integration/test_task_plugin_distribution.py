@@ -1,8 +1,10 @@
-"""A third-party plugin, installed with pip, found through the ``keyqueue`` entry-point group.
+"""Plugins installed as distributions, found through the ``keyqueue`` entry-point group.
 
-``tests/fixtures/kq_demo_plugin`` is a tiny distribution. The session fixture builds its wheel
-(with the standard library: the test environment has no build backend offline) and installs it
-with ``pip install --target`` into a temporary directory, which tests put on the path.
+``tests/fixtures/kq_demo_plugin`` is a tiny third-party distribution. The session fixture builds
+its wheel (with the standard library: the test environment has no build backend offline) and
+installs it with ``pip install --target`` into a temporary directory, which tests put on the
+path. keyqueue's own plugins (keyqueue-otel, keyqueue-spark, keyqueue-rebaser) are installed by
+``make``; the last test checks that an application's own packages cannot shadow them.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from click.testing import CliRunner
 
 import keyqueue
 from keyqueue.cli import main
-from keyqueue.jetstream.publish import OutgoingRequest, Publisher
-from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.ext import OutgoingRequest, Publisher, QueueNames
 from keyqueue.plugins.manager import PluginManager
 from keyqueue.wire import headers as H
 
@@ -129,3 +130,40 @@ def test_the_installed_console_script_runs_the_plugin_command(plugin_site: Path)
     env.pop("KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD", None)
     done = subprocess.run([str(KEYQUEUE), "demo-hello"], env=env, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (0, "hello world from kq_demo_plugin\n")
+
+
+LIST_PLUGINS = """
+from pathlib import Path
+
+import contrib
+import plugins
+
+import keyqueue
+
+for package in (plugins, contrib):  # the application's own packages are the ones on the path
+    assert Path(package.__file__).resolve().parent.parent == Path.cwd().resolve(), package.__file__
+for info in keyqueue.App("shop", set_as_default=False).plugins.listing():
+    print(info.name, info.distribution)
+"""
+
+
+def test_an_apps_own_plugins_package_does_not_shadow_keyqueues_plugins(tmp_path: Path) -> None:
+    """keyqueue's plugins have import names of their own (``keyqueue_otel``, ...), not ``plugins.*``."""
+    for package in ("plugins", "contrib"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(f'"""The application\'s own {package}."""\n')
+    env = {name: value for name, value in os.environ.items() if name != "KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD"}
+
+    def run(*args: str) -> str:
+        done = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    listed = run("-c", LIST_PLUGINS).splitlines()
+    for line in ("otel keyqueue-otel 0.1.0", "spark keyqueue-spark 0.1.0", "rebaser keyqueue-rebaser 0.1.0"):
+        assert line in listed, listed
+    shown = run("-m", "keyqueue", "plugins")
+    assert "otel (keyqueue-otel 0.1.0)" in shown and "spark (keyqueue-spark 0.1.0)" in shown
+    commands = run("-m", "keyqueue", "--help")
+    assert all(command in commands for command in ("report", "backfill", "rebaser")), commands

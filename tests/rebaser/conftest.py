@@ -1,10 +1,25 @@
-"""The Rebaser's tests import ``contrib.rebaser`` from the repository root (it is not installed)."""
+"""What the Rebaser's tests share: a client on the test's nats-server.
+
+The Rebaser is the installed ``keyqueue-rebaser`` distribution (``make`` installs it), imported
+as ``keyqueue_rebaser``.
+"""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from collections.abc import AsyncIterator
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import pytest
+
+from keyqueue_rebaser import RebaserClient
+
+
+@pytest.fixture
+async def client(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[RebaserClient]:
+    """A client of the ``rebaser`` queue whose lease (``ack_wait``) is the test module's ``ACK_WAIT``.
+
+    Producers and workers must agree on the queue's configuration, so the lease comes from the
+    module whose workers use it.
+    """
+    ack_wait: float = request.module.ACK_WAIT
+    async with await RebaserClient.connect(nats_url, timeout=30.0, ack_wait=ack_wait) as c:
+        yield c

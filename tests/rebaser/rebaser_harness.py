@@ -15,8 +15,8 @@ import slow_functions
 from event_log import SessionEvents
 from harness import Fleet, WorkerProc
 
-from contrib.rebaser import RebaserPlugin, RebaserSettings, load_functions
 from keyqueue import App, RetryPolicy
+from keyqueue_rebaser import RebaserPlugin, RebaserSettings, load_functions
 
 WORKER = Path(__file__).resolve().parent / "rebaser_worker.py"
 
@@ -87,8 +87,9 @@ async def dvu_events(app: App, key: str, count: int, timeout: float = 10.0) -> l
     """The key's ``dvu_finished`` events in keyqueue's events stream, once ``count`` of them are there."""
     from keyqueue import events as ev
     from keyqueue.errors import StreamNotFound
-    from keyqueue.jetstream.api import JetStreamApi
+    from keyqueue.ext import JetStreamApi
     from keyqueue.wire import CBOR, loads
+    from keyqueue_rebaser import DVU_FINISHED
 
     api = JetStreamApi(await app.connection())
     stream = ev.events_stream("rebaser")
@@ -98,10 +99,10 @@ async def dvu_events(app: App, key: str, count: int, timeout: float = 10.0) -> l
             found = []
             try:
                 info = await api.stream_info(stream)
-                for seq in range(int(info["state"]["first_seq"]), int(info["state"]["last_seq"]) + 1):
+                for seq in range(max(1, int(info["state"]["first_seq"])), int(info["state"]["last_seq"]) + 1):
                     msg = await api.get_msg(stream, seq=seq, direct=False)
                     body = loads(msg.data, CBOR) if msg is not None else None
-                    if body and body["event"] == "dvu_finished" and body["key"] == key:
+                    if body and body["event"] == DVU_FINISHED and body["key"] == key:
                         found.append(body)
             except StreamNotFound:
                 pass

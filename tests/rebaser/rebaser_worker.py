@@ -17,15 +17,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import slow_functions
 from event_log import SessionEvents
 
 import keyqueue
-from contrib.rebaser import RebaserPlugin, RebaserSettings, load_functions
 from keyqueue.chaos.worker import RunLog as Log
+from keyqueue_rebaser import RebaserPlugin, RebaserSettings, load_functions
 
 
 async def main() -> None:

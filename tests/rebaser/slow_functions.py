@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from contrib.rebaser import FunctionRegistry, hookimpl
+from keyqueue_rebaser import FunctionRegistry, hookimpl
 
 
 def slow(inputs: Sequence[Any], args: Mapping[str, Any]) -> Any:

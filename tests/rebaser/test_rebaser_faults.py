@@ -2,7 +2,7 @@
 
 Workers run as separate OS processes (tests/rebaser/rebaser_worker.py) and append every session
 and Rebaser event to one log; the final state of each change set is compared with applying its
-requests sequentially in memory (contrib.rebaser.workload).
+requests sequentially in memory (keyqueue_rebaser.workload).
 """
 
 from __future__ import annotations
@@ -11,28 +11,22 @@ import asyncio
 import random
 import signal
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rebaser_harness import RebaserFleet, rebaser_events, session_events
 
-from contrib.rebaser import RebaserClient, Update, load_functions
-from contrib.rebaser.workload import ChangeSetModel, compare, setup_updates
-from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.ext import JetStreamApi
+from keyqueue_rebaser import RebaserClient, Update, load_functions
+from keyqueue_rebaser.workload import ChangeSetModel, compare, setup_updates
 
 ACK_WAIT = 2.0
 
 
 @pytest.fixture
-async def client(nats_url: str) -> AsyncIterator[RebaserClient]:
-    async with await RebaserClient.connect(nats_url, timeout=30.0, ack_wait=ACK_WAIT) as c:
-        yield c
-
-
-@pytest.fixture
-def fleet(nats_url: str, tmp_path: Path) -> AsyncIterator[RebaserFleet]:
+def fleet(nats_url: str, tmp_path: Path) -> Iterator[RebaserFleet]:
     f = RebaserFleet(nats_url, "rebaser", tmp_path / "log.jsonl")
     yield f
     f.stop_all()

@@ -6,7 +6,7 @@ import pytest
 from nats.aio.client import Client
 
 from keyqueue.errors import ConfigError, TopologyMismatch, WrongLastSequence
-from keyqueue.jetstream.kv import KeyValue
+from keyqueue.ext import KeyValue
 
 
 async def test_writes_are_checked_against_the_last_revision(nc: Client) -> None:

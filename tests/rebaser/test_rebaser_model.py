@@ -9,21 +9,21 @@ import random
 import cbor2
 import pytest
 
-from contrib.rebaser import hookimpl
-from contrib.rebaser.dvu import SerialDvuTask
-from contrib.rebaser.errors import DvuFailed, UnreadableSnapshot
-from contrib.rebaser.functions import BUILTINS, FunctionRegistry, load_functions
-from contrib.rebaser.graph import Node, UpdateError, apply_updates, full_recompute, recompute
-from contrib.rebaser.messages import (
+from keyqueue.errors import LeaseLost
+from keyqueue.wire import decode, encode, to_fields
+from keyqueue_rebaser import hookimpl
+from keyqueue_rebaser.dvu import SerialDvuTask
+from keyqueue_rebaser.errors import DvuFailed, UnreadableSnapshot
+from keyqueue_rebaser.functions import BUILTINS, FunctionRegistry, load_functions
+from keyqueue_rebaser.graph import Node, UpdateError, apply_updates, full_recompute, recompute
+from keyqueue_rebaser.messages import (
     REGISTRY,
     EnqueueUpdatesRequestV1,
     EnqueueUpdatesRequestV3,
     Update,
 )
-from contrib.rebaser.state import ChangeSetState, decode_state, encode_state
-from contrib.rebaser.workload import ChangeSetModel, compare, setup_updates
-from keyqueue.errors import LeaseLost
-from keyqueue.wire import decode, encode, to_fields
+from keyqueue_rebaser.state import ChangeSetState, decode_state, encode_state
+from keyqueue_rebaser.workload import ChangeSetModel, compare, setup_updates
 
 FUNCTIONS = FunctionRegistry(BUILTINS)
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Self
 
 import pytest
 from rebaser_harness import InProcessRebaser, dvu_events
 
-from contrib.rebaser import (
+from keyqueue import LeaseLost, Request
+from keyqueue.ext import JetStreamApi, OutgoingRequest, Publisher, connect
+from keyqueue.wire import Message, Registry, encode
+from keyqueue.wire import headers as H
+from keyqueue_rebaser import (
     EnqueueUpdatesRequestV1,
     EnqueueUpdatesRequestV2,
     EnqueueUpdatesRequestV3,
@@ -22,23 +25,10 @@ from contrib.rebaser import (
     Update,
     load_functions,
 )
-from contrib.rebaser.state import ChangeSetState
-from contrib.rebaser.workload import ChangeSetModel, compare, setup_updates
-from keyqueue.core.processor import Request
-from keyqueue.errors import LeaseLost
-from keyqueue.jetstream.api import JetStreamApi
-from keyqueue.jetstream.connect import connect
-from keyqueue.jetstream.publish import OutgoingRequest, Publisher
-from keyqueue.wire import Message, Registry, encode
-from keyqueue.wire import headers as H
+from keyqueue_rebaser.state import ChangeSetState
+from keyqueue_rebaser.workload import ChangeSetModel, compare, setup_updates
 
 ACK_WAIT = 5.0
-
-
-@pytest.fixture
-async def client(nats_url: str) -> AsyncIterator[RebaserClient]:
-    async with await RebaserClient.connect(nats_url, timeout=15.0, ack_wait=ACK_WAIT) as c:
-        yield c
 
 
 async def test_updates_apply_and_a_dvu_covers_them(nats_url: str, client: RebaserClient) -> None:

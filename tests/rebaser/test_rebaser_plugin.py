@@ -1,21 +1,16 @@
 """The Rebaser as a keyqueue plugin: its entry point, `keyqueue worker`, and its command.
 
-The entry point is declared in contrib/rebaser/pyproject.toml. The tests install a wheel holding
-just that distribution's metadata (the code is importable from the repository root, as in an
-editable install) with ``pip install --target``, as keyqueue's own plugin-distribution tests do.
+The entry point is declared in contrib/rebaser/pyproject.toml; ``make`` installs that
+distribution (``keyqueue-rebaser``, package ``keyqueue_rebaser``), so every app that loads
+entry-point plugins here gets the Rebaser.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import os
 import signal
-import subprocess
 import sys
-import tomllib
-import zipfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,55 +18,21 @@ import pytest
 from click.testing import CliRunner
 
 import keyqueue
-from contrib.rebaser import RebaserClient, RebaserPlugin, Update
 from keyqueue.cli import main
 from keyqueue.plugins.manager import PluginManager
+from keyqueue_rebaser import RebaserClient, RebaserPlugin, Update
 
-ROOT = Path(__file__).resolve().parents[2]
-PYPROJECT = ROOT / "contrib" / "rebaser" / "pyproject.toml"
 KEYQUEUE = Path(sys.executable).with_name("keyqueue")
 
 
-def metadata_wheel(out: Path) -> Path:
-    """A wheel with the keyqueue-rebaser distribution's metadata and entry points (no code)."""
-    project = tomllib.loads(PYPROJECT.read_text())["project"]
-    dist, version = project["name"].replace("-", "_"), project["version"]
-    info = f"{dist}-{version}.dist-info"
-    entry_points = "".join(f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in points.items())
-                           for group, points in project["entry-points"].items())
-    files = {
-        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {version}\n".encode(),
-        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: keyqueue-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        f"{info}/entry_points.txt": entry_points.encode(),
-    }
-    record = [f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
-              f"{len(data)}" for name, data in files.items()]
-    files[f"{info}/RECORD"] = ("\n".join([*record, f"{info}/RECORD,,"]) + "\n").encode()
-    wheel = out / f"{dist}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        for name, data in files.items():
-            archive.writestr(name, data)
-    return wheel
-
-
-@pytest.fixture(scope="module")
-def rebaser_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("rebaser-dist")
-    site = work / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-                    "--no-index", "--target", str(site), str(metadata_wheel(work))], check=True)
-    return site
-
-
 @pytest.fixture
-def installed(rebaser_site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.syspath_prepend(str(rebaser_site))
+def autoload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entry-point plugins load (whatever the environment the tests run in says)."""
     monkeypatch.delenv("KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    return rebaser_site
 
 
 @pytest.fixture
-async def host_app(nats_url: str, installed: Path) -> AsyncIterator[keyqueue.App]:
+async def host_app(nats_url: str, autoload: None) -> AsyncIterator[keyqueue.App]:
     app = keyqueue.App("host", url=nats_url, set_as_default=False)
     yield app
     await app.close()
@@ -89,7 +50,7 @@ async def test_the_entry_point_adds_the_rebaser_queue_to_any_app(host_app: keyqu
     assert state.dvu_history[0].worker == "host-worker", "the DVU run records the worker that ran it"
 
 
-def test_registering_explicitly_and_by_entry_point_is_harmless(installed: Path) -> None:
+def test_registering_explicitly_and_by_entry_point_is_harmless(autoload: None) -> None:
     app = keyqueue.App("both", plugins=[RebaserPlugin()], set_as_default=False)
     assert app.queues == ["rebaser"]
 
@@ -104,10 +65,10 @@ async def test_the_show_command_prints_a_change_set(host_app: keyqueue.App, nats
     assert "b = sum(a, a): 4" in shown.output and "DVU: 1 runs for 1 triggers" in shown.output
 
 
-async def test_keyqueue_worker_serves_the_rebaser_app(nats_url: str) -> None:
+async def test_keyqueue_worker_serves_the_rebaser_app_from_any_directory(nats_url: str, tmp_path: Path) -> None:
     env = {**os.environ, "KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD": "1"}
     worker = await asyncio.create_subprocess_exec(
-        str(KEYQUEUE), "worker", "contrib.rebaser.app:app", "--url", nats_url, "--concurrency", "8", cwd=ROOT,
+        str(KEYQUEUE), "worker", "keyqueue_rebaser.app:app", "--url", nats_url, "--concurrency", "8", cwd=tmp_path,
         env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
         async with await RebaserClient.connect(nats_url, timeout=30) as client:

@@ -20,7 +20,7 @@ def spark() -> Iterator[Any]:
     """A local[2] SparkSession with the keyqueue source registered, shared by every Spark test."""
     if shutil.which("java") is None:
         pytest.fail("the Spark tests need Java 17+: run `make java-check` (installs openjdk-17-jre-headless)")
-    from plugins.keyqueue_spark.session import spark_session
+    from keyqueue_spark.session import spark_session
 
     session = spark_session("local[2]", "keyqueue-tests", conf={
         "spark.ui.enabled": "false",

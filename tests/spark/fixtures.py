@@ -1,12 +1,13 @@
-"""A known event history, published in the events-stream format (issue 8's contract)."""
+"""A known event history in the events-stream format (``keyqueue.events``), with the Rebaser's DVU runs."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
 
-from plugins.keyqueue_spark import _keyqueue as kq
-from plugins.keyqueue_spark.events import event
+from keyqueue.events import ensure_events_stream, event
+from keyqueue_rebaser.events import DVU_FINISHED, DVU_STARTED
+from keyqueue_spark.streams import connect_to, publish_events
 
 
 def history(queue: str, *, requests: int = 600, seed: int = 7) -> list[dict[str, Any]]:
@@ -39,16 +40,16 @@ def history(queue: str, *, requests: int = 600, seed: int = 7) -> list[dict[str,
             events.append(event("succeeded", ts + 4, queue, attempt=attempts, run=run, **common))
     for n in range(30):
         triggers = 1 + n % 5
-        events.append(event("dvu_started", t0 + n * 10, queue, key=f"key-{n}", run_id=f"d{n}"))
-        events.append(event("dvu_finished", t0 + n * 10 + 1, queue, key=f"key-{n}", run_id=f"d{n}",
+        events.append(event(DVU_STARTED, t0 + n * 10, queue, key=f"key-{n}", run_id=f"d{n}"))
+        events.append(event(DVU_FINISHED, t0 + n * 10 + 1, queue, key=f"key-{n}", run_id=f"d{n}",
                             run=0.25 * triggers, triggers=triggers))
     return events
 
 
 async def publish_history(url: str, queue: str, events: list[dict[str, Any]]) -> None:
-    nc = await kq.connect_to(url)
+    nc = await connect_to(url)
     try:
-        await kq.ensure_events_stream(nc, queue)
-        await kq.publish_events(nc, queue, events)
+        await ensure_events_stream(nc, queue)
+        await publish_events(nc, queue, events)
     finally:
         await nc.close()

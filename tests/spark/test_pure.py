@@ -11,6 +11,7 @@ from pyspark.sql.types import (
     BinaryType,
     DateType,
     DecimalType,
+    DoubleType,
     LongType,
     MapType,
     StringType,
@@ -20,11 +21,12 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from plugins.keyqueue_spark.backfill import guess_format
-from plugins.keyqueue_spark.events import EVENT_FIELD_NAMES, EVENT_NAMES, coerce_event, event
-from plugins.keyqueue_spark.report import MAX_BUCKETS, pick_bucket
-from plugins.keyqueue_spark.sink import RowIdentity, SinkOptions, derive_request_id, plain_converter
-from plugins.keyqueue_spark.source import SequenceRange, SourceOptions, plan_partitions, split_range
+from keyqueue.events import EVENT_FIELD_NAMES, EVENT_FIELDS, event
+from keyqueue_spark.backfill import guess_format
+from keyqueue_spark.events import coerce_event, event_schema
+from keyqueue_spark.report import MAX_BUCKETS, pick_bucket
+from keyqueue_spark.sink import RowIdentity, SinkOptions, derive_request_id, plain_converter
+from keyqueue_spark.source import SequenceRange, SourceOptions, plan_partitions, split_range
 
 
 def test_split_range_covers_every_sequence_once() -> None:
@@ -95,7 +97,12 @@ def test_events_follow_the_contract() -> None:
     assert coerce_event({**body, "attempt": "x"})[EVENT_FIELD_NAMES.index("attempt")] is None
     with pytest.raises(ValueError):
         event("started", 1, "q", colour="red")
-    assert "dvu_finished" in EVENT_NAMES
+
+
+def test_the_event_schema_is_the_contracts_fields_and_types() -> None:
+    spark_types = {"string": StringType(), "double": DoubleType(), "long": LongType()}
+    assert [(f.name, f.dataType, f.nullable) for f in event_schema().fields] == [
+        (name, spark_types[kind], True) for name, kind, _ in EVENT_FIELDS]
 
 
 def test_report_buckets_and_input_formats() -> None:

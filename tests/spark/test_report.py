@@ -11,8 +11,8 @@ import pandas as pd
 from click.testing import CliRunner
 
 from keyqueue.server.embedded import EmbeddedServer
-from plugins.keyqueue_spark.cli import report as report_command
-from plugins.keyqueue_spark.report import QUANTILES, run_report
+from keyqueue_spark.cli import report as report_command
+from keyqueue_spark.report import QUANTILES, run_report
 from tests.spark.fixtures import history, publish_history
 from tests.spark.helpers import run
 

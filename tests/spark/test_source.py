@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from keyqueue.events import EVENT_FIELD_NAMES
 from keyqueue.server.embedded import EmbeddedServer
-from plugins.keyqueue_spark.events import EVENT_FIELD_NAMES
 from tests.spark.fixtures import history, publish_history
 from tests.spark.helpers import run
 

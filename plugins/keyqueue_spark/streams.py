@@ -1,9 +1,11 @@
-"""The one module of the Spark plugin that talks to keyqueue (and, through it, to NATS).
+"""A queue's streams as the Spark plugin reads and writes them, on keyqueue's extension API.
 
-Everything else in ``plugins.keyqueue_spark`` goes through the functions here, so moving to
-keyqueue's public task API later changes this file alone. Every function is a coroutine meant to
-run inside ``asyncio.run`` on a Spark executor or driver: nothing here outlives one call's
-event loop except the connection its caller closes.
+Reading: :func:`stream_bounds` and :func:`read_range` (any stream, by sequence range),
+:func:`decode_message` (lenient: a message that does not decode is a row with its reason).
+Writing: :func:`request_message` and :func:`enqueue_many` (requests as keyqueue's task API
+writes them), :func:`publish_events` (events in the format of :mod:`keyqueue.events`). Every
+function is a coroutine meant to run inside ``asyncio.run`` on a Spark executor or driver:
+nothing here outlives one call's event loop except the connection its caller closes.
 """
 
 from __future__ import annotations
@@ -16,74 +18,46 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from keyqueue.errors import (
-    BacklogFull,
-    ConsumerNotFound,
-    EnqueueError,
-    InvalidKey,
-    KeyqueueError,
-    StreamNotFound,
-    TokenPublishFailed,
-    WireError,
+from keyqueue import QueueConfig
+from keyqueue.errors import ConsumerNotFound, EnqueueError, KeyqueueError, StreamNotFound, WireError
+from keyqueue.events import EVENT_HEADERS, events_stream, events_subject
+from keyqueue.ext import (
+    Client,
+    Enqueued,
+    JetStreamApi,
+    OutgoingRequest,
+    Publisher,
+    QueueNames,
+    Topology,
+    connect,
+    parse_pub_ack,
+    validate_key,
 )
-from keyqueue.builtins.events import EVENT_FIELD_NAMES, EVENT_FIELDS, EVENT_MESSAGE_TYPE, EVENT_NAMES, EVENT_VERSION
-from keyqueue.jetstream.api import JetStreamApi, parse_pub_ack
-from keyqueue.jetstream.connect import connect
-from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
-from keyqueue.jetstream.subjects import QueueNames, validate_key
-from keyqueue.jetstream.topology import QueueConfig, Topology
-from keyqueue.wire import dumps, loads_map, new_request_id
-from keyqueue.wire.headers import CBOR, CONTENT_TYPE, DLQ_REQUEST_ID, MESSAGE_TYPE, MESSAGE_VERSION, MSG_ID
+from keyqueue.wire import CBOR, dumps, loads_map, new_request_id
+from keyqueue.wire.headers import CONTENT_TYPE, DLQ_REQUEST_ID, MESSAGE_TYPE, MESSAGE_VERSION, MSG_ID
 
 __all__ = [
-    "CBOR",
     "DEFAULT_URL",
-    "EVENT_FIELDS",
-    "EVENT_FIELD_NAMES",
-    "EVENT_MESSAGE_TYPE",
-    "EVENT_NAMES",
-    "EVENT_VERSION",
-    "BacklogFull",
     "Decoded",
-    "EnqueueError",
-    "Enqueued",
-    "InvalidKey",
-    "KeyqueueError",
-    "OutgoingRequest",
     "StoredMessage",
     "StreamBounds",
-    "TokenPublishFailed",
-    "WireError",
     "connect_to",
     "decode_message",
     "encode_fields",
     "enqueue_many",
-    "ensure_events_stream",
     "ensure_queue",
-    "events_stream",
-    "events_subject",
-    "inbox_stream",
     "key_of_subject",
-    "new_request_id",
     "publish_events",
     "read_range",
     "request_message",
     "stream_bounds",
     "stream_name",
-    "validate_key",
 ]
 
 DEFAULT_URL: Final = "nats://127.0.0.1:4222"
 """Where the plugin connects when neither the ``url`` option nor ``KEYQUEUE_URL`` says."""
-
-EVENTS_MESSAGE_TYPE: Final = EVENT_MESSAGE_TYPE
-"""``X-MESSAGE-TYPE`` of every lifecycle event (``keyqueue.builtins.events`` owns the contract)."""
-
-EVENTS_VERSION: Final = EVENT_VERSION
-"""``X-MESSAGE-VERSION`` of the lifecycle events this plugin reads and writes."""
 
 _CONSUMER_IDLE_NS: Final = 60 * 1_000_000_000
 """A reader's ephemeral consumer is removed by the server after a minute unused (if we crash)."""
@@ -92,21 +66,6 @@ _STATUS: Final = "Status"
 
 
 # --- names -----------------------------------------------------------------------------------------
-
-
-def events_stream(queue: str) -> str:
-    """``KQ_<queue>_EVENTS``: the queue's lifecycle events (limits retention)."""
-    QueueNames(queue)
-    return f"KQ_{queue}_EVENTS"
-
-
-def events_subject(queue: str, event: str) -> str:
-    """``kq.<queue>.events.<event>``."""
-    return f"kq.{queue}.events.{event}"
-
-
-def inbox_stream(queue: str) -> str:
-    return QueueNames(queue).inbox_stream
 
 
 def stream_name(queue: str, kind: str) -> str:
@@ -275,7 +234,7 @@ def encode_fields(fields: Mapping[str, Any], content_type: str = CBOR) -> bytes:
 
 def request_message(key: str, task: str, version: int, body: bytes, request_id: str,
                     content_type: str = CBOR) -> OutgoingRequest:
-    """A request of ``task`` for ``key`` as keyqueue's task API writes one (DESIGN.md section 6).
+    """A request of ``task`` for ``key`` as keyqueue's task API writes one (docs/architecture.md, "Wire format").
 
     ``body`` comes from :func:`encode_fields`. Raises InvalidKey for a bad key.
     """
@@ -291,14 +250,15 @@ async def ensure_queue(nc: Client, queue: str, *, create: bool = True,
 
     An existing queue is used as it is (its workers own its configuration).
     """
+    inbox = QueueNames(queue).inbox_stream
     try:
-        return await stream_bounds(nc, inbox_stream(queue))
+        return await stream_bounds(nc, inbox)
     except StreamNotFound:
         if not create:
             raise
     config = QueueConfig(queue) if duplicate_window is None else QueueConfig(queue, duplicate_window=duplicate_window)
     await Topology(JetStreamApi(nc), config).ensure()
-    return await stream_bounds(nc, inbox_stream(queue))
+    return await stream_bounds(nc, inbox)
 
 
 async def enqueue_many(nc: Client, queue: str, requests: Sequence[OutgoingRequest]) -> list[Enqueued | EnqueueError]:
@@ -306,30 +266,20 @@ async def enqueue_many(nc: Client, queue: str, requests: Sequence[OutgoingReques
     return await Publisher(nc, QueueNames(queue)).enqueue_many(requests)
 
 
-# --- lifecycle events (tests, examples and the events plugin's stand-in) ----------------------------
-
-
-async def ensure_events_stream(nc: Client, queue: str, *, max_age: float = 7 * 24 * 3600.0) -> None:
-    """Create ``KQ_<queue>_EVENTS`` (limits retention, file storage) if it does not exist."""
-    api = JetStreamApi(nc)
-    name = events_stream(queue)
-    try:
-        await api.stream_info(name)
-    except StreamNotFound:
-        await api.add_stream({"name": name, "subjects": [f"kq.{queue}.events.>"], "retention": "limits",
-                              "storage": "file", "num_replicas": 1, "max_age": int(max_age * 1e9),
-                              "allow_direct": True, "discard": "old"})
+# --- lifecycle events ------------------------------------------------------------------------------
 
 
 async def publish_events(nc: Client, queue: str, events: Iterable[Mapping[str, Any]], *,
                          window: int = 500) -> int:
-    """Publish lifecycle events in the events-stream format, ``window`` at a time; returns how many."""
-    headers = {CONTENT_TYPE: CBOR, MESSAGE_TYPE: EVENTS_MESSAGE_TYPE, MESSAGE_VERSION: str(EVENTS_VERSION)}
+    """Publish event bodies (``keyqueue.events.event``) acknowledged, ``window`` at a time; returns how many.
+
+    For filling an events stream (``keyqueue.events.ensure_events_stream``) with a known
+    history: tests, examples, imported history. A live app's events come from its events plugin.
+    """
 
     async def one(event: Mapping[str, Any]) -> None:
-        subject = events_subject(queue, str(event["event"]))
-        reply = await nc.request(subject, dumps(dict(event), CBOR), timeout=10,
-                                 headers={**headers, MSG_ID: new_request_id()})
+        reply = await nc.request(events_subject(queue, str(event["event"])), dumps(dict(event), CBOR), timeout=10,
+                                 headers={**EVENT_HEADERS, MSG_ID: new_request_id()})
         parse_pub_ack(reply)
 
     items = list(events)

@@ -1,1 +1,0 @@
-"""Reference plugins built on keyqueue's public API (each in its own package)."""

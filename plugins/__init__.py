@@ -1,1 +1,0 @@
-"""First-party optional plugins of keyqueue, each installed through an extra (``keyqueue[spark]``, ...)."""
