@@ -51,10 +51,8 @@ __all__ = [
 REPLAY_OF: Final = "X-KQ-Replay-Of"
 """On a replayed request: the request id it was dead-lettered under."""
 
-TRACEBACK: Final = "X-KQ-DLQ-Traceback"
-"""On a dead request, when the worker records it: the last error's traceback as one ASCII JSON
-string (a header value is one line). Workers do not write it yet; ``DeadLetter.traceback`` reads
-it, and ``keyqueue dlq show`` prints it, when it is there."""
+TRACEBACK: Final = H.DLQ_TRACEBACK
+"""The last error's traceback on a dead request (``DeadLetter.traceback``, ``keyqueue dlq show``)."""
 
 _REPLAY_SUFFIX: Final = re.compile(r"\.replay-\d+$")
 

@@ -23,6 +23,7 @@ __all__ = [
     "DLQ_REASON",
     "DLQ_REQUEST_ID",
     "DLQ_TIME",
+    "DLQ_TRACEBACK",
     "DLQ_TRUNCATED",
     "ERROR_MESSAGE",
     "ERROR_TYPE",
@@ -122,6 +123,10 @@ DLQ_ORIGINAL_SEQ: Final = "X-KQ-DLQ-Seq"
 
 DLQ_TIME: Final = "X-KQ-DLQ-Time"
 """When the request was dead-lettered (RFC 3339, UTC)."""
+
+DLQ_TRACEBACK: Final = "X-KQ-DLQ-Traceback"
+"""The last error's traceback, as one ASCII JSON string (a header value is one line); its end is
+kept when it is long. Absent for errors that are expected input (``rejected``)."""
 
 DLQ_REQUEST_ID: Final = "X-KQ-DLQ-Request-Id"
 """The request id (``Nats-Msg-Id``) the request was stored under; the copy's own ``Nats-Msg-Id``
