@@ -5,10 +5,11 @@ Run a worker with keyqueue's own command line::
     keyqueue worker keyqueue_rebaser.app:app --url nats://127.0.0.1:4222 --concurrency 64
 
 ``keyqueue_rebaser.app:app`` is a ``keyqueue.App`` with this plugin. To add the Rebaser to an app
-of your own, pass ``RebaserPlugin()`` in ``App(plugins=[...])``; installing the
-``keyqueue-rebaser`` distribution (``contrib/rebaser/pyproject.toml``) also registers
-:data:`plugin` with every app, through its ``keyqueue`` entry point. Registering twice (entry point and explicit) is
-harmless: the first registration wins.
+of your own, pass ``RebaserPlugin()`` in ``App(plugins=[...])``. Installing the
+``keyqueue-rebaser`` distribution (``contrib/rebaser/pyproject.toml``) registers :data:`plugin`
+through its ``keyqueue`` entry point: it adds the ``keyqueue rebaser`` commands (and the DVU event
+names) everywhere, but no queue: an installed plugin must not make every app's workers serve a
+queue their app never asked for.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .functions import FunctionRegistry, load_functions
 from .processor import Observer, PublishEvent, RebaserProcessor, RebaserSettings
 from .store import SnapshotStore
 
-__all__ = ["RebaserPlugin", "RebaserProcessors", "plugin", "queue_config"]
+__all__ = ["RebaserCommands", "RebaserPlugin", "RebaserProcessors", "plugin", "queue_config"]
 
 
 def queue_config(*, ack_wait: float = 30.0, queue: str = "rebaser") -> QueueConfig:
@@ -170,5 +171,14 @@ def show(workspace: str, change_set: str, url: str, bucket: str) -> None:
     asyncio.run(run())
 
 
-plugin = RebaserPlugin()
+class RebaserCommands:
+    """What the entry point registers with every app: the ``keyqueue rebaser`` commands only."""
+
+    @keyqueue_hookimpl
+    def keyqueue_add_commands(self, cli: Any) -> None:
+        if "rebaser" not in getattr(cli, "commands", {}):
+            cli.add_command(rebaser_commands)
+
+
+plugin = RebaserCommands()
 """The instance the ``keyqueue`` entry point of ``keyqueue-rebaser`` registers."""

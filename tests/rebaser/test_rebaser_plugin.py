@@ -2,7 +2,8 @@
 
 The entry point is declared in contrib/rebaser/pyproject.toml; ``make`` installs that
 distribution (``keyqueue-rebaser``, package ``keyqueue_rebaser``), so every app that loads
-entry-point plugins here gets the Rebaser.
+entry-point plugins here gets the ``keyqueue rebaser`` commands, and no app gets the queue
+unless it asks for it with ``RebaserPlugin()``.
 """
 
 from __future__ import annotations
@@ -38,12 +39,19 @@ async def host_app(nats_url: str, autoload: None) -> AsyncIterator[keyqueue.App]
     await app.close()
 
 
-async def test_the_entry_point_adds_the_rebaser_queue_to_any_app(host_app: keyqueue.App, nats_url: str) -> None:
+def test_the_entry_point_adds_the_commands_but_no_queue(host_app: keyqueue.App) -> None:
     listing = {info.name: info for info in PluginManager(autoload=True).listing()}
     assert listing["rebaser"].distribution == "keyqueue-rebaser 0.1.0"
-    assert set(listing["rebaser"].hooks) == {"keyqueue_register", "keyqueue_build_processor", "keyqueue_add_commands"}
-    assert "rebaser" in host_app.queues
-    async with host_app.worker(queues=["rebaser"], name="host-worker"), await RebaserClient.connect(nats_url) as client:
+    assert set(listing["rebaser"].hooks) == {"keyqueue_add_commands"}
+    assert "rebaser" not in host_app.queues, "an installed plugin made every app serve its queue"
+    assert "rebaser" in CliRunner().invoke(main, ["--help"]).output
+
+
+async def test_an_app_that_asks_for_the_rebaser_serves_it(nats_url: str, autoload: None) -> None:
+    app = keyqueue.App("host", url=nats_url, plugins=[RebaserPlugin()], set_as_default=False)
+    assert "rebaser" in app.queues
+    async with app, app.worker(queues=["rebaser"], name="host-worker"), \
+            await RebaserClient.connect(nats_url) as client:
         response = await client.enqueue_updates("w", "cs", [Update.add_node("a", 1)], await_dvu=True)
         state = await client.snapshot("w", "cs")
     assert response.ok and response.dvu_run == 1
@@ -55,8 +63,9 @@ def test_registering_explicitly_and_by_entry_point_is_harmless(autoload: None) -
     assert app.queues == ["rebaser"]
 
 
-async def test_the_show_command_prints_a_change_set(host_app: keyqueue.App, nats_url: str) -> None:
-    async with host_app.worker(queues=["rebaser"]), await RebaserClient.connect(nats_url) as client:
+async def test_the_show_command_prints_a_change_set(nats_url: str, autoload: None) -> None:
+    app = keyqueue.App("host", url=nats_url, plugins=[RebaserPlugin()], set_as_default=False)
+    async with app, app.worker(queues=["rebaser"]), await RebaserClient.connect(nats_url) as client:
         await client.enqueue_updates("w", "cs", [Update.add_node("a", 2), Update.add_node("b"),
                                                  Update.add_dependency("b", "sum", ["a", "a"])], await_dvu=True)
     # The command runs its own event loop: give it a thread.
