@@ -1,7 +1,11 @@
-"""The built-in plugin that logs what the core's own log lines cannot say: tasks and tracebacks.
+"""The built-in plugin that logs what only the app's worker knows: its queues' tasks, and its totals.
 
-The core logs sessions and outcomes by key (``keyqueue.core.worker``); this plugin adds the worker's
-queues and tasks when it starts, a failed attempt with its traceback, and superseded requests.
+The core logs every step of every key session, once (``keyqueue.core.worker``: failed attempts,
+dead letters, lost leases, ...); this plugin adds one line per queue when the worker starts, naming
+the queue's tasks, and one line when it stops, with what each queue did::
+
+    queue shop: charge, refund
+    worker host:4711 stopped: shop: 120 succeeded, 3 retried, 2 dead-lettered; mail: 5 succeeded
 """
 
 from __future__ import annotations
@@ -14,29 +18,19 @@ from keyqueue.plugins.manager import hookimpl
 if TYPE_CHECKING:
     from keyqueue.app.worker import Worker
 
-log = logging.getLogger("keyqueue.task")
+log = logging.getLogger("keyqueue.worker")
 
 
 @hookimpl(trylast=True)
 def keyqueue_worker_started(worker: Worker) -> None:
     for queue in worker.queues:
         tasks = ", ".join(sorted(worker.queue_tasks(queue))) or "a registered processor"
-        logging.getLogger("keyqueue.worker").info("queue %s: %s", queue, tasks)
+        log.info("queue %s: %s", queue, tasks, extra={"kq_queue": queue})
 
 
 @hookimpl(trylast=True)
-def keyqueue_request_failed(queue: str, key: str, request_id: str, message_type: str, attempt: int,
-                            error: BaseException) -> None:
-    log.warning("%s failed on attempt %d (queue %s, key %s, request %s): %s: %s", message_type or "request",
-                attempt, queue, key, request_id, type(error).__name__, error, exc_info=error)
-
-
-@hookimpl(trylast=True)
-def keyqueue_request_superseded(queue: str, key: str, request_id: str, message_type: str, superseded_by: str) -> None:
-    log.info("%s request %s (queue %s, key %s) superseded by %s", message_type, request_id, queue, key,
-             superseded_by)
-
-
-@hookimpl(trylast=True)
-def keyqueue_request_succeeded(queue: str, key: str, request_id: str, message_type: str, elapsed: float) -> None:
-    log.debug("%s request %s (queue %s, key %s) succeeded in %.3fs", message_type, request_id, queue, key, elapsed)
+def keyqueue_worker_stopping(worker: Worker) -> None:
+    totals = "; ".join(f"{queue}: {queue_worker.summary()}" for queue, queue_worker in worker.queue_workers.items())
+    log.info("worker %s stopped: %s", worker.name, totals,
+             extra={"kq_worker": worker.name,
+                    "kq_counts": {queue: dict(w.counts) for queue, w in worker.queue_workers.items()}})

@@ -29,6 +29,7 @@ import inspect
 import json
 import logging
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -281,9 +282,7 @@ class KeySession:
             # A processor or NATS failure: give the key back now, not after ack_wait, with a short
             # delay so a failure that repeats cannot spin through the fleet.
             first = failed.exceptions[0]
-            self.ending = SessionEnd(Outcome.FAILED, reason=repr(first), error=first)
-            log.error("queue %s key %s: session failed: %r", self.io.names.queue, self.key, first,
-                      exc_info=first)
+            self.ending = SessionEnd(Outcome.FAILED, reason=repr(first), error=first)  # the observer logs it
             await self._give_back_shielded(Outcome.FAILED)
             return Outcome.FAILED
         self.ending = SessionEnd(outcome)
@@ -517,6 +516,8 @@ class KeySession:
                 H.DLQ_ORIGINAL_SEQ: str(msg.seq),
                 H.DLQ_TIME: datetime.now(UTC).isoformat(),
             }
+            if reason != "rejected":  # a rejection is expected input: its traceback says nothing
+                why[H.DLQ_TRACEBACK] = _traceback_header(error)
             await self.io.dead_letter(self.key, msg, why)
             self.lease.check()
             await self.io.delete(msg.seq)
@@ -618,3 +619,14 @@ def _message_type(headers: Mapping[str, str]) -> str:
         wanted = H.MESSAGE_TYPE.lower()
         found = next((v for k, v in headers.items() if k.lower() == wanted), "")
     return found
+
+
+TRACEBACK_KEPT: Final = 8000
+"""Characters of a dead request's traceback kept in its DLQ copy (the end, where the error is)."""
+
+
+def _traceback_header(error: BaseException) -> str:
+    text = "".join(traceback.format_exception(error))
+    if len(text) > TRACEBACK_KEPT:
+        text = "...\n" + text[-TRACEBACK_KEPT:]
+    return json.dumps(text)

@@ -23,7 +23,7 @@ from typing import Any, Final, Protocol
 import nats.errors
 from nats.aio.client import Client
 
-from keyqueue.errors import ConnectionFailed, Disconnected
+from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout
 
 log = logging.getLogger("keyqueue.connection")
 
@@ -47,6 +47,9 @@ _RECONNECT_NOISE: Final = (OSError, TimeoutError, nats.errors.StaleConnectionErr
 
 _REPORTED_TIMEOUTS: Final = (nats.errors.FlushTimeoutError, nats.errors.DrainTimeoutError)
 
+_SELF_EXPLAINING: Final = (nats.errors.Error, ConnectionFailed, KeyqueueTimeout)
+"""Errors logged in one line, without a traceback: nats-py's own, and keyqueue's connection errors."""
+
 
 def disconnected(what: str) -> Disconnected:
     """The error for ``what`` not sent because the connection is down."""
@@ -63,41 +66,75 @@ def not_sent(error: BaseException, what: str) -> ConnectionFailed:
     return ConnectionFailed(f"the connection to NATS is closed: {what} was not sent")
 
 
+class LogThrottle:
+    """Lets one occurrence of each kind of event through per ``interval`` seconds and counts the rest.
+
+    ::
+
+        held_back = throttle.admit(type(error))
+        if held_back is not None:
+            log.warning("...: %s%s", error, LogThrottle.suffix(held_back))
+    """
+
+    def __init__(self, interval: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._admitted_at: dict[object, float] = {}
+        self._held_back: dict[object, int] = {}
+
+    def admit(self, kind: object) -> int | None:
+        """None if ``kind`` (any hashable) was let through less than ``interval`` seconds ago (this one is counted);
+        else how many of ``kind`` were held back since the last one let through."""
+        now = self.clock()
+        admitted_at = self._admitted_at.get(kind)
+        if admitted_at is not None and now - admitted_at < self.interval:
+            self._held_back[kind] = self._held_back.get(kind, 0) + 1
+            return None
+        self._admitted_at[kind] = now
+        return self._held_back.pop(kind, 0)
+
+    @staticmethod
+    def suffix(held_back: int) -> str:
+        """What a log line admitted by :meth:`admit` appends: the count of those held back, if any."""
+        return f" ({held_back} more of this type since the last one were not logged)" if held_back else ""
+
+
 class NatsErrorLog:
     """Logs what nats-py reports through ``error_cb`` (:meth:`report`), each type at most once per ``interval``.
 
-    A dropped connection and failed reconnect attempts are expected while a server restarts and
-    go to debug. Anything else (an exception raised in a subscription callback, a slow consumer
-    dropping messages, a permissions error from the server, ...) is a warning; further errors of
-    the same type within ``interval`` seconds are only counted, and the count is logged with the
-    next one.
+    A dropped connection and failed reconnect attempts are expected while a server restarts:
+    they go to debug (the connection's own "lost" and "reconnected" lines say what happened).
+    Anything else (a slow consumer dropping messages, a permissions error from the server, an
+    exception raised in a subscription callback, ...) is a warning. nats-py's own errors and
+    keyqueue's connection errors (no responders, the connection down) explain themselves in one
+    line; anything else was raised by a callback and shows its traceback.
+    Further errors of one type within ``interval`` seconds are only counted, and the count is
+    logged with the next one.
     """
 
     def __init__(self, name: str, *, interval: float = ERROR_LOG_INTERVAL,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
-        self.interval = interval
-        self.clock = clock
-        self._logged_at: dict[type[BaseException], float] = {}
-        self._suppressed: dict[type[BaseException], int] = {}
+        self.throttle = LogThrottle(interval, clock=clock)
 
     async def report(self, error: Exception) -> None:
         """The ``error_cb`` (nats-py requires a coroutine function, so pass this bound method)."""
-        if isinstance(error, _RECONNECT_NOISE) and not isinstance(error, _REPORTED_TIMEOUTS):
-            log.debug("NATS connection %s: %s: %s", self.name, type(error).__name__, error)
-            return
         kind = type(error)
-        now = self.clock()
-        logged_at = self._logged_at.get(kind)
-        if logged_at is not None and now - logged_at < self.interval:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+        held_back = self.throttle.admit(kind)
+        if held_back is None:
             return
-        self._logged_at[kind] = now
-        suppressed = self._suppressed.pop(kind, 0)
-        more = f" ({suppressed} more of this type since the last one were not logged)" if suppressed else ""
-        # nats-py's own errors explain themselves; anything else was raised by a callback: show where.
+        more = LogThrottle.suffix(held_back)
+        if isinstance(error, _RECONNECT_NOISE) and not isinstance(error, _REPORTED_TIMEOUTS):
+            log.debug("NATS connection %s: %s: %s%s", self.name, kind.__name__, error, more)
+            return
         log.warning("NATS connection %s: %s: %s%s", self.name, kind.__name__, error, more,
-                    exc_info=None if isinstance(error, nats.errors.Error) else error)
+                    exc_info=None if _explains_itself(error) else error)
+
+
+def _explains_itself(error: BaseException) -> bool:
+    """Whether ``error`` (or what it was raised from) is nats-py's or a keyqueue connection error:
+    expected while a server restarts, and named well enough that its traceback adds nothing."""
+    return isinstance(error, _SELF_EXPLAINING) or isinstance(error.__cause__, _SELF_EXPLAINING)
 
 
 def discard_unsent(nc: Client) -> int:

@@ -7,7 +7,8 @@ import logging
 import nats.errors
 import pytest
 
-from keyqueue.jetstream.connect import NatsErrorLog
+from keyqueue.errors import ConnectionFailed
+from keyqueue.jetstream.connect import NatsErrorLog, disconnected
 
 
 class Clock:
@@ -65,3 +66,43 @@ async def test_an_exception_from_a_callback_carries_its_traceback(caplog: pytest
     [from_callback, from_nats] = caplog.records
     assert from_callback.exc_info is not None and from_callback.exc_info[1] is error
     assert from_nats.exc_info is None
+
+
+async def test_expected_errors_are_one_line_without_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """No responders, a timeout, the connection down: what an outage makes callbacks raise too."""
+    try:
+        try:
+            raise nats.errors.NoRespondersError()
+        except nats.errors.NoRespondersError as e:
+            raise ConnectionFailed("no responders for $JS.API.CONSUMER.INFO.KQ_shop_TOKENS.workers") from e
+    except ConnectionFailed as e:
+        from_callback = e
+    errors = NatsErrorLog("w1")
+    with caplog.at_level(logging.WARNING, logger="keyqueue.connection"):
+        await errors.report(nats.errors.NoRespondersError())
+        await errors.report(from_callback)
+        await errors.report(disconnected("the request to $JS.API.INFO"))
+        await errors.report(RuntimeError("a bug in a callback"))
+    assert [(r.getMessage(), r.exc_info is None) for r in caplog.records] == [
+        ("NATS connection w1: NoRespondersError: nats: no responders available for request", True),
+        ("NATS connection w1: ConnectionFailed: no responders for $JS.API.CONSUMER.INFO.KQ_shop_TOKENS.workers", True),
+        (f"NATS connection w1: Disconnected: {disconnected('the request to $JS.API.INFO')}", True),
+        ("NATS connection w1: RuntimeError: a bug in a callback", False),
+    ]
+
+
+async def test_failed_reconnect_attempts_are_counted_not_logged_one_by_one(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    errors = NatsErrorLog("w1", interval=60, clock=clock)
+    with caplog.at_level(logging.DEBUG, logger="keyqueue.connection"):
+        for _ in range(28):  # a 7 s outage, one attempt every 0.25 s
+            await errors.report(ConnectionRefusedError(111, "Connect call failed"))
+            clock.now += 0.25
+        clock.now += 60
+        await errors.report(ConnectionRefusedError(111, "Connect call failed"))
+    assert messages(caplog, logging.DEBUG) == [
+        "NATS connection w1: ConnectionRefusedError: [Errno 111] Connect call failed",
+        "NATS connection w1: ConnectionRefusedError: [Errno 111] Connect call failed (27 more of this type since "
+        "the last one were not logged)",
+    ]
+    assert messages(caplog, logging.WARNING) == []
