@@ -3,10 +3,17 @@
 Registered into the ``keyqueue`` command line by :mod:`keyqueue_spark.plugin` through the
 ``keyqueue_add_commands`` hook; also runnable as ``python -m keyqueue_spark``. pyspark is
 imported only when a command runs, so listing commands stays fast.
+
+The NATS URL is found as every keyqueue command finds it: ``--url``, else ``$KEYQUEUE_URL``
+(``keyqueue.Settings.from_env``), else, for ``backfill --app``, the app's own (its embedded
+server when it has none), else a one-line error. ``--app MODULE:APP`` is loaded as ``keyqueue
+worker`` loads it (keyqueue's loader is not public, so :func:`load_app` repeats it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import os
 import sys
 import time
@@ -17,16 +24,50 @@ from typing import Any
 
 import click
 
-from keyqueue.errors import KeyqueueError
+from keyqueue import App, BatchTask, Settings, Task, default_app
+from keyqueue.errors import ConfigError, KeyqueueError
 
-from .streams import DEFAULT_URL
-
-_URL_HELP = "NATS URL(s) [env KEYQUEUE_URL; default nats://127.0.0.1:4222]"
+_URL_HELP = "NATS server(s), comma-separated (default: $KEYQUEUE_URL)."
 _MASTER_HELP = "Spark master: local[*] (this machine, default), spark://host:7077, yarn, k8s://..."
+_NO_SERVER = "no NATS server: pass --url or set KEYQUEUE_URL (`keyqueue dev-server` runs one)"
 
 
-def _url(url: str | None) -> str:
-    return url or os.environ.get("KEYQUEUE_URL") or DEFAULT_URL
+def load_app(spec: str, url: str | None = None) -> App:
+    """The ``App`` named by ``MODULE:APP`` (``MODULE`` alone: its ``app``), with ``url`` if given;
+    the current directory is importable. ``ConfigError`` says what is wrong in one line."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or spec.count(":") > 1:
+        raise ConfigError(f"{spec!r} is not MODULE:APP (for example shop:app for `app` in shop.py)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise ConfigError(f"cannot import {module_name!r}: no module named {e.name!r} "
+                              f"(looked in {os.getcwd()} and the installed packages)") from None
+        raise ConfigError(f"importing {module_name!r} failed: {type(e).__name__}: {e}") from None
+    except Exception as e:
+        raise ConfigError(f"importing {module_name!r} failed: {type(e).__name__}: {e}") from None
+    if attribute and not hasattr(module, attribute):
+        raise ConfigError(f"module {module_name!r} has no attribute {attribute!r}")
+    app = getattr(module, attribute or "app", None) or default_app()
+    if not isinstance(app, App):
+        raise ConfigError(f"{spec} is a {type(app).__name__}, not a keyqueue.App")
+    if url is not None:
+        app.settings = app.settings.with_url(url)
+    return app
+
+
+def nats_url(url: str | None, app: App | None = None) -> str:
+    """``url``, else ``$KEYQUEUE_URL``, else ``app``'s URL (its embedded server, started or found),
+    else ``ConfigError``. With an app, ``url`` is already in its settings (:func:`load_app`)."""
+    if app is not None:
+        return asyncio.run(app.url())
+    found = url or Settings.from_env().url
+    if not found:
+        raise ConfigError(_NO_SERVER)
+    return found
 
 
 @contextmanager
@@ -53,7 +94,7 @@ def _session(master: str, app: str) -> Iterator[Any]:
 
 @click.command("report")
 @click.argument("queue")
-@click.option("--url", default=None, help=_URL_HELP)
+@click.option("--url", metavar="URL", default=None, help=_URL_HELP)
 @click.option("--master", default="local[*]", show_default=True, help=_MASTER_HELP)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output directory [default: keyqueue-report-QUEUE]")
@@ -65,69 +106,154 @@ def _session(master: str, app: str) -> Iterator[Any]:
 @click.option("--bucket", type=float, default=None, help="Throughput bucket in seconds [default: automatic].")
 def report(queue: str, url: str | None, master: str, out_dir: Path | None, events_from: str | None,
            save_events: str | None, top: int, bucket: float | None) -> None:
-    """Report what QUEUE did, from its lifecycle events: an HTML page with charts and Parquet aggregates."""
+    """Report what QUEUE did, from its lifecycle events: an HTML page with charts and Parquet aggregates.
+
+    Reads the events the events plugin stored for QUEUE (stream KQ_<QUEUE>_EVENTS) from the
+    server at --url or $KEYQUEUE_URL, or from an export (--events-from, no server needed), with
+    Spark (--master; local[*] by default). Writes report.html (charts embedded), summary.json and
+    aggregates/*.parquet into --out. docs/spark.md defines every number.
+
+    \b
+    Examples:
+      $ export KEYQUEUE_URL=nats://127.0.0.1:4222
+      $ keyqueue report shop                         # ./keyqueue-report-shop/report.html
+      $ keyqueue report shop --out reports/shop --save-events shop-events.parquet
+      $ keyqueue report shop --events-from shop-events.parquet --bucket 60
+      $ keyqueue report shop --master spark://head:7077
+    """
     from .report import run_report
 
     started = time.monotonic()
     target = out_dir or Path(f"keyqueue-report-{queue}")
     try:
+        source_url = None if events_from else nats_url(url)
         with _session(master, f"keyqueue report {queue}") as spark:
-            page, data = run_report(spark, queue, target, url=None if events_from else _url(url),
+            page, data = run_report(spark, queue, target, url=source_url,
                                     events_from=events_from, save_events=save_events, top=top, bucket=bucket)
     except KeyqueueError as e:
         raise click.ClickException(str(e)) from e
     s = data.summary
     ratio = s["coalescing_ratio"]
-    click.echo(f"{s['events']:,} events, {s['keys']:,} keys, tasks: {', '.join(s['tasks']) or '-'}; "
-               f"DVU: {s['dvu_runs']:,} runs, {ratio:.2f} triggers per run" if ratio else
-               f"{s['events']:,} events, {s['keys']:,} keys, tasks: {', '.join(s['tasks']) or '-'}")
+    line = f"{s['events']:,} events, {s['keys']:,} keys, tasks: {', '.join(s['tasks']) or '-'}"
+    if s["dvu"]:
+        line += f"; DVU: {s['dvu_runs']:,} runs" + (f", {ratio:.2f} triggers per run" if ratio else "")
+    click.echo(line)
     click.echo(f"report: {page} (aggregates in {page.parent / 'aggregates'}) in {time.monotonic() - started:.0f}s")
 
 
 @click.command("backfill")
 @click.argument("input_path", type=click.Path(exists=True))
-@click.option("--queue", required=True, help="Queue to enqueue into.")
+@click.option("--app", "app_spec", metavar="MODULE:APP", default=None,
+              help="The app whose TASK this is: its signature and queue are followed and checked, "
+                   "and its server is the default.")
+@click.option("--queue", default=None, help="Queue to enqueue into [default with --app: the task's].")
 @click.option("--task", required=True, help="Task name (X-MESSAGE-TYPE of each request).")
 @click.option("--key", "key_column", required=True, help="Column holding each row's key.")
 @click.option("--format", "input_format", type=click.Choice(["parquet", "csv", "json"]), default=None,
               help="Input format [default: from the file name; directories are Parquet]")
-@click.option("--columns", default=None, help="Comma-separated argument columns [default: all but the key].")
-@click.option("--version", "task_version", default=1, show_default=True, help="Task version (X-MESSAGE-VERSION).")
+@click.option("--columns", default=None,
+              help="Comma-separated argument columns [default: all but the key; with --app, the key too "
+                   "when the task takes a parameter of that name].")
+@click.option("--version", "task_version", type=int, default=None,
+              help="Task version (X-MESSAGE-VERSION) [default: the task's with --app, else 1].")
 @click.option("--job-id", default=None,
               help="Names the job in request ids: the same job id and input enqueue nothing twice "
                    "within the duplicate window [default: backfill:TASK:FILE]")
 @click.option("--partitions", type=int, default=None, help="Spark partitions [default: the master's parallelism].")
 @click.option("--max-errors", default=0, show_default=True, help="Bad rows tolerated before the job fails (-1: any).")
-@click.option("--url", default=None, help=_URL_HELP)
+@click.option("--url", metavar="URL", default=None,
+              help="NATS server(s), comma-separated (default: $KEYQUEUE_URL, else the --app's server).")
 @click.option("--master", default="local[*]", show_default=True, help=_MASTER_HELP)
-def backfill(input_path: str, queue: str, task: str, key_column: str, input_format: str | None, columns: str | None,
-             task_version: int, job_id: str | None, partitions: int | None, max_errors: int, url: str | None,
-             master: str) -> None:
-    """Enqueue every row of INPUT_PATH (Parquet, CSV or JSON) as a request of TASK for the row's key."""
+def backfill(input_path: str, app_spec: str | None, queue: str | None, task: str, key_column: str,
+             input_format: str | None, columns: str | None, task_version: int | None, job_id: str | None,
+             partitions: int | None, max_errors: int, url: str | None, master: str) -> None:
+    """Enqueue every row of INPUT_PATH (Parquet, CSV or JSON) as a request of TASK for the row's key.
+
+    With --app MODULE:APP (shop:app for `app` in shop.py; the current directory is importable),
+    TASK is the app's task: the key column is one of its arguments when the task's function has
+    a parameter of that name, and every row is checked against the task's signature before
+    anything is stored: the first row that does not fit stops the backfill, with its number and
+    the reason. Without --app, --queue is needed, the arguments are the columns but the key (or
+    --columns), and rows are not checked (for processors' message types, say).
+
+    Each key's rows are enqueued in input order. Request ids come from the job id and the row
+    number, so the same input again within the queue's duplicate window enqueues nothing: the
+    summary counts those rows as duplicates; another --job-id enqueues them again.
+
+    \b
+    Examples:
+      $ keyqueue backfill payments.csv --app shop:app --task post --key account
+      10 rows: 10 enqueued in 9s
+      $ keyqueue backfill payments.csv --app shop:app --task post --key account --job-id payments-2
+      $ keyqueue backfill changes.parquet --queue rebaser --task EnqueueUpdatesRequest --key change_set
+      $ keyqueue backfill changes/ --format parquet --queue rebaser --task EnqueueUpdatesRequest \\
+          --key change_set --master spark://head:7077 --url nats://nats.internal:4222
+    """
     from .backfill import BackfillJob, run_backfill
 
     started = time.monotonic()
-    job = BackfillJob(input_path=input_path, queue=queue, task=task, key=key_column, url=_url(url),
-                      input_format=input_format, version=task_version,
-                      columns=tuple(c.strip() for c in columns.split(",")) if columns else None,
-                      job_id=job_id, partitions=partitions, max_errors=max_errors)
+    app = None
     try:
-        with _session(master, f"keyqueue backfill {queue}") as spark:
-            summary = run_backfill(spark, job)
+        app = load_app(app_spec, url) if app_spec else None
+        found = _app_task(app, task, queue) if app is not None else None
+        if found is None and queue is None:
+            raise click.UsageError("--queue is needed without --app (with --app it is the task's queue)")
+        target = found.queue if found is not None else queue
+        assert target is not None
+        version = task_version if task_version is not None else found.spec.version if found is not None else 1
+        job = BackfillJob(input_path=input_path, queue=target, task=task, key=key_column, url=nats_url(url, app),
+                          input_format=input_format, version=version,
+                          columns=tuple(c.strip() for c in columns.split(",")) if columns else None,
+                          job_id=job_id, partitions=partitions, max_errors=max_errors)
+        with _session(master, f"keyqueue backfill {target}") as spark:
+            summary = run_backfill(spark, job, task=found)
     except (KeyqueueError, ValueError) as e:
         raise click.ClickException(str(e)) from e
+    except click.ClickException:
+        raise
     except Exception as e:  # Spark wraps the sink's error; show its message, not a JVM trace
         if "KeyqueueWriteError" in str(e):
             message = str(e).split("KeyqueueWriteError:", 1)[-1].split("SQLSTATE")[0].strip()
             raise click.ClickException(message) from None
         raise
-    new = summary["accepted"] - summary["duplicates"]
-    click.echo(f"{summary['rows']:,} rows: {new:,} enqueued, {summary['duplicates']:,} duplicates, "
-               f"{summary['errors']:,} errors in {time.monotonic() - started:.0f}s")
+    finally:
+        if app is not None:
+            asyncio.run(app.close())  # stops the app's embedded server if this command started it
+    if app is None and not columns:
+        left_out = "" if key_column in summary["arguments"] else f"; not the key column {key_column}"
+        click.echo(f"arguments: {', '.join(summary['arguments']) or 'none'}{left_out} (--app MODULE:APP follows "
+                   "and checks the task's signature; --columns chooses)", err=True)
+    click.echo(f"{summary['rows']:,} rows: {outcome(summary)} in {time.monotonic() - started:.0f}s")
     for sample in summary["error_samples"]:
         click.echo(f"  error: {sample}", err=True)
     if summary["errors"]:
         sys.exit(0 if max_errors < 0 or summary["errors"] <= max_errors else 1)
+
+
+def _app_task(app: App, name: str, queue: str | None) -> Task[Any]:
+    """The app's task ``name``, checked for a backfill into ``queue`` (None: the task's queue)."""
+    task = app.find_task(name)
+    if isinstance(task, BatchTask):
+        raise ConfigError(f"task {name} is a batch task, which takes one item per request: backfill enqueues "
+                          "tasks whose arguments are the row's columns")
+    if queue is not None and queue != task.queue:
+        raise ConfigError(f"task {name} of app {app.name} is in queue {task.queue!r}, not {queue!r} "
+                          "(leave --queue out to use the task's)")
+    return task
+
+
+def outcome(summary: dict[str, Any]) -> str:
+    """What a backfill did, from its summary: ``9 enqueued, 1 duplicate (...)``."""
+    duplicates = summary["duplicates"]
+    parts = [f"{summary['accepted'] - duplicates:,} enqueued"]
+    if summary["unscheduled"]:
+        parts[0] += f" ({summary['unscheduled']:,} stored but not yet scheduled: the reconciler will)"
+    if duplicates:
+        parts.append(f"{duplicates:,} duplicate{'s' if duplicates != 1 else ''} (already enqueued under job id "
+                     f"{summary['job_id']!r}: pass another --job-id to enqueue them again)")
+    if summary["errors"]:
+        parts.append(f"{summary['errors']:,} bad row{'s' if summary['errors'] != 1 else ''} not enqueued")
+    return ", ".join(parts)
 
 
 def commands() -> list[click.Command]:

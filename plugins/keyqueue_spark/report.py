@@ -13,7 +13,12 @@ Definitions (docs/spark.md repeats them):
 * requests of a key: its ``enqueued`` events, or its first-attempt ``started`` events when the
   stream has no ``enqueued`` events.
 * coalescing ratio: sum of ``triggers`` over ``dvu_finished`` events / number of them, i.e.
-  requests (or signals) covered per DVU run.
+  requests (or signals) covered per DVU run. The DVU step, table and chart are there only when
+  the events hold DVU events (the Rebaser's, :data:`DVU_EVENTS`).
+* tasks: events without a task (key events such as ``acquired``, a plugin's steps, a request
+  with an empty ``X-MESSAGE-TYPE``) count in the summary but are not listed as a task.
+* throughput: buckets with none of its events are left out of the table, and are gaps in the
+  chart (not lines drawn across them).
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ BUCKETS: Final = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200,
 
 MAX_BUCKETS: Final = 120
 
+DVU_EVENTS: Final = ("dvu_started", "dvu_finished")
+"""The Rebaser's DVU events (names it registers with ``keyqueue.events``), read here by name."""
+
 
 class Progress:
     """Numbered step lines on stderr with each step's duration: ``[2/7] wait and run times ... 1.3s``."""
@@ -64,6 +72,10 @@ class Progress:
             extra = f" ({'; '.join(notes)})" if notes else ""
             print(f"[{self.step}/{self.steps}] {what}: done in {time.monotonic() - started:.1f}s{extra}",
                   file=self.out, flush=True)
+
+    def skip(self) -> None:
+        """A planned step will not run (nothing to do): later lines count one step fewer."""
+        self.steps -= 1
 
 
 @dataclass
@@ -99,20 +111,24 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
 
     step = progress or Progress(6, enabled=False)
     ev = events.select("event", "ts", "queue", "key", "task", "attempt", "wait", "run", "reason", "triggers")
+    # An empty X-MESSAGE-TYPE is no task either: neither is listed as one.
+    ev = ev.withColumn("task", F.when(F.col("task") != "", F.col("task")))
     with step("reading events") as note:
         ev = ev.cache()
         counts = {r["event"]: int(r["count"]) for r in ev.groupBy("event").count().collect()}
         total = sum(counts.values())
         note(f"{total:,} events")
+    has_dvu = any(counts.get(name, 0) for name in DVU_EVENTS)
     first_attempt = (F.col("event") == "started") & (F.col("attempt").isNull() | (F.col("attempt") <= 1))
+    tasked = ev.filter(F.col("task").isNotNull())
     data = ReportData(queue=queue, summary={})
 
     with step("wait and run times per task"):
-        waits = (ev.filter(first_attempt & F.col("wait").isNotNull()).groupBy("task")
+        waits = (tasked.filter(first_attempt & F.col("wait").isNotNull()).groupBy("task")
                  .agg(F.count("*").alias("started"), *_quantile_columns("wait", "wait")))
-        runs = (ev.filter(F.col("event").isin("succeeded", "dead_lettered") & F.col("run").isNotNull())
+        runs = (tasked.filter(F.col("event").isin("succeeded", "dead_lettered") & F.col("run").isNotNull())
                 .groupBy("task").agg(F.count("*").alias("finished"), *_quantile_columns("run", "run")))
-        outcomes = (ev.filter(F.col("task").isNotNull()).groupBy("task").pivot(
+        outcomes = (tasked.groupBy("task").pivot(
             "event", ["enqueued", "succeeded", "retried", "dead_lettered", "superseded"]).count().na.fill(0))
         tasks = outcomes.join(waits, "task", "full").join(runs, "task", "full").orderBy("task")
         data.tables["tasks"] = tasks.toPandas()
@@ -120,7 +136,7 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
     with step("per key: requests, wait and run times, hottest keys") as note:
         has_enqueued = counts.get("enqueued", 0) > 0
         request_event = F.col("event") == "enqueued" if has_enqueued else first_attempt
-        keyed = ev.filter(F.col("key").isNotNull())
+        keyed = tasked.filter(F.col("key").isNotNull())
         per_key = keyed.groupBy("task", "key").agg(
             F.sum(request_event.cast("int")).alias("requests"),
             F.sum((F.col("event") == "retried").cast("int")).alias("retried"),
@@ -132,7 +148,7 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
         key_runs = (keyed.filter(F.col("event").isin("succeeded", "dead_lettered") & F.col("run").isNotNull())
                     .groupBy("task", "key").agg(*_quantile_columns("run", "run")))
         keys = per_key.join(key_waits, ["task", "key"], "left").join(key_runs, ["task", "key"], "left")
-        keys = keys.filter(F.col("task").isNotNull()).orderBy(F.desc("requests"), "task", "key").cache()
+        keys = keys.orderBy(F.desc("requests"), "task", "key").cache()
         data.tables["keys"] = keys.toPandas()
         hot = (keyed.filter(request_event).groupBy("key").count().withColumnRenamed("count", "requests")
                .orderBy(F.desc("requests"), "key").limit(top))
@@ -152,21 +168,24 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
 
     with step("retries, dead letters, superseded"):
         for name, event in (("retries", "retried"), ("dead_letters", "dead_lettered"), ("superseded", "superseded")):
-            table = (ev.filter(F.col("event") == event).groupBy("task", "reason").count()
+            table = (tasked.filter(F.col("event") == event).groupBy("task", "reason").count()
                      .orderBy(F.desc("count"), "task", "reason"))
             data.tables[name] = table.toPandas()
 
-    with step("DVU coalescing"):
-        finished = ev.filter(F.col("event") == "dvu_finished")
-        dvu = finished.agg(F.count("*").alias("runs"), F.sum("triggers").alias("triggers"),
-                           *_quantile_columns("run", "run"))
-        data.tables["dvu"] = dvu.toPandas()
-        histogram = finished.groupBy("triggers").count().withColumnRenamed("count", "runs").orderBy("triggers")
-        data.tables["dvu_triggers"] = histogram.toPandas()
-
-    dvu_row = data.tables["dvu"].iloc[0]
-    dvu_runs = int(dvu_row["runs"])
-    triggers = int(dvu_row["triggers"]) if dvu_runs and not _missing(dvu_row["triggers"]) else 0
+    dvu_runs = triggers = 0
+    if has_dvu:
+        with step("DVU coalescing"):
+            finished = ev.filter(F.col("event") == "dvu_finished")
+            dvu = finished.agg(F.count("*").alias("runs"), F.sum("triggers").alias("triggers"),
+                               *_quantile_columns("run", "run"))
+            data.tables["dvu"] = dvu.toPandas()
+            histogram = finished.groupBy("triggers").count().withColumnRenamed("count", "runs").orderBy("triggers")
+            data.tables["dvu_triggers"] = histogram.toPandas()
+        dvu_row = data.tables["dvu"].iloc[0]
+        dvu_runs = int(dvu_row["runs"])
+        triggers = int(dvu_row["triggers"]) if dvu_runs and not _missing(dvu_row["triggers"]) else 0
+    else:
+        step.skip()
     data.summary = {
         "queue": queue,
         "events": total,
@@ -175,7 +194,8 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
         "last_ts": hi,
         "span_seconds": (hi - lo) if lo is not None else 0.0,
         "keys": int(ev.filter(F.col("key").isNotNull()).select("key").distinct().count()),
-        "tasks": sorted(t for t in data.tables["tasks"]["task"].tolist() if t is not None),
+        "tasks": sorted(data.tables["tasks"]["task"].tolist()),
+        "dvu": has_dvu,
         "dvu_runs": dvu_runs,
         "dvu_triggers": triggers,
         "coalescing_ratio": (triggers / dvu_runs) if dvu_runs else None,
@@ -202,6 +222,18 @@ def _png(figure: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def with_gaps(series: pd.DataFrame, width: float) -> pd.DataFrame:
+    """``series`` (a ``bucket`` column, ascending) with a row of NaN after each bucket whose next
+    bucket is missing, so that a line chart breaks there instead of drawing across the gap."""
+    buckets = series["bucket"].astype(float).tolist()
+    present = set(buckets)
+    ends = [b + width for b in buckets[:-1] if b + width not in present]
+    if not ends:
+        return series
+    timeline = series.astype({"bucket": float}).set_index("bucket")
+    return timeline.reindex(sorted(present | set(ends))).reset_index()
+
+
 def charts(data: ReportData) -> dict[str, str]:
     """Each chart's title and its PNG, base64-encoded."""
     import matplotlib
@@ -216,11 +248,13 @@ def charts(data: ReportData) -> dict[str, str]:
     if len(series):
         fig, ax = plt.subplots(figsize=(9, 3.2))
         width = float(data.summary["bucket_seconds"])
-        times = [datetime.fromtimestamp(b, UTC) for b in series["bucket"]]
+        points = with_gaps(series, width)
+        times = [datetime.fromtimestamp(b, UTC) for b in points["bucket"]]
         for column, label in (("enqueued", "enqueued"), ("succeeded", "succeeded"), ("dead_lettered", "dead-lettered")):
             if column in series and series[column].sum() > 0:
-                rate = series[column] / width
-                ax.plot(times, rate, label=label, marker="." if len(series) < 30 else None)  # type: ignore[arg-type]
+                rate = points[column] / width
+                # Markers: a bucket between two gaps is a point, not a line.
+                ax.plot(times, rate, label=label, marker=".", markersize=6 if len(series) < 30 else 2)  # type: ignore[arg-type]
         ax.set_ylabel("requests / s")
         ax.set_title(f"Throughput ({width:g}s buckets, UTC)")
         ax.legend(loc="upper right")
@@ -267,8 +301,8 @@ def charts(data: ReportData) -> dict[str, str]:
         ax.grid(axis="x", alpha=0.3)
         out["Retries, DLQ and superseded"] = _png(fig)
 
-    histogram = t["dvu_triggers"]
-    if len(histogram):
+    histogram = t.get("dvu_triggers")
+    if histogram is not None and len(histogram):
         fig, ax = plt.subplots(figsize=(9, 3))
         ax.bar([int(x) if not _missing(x) else 0 for x in histogram["triggers"]], histogram["runs"], color="#4f81bd")
         ratio = data.summary.get("coalescing_ratio")
@@ -312,9 +346,9 @@ def render_html(data: ReportData, images: dict[str, str]) -> str:
         ("retried", f"{s['event_counts'].get('retried', 0):,}"),
         ("dead-lettered", f"{s['event_counts'].get('dead_lettered', 0):,}"),
         ("superseded", f"{s['event_counts'].get('superseded', 0):,}"),
-        ("DVU runs", f"{s['dvu_runs']:,}"),
-        ("triggers per DVU run", f"{ratio:.2f}" if ratio else "-"),
     ]
+    if s["dvu"]:
+        cards += [("DVU runs", f"{s['dvu_runs']:,}"), ("triggers per DVU run", f"{ratio:.2f}" if ratio else "-")]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>keyqueue report: {html.escape(data.queue)}</title><style>{_STYLE}</style></head><body>",
@@ -330,6 +364,8 @@ def render_html(data: ReportData, images: dict[str, str]) -> str:
                 ("Retries by reason", "retries"), ("Dead letters by reason", "dead_letters"),
                 ("Superseded and merged", "superseded"), ("DVU runs", "dvu"))
     for title, name in sections:
+        if name not in data.tables:
+            continue
         parts.append(f"<h2>{html.escape(title)}</h2>{_table(data.tables[name])}")
     parts.append("<p class='sub'>Wait: first attempts' enqueue-to-start time. Run: handler time of succeeded and "
                  "dead-lettered requests. Quantiles are exact. Aggregates are also in the Parquet files next to "

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+QUIET_LOGGING: Final = Path(__file__).with_name("log4j2-quiet.properties")
+"""The driver's log4j2 configuration with ``quiet=True``: errors only (no WARN lines at start)."""
 
 
 def register(spark: SparkSession) -> None:
@@ -24,6 +28,8 @@ def spark_session(master: str = "local[*]", app_name: str = "keyqueue", *,
 
     Locally, Python workers run this interpreter (so they import keyqueue and nats-py); on a
     cluster, set ``spark.pyspark.python`` to an environment with ``keyqueue-spark`` installed.
+    ``quiet``: the driver logs errors only, from its start (:data:`QUIET_LOGGING`, when this call
+    starts the JVM) and afterwards (``setLogLevel("ERROR")``, also on a session already running).
     """
     from pyspark.sql import SparkSession
 
@@ -38,6 +44,11 @@ def spark_session(master: str = "local[*]", app_name: str = "keyqueue", *,
         settings["spark.pyspark.driver.python"] = sys.executable
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     settings.update(conf or {})
+    if quiet:
+        # Set before the JVM starts: Spark logs its start-up WARN lines before setLogLevel can run.
+        option = f"-Dlog4j2.configurationFile={QUIET_LOGGING.as_uri()}"
+        given = settings.get("spark.driver.extraJavaOptions")
+        settings["spark.driver.extraJavaOptions"] = f"{given} {option}" if given else option
     for name, value in settings.items():
         builder = builder.config(name, value)
     spark = builder.getOrCreate()

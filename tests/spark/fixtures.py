@@ -53,3 +53,24 @@ async def publish_history(url: str, queue: str, events: list[dict[str, Any]]) ->
         await publish_events(nc, queue, events)
     finally:
         await nc.close()
+
+
+def plain_history(queue: str, *, per_burst: int = 20) -> list[dict[str, Any]]:
+    """Events of task ``post`` in two bursts 200 s apart (a gap in the throughput), with key events
+    (``acquired``/``released``: no task), one request with an empty task, and no DVU events."""
+    events: list[dict[str, Any]] = []
+    t0 = 1_790_000_000.0
+    for burst in (0.0, 200.0):
+        for i in range(per_burst):
+            ts = t0 + burst + i
+            key, rid = f"acct-{i % 4}", f"r{burst:.0f}-{i}"
+            common = {"key": key, "request_id": rid, "task": "post", "worker": "w1"}
+            events.append(event("acquired", ts, queue, key=key, worker="w1"))
+            events.append(event("enqueued", ts, queue, **common))
+            events.append(event("started", ts + 0.2, queue, attempt=1, wait=0.2, **common))
+            events.append(event("succeeded", ts + 0.5, queue, attempt=1, run=0.3, **common))
+            events.append(event("released", ts + 0.6, queue, key=key, worker="w1", reason="idle"))
+    untyped = {"key": "acct-0", "request_id": "r-untyped", "task": "", "worker": "w1"}
+    events.append(event("started", t0 + 1, queue, attempt=1, wait=0.1, **untyped))
+    events.append(event("dead_lettered", t0 + 2, queue, attempt=1, run=0.1, reason="rejected", **untyped))
+    return events
