@@ -4,7 +4,7 @@
     ├── ConfigError                      bad settings, bad arguments, a missing binary
     │   ├── InvalidKey                   a key that is not a valid NATS subject token sequence (ValueError)
     │   ├── ServerNotFound               the nats-server binary is not installed
-    │   └── TopologyMismatch             an existing stream/consumer differs from what keyqueue needs
+    │   └── TopologyMismatch             a stream/consumer's layout differs from what this process needs
     ├── ConnectionFailed                 the NATS server could not be reached
     │   └── Disconnected                 the connection is down right now: the message was not sent
     ├── KeyqueueTimeout                  an operation took too long (also a TimeoutError)
@@ -97,16 +97,18 @@ class ServerNotFound(ConfigError):
 
 
 class TopologyMismatch(ConfigError):
-    """A stream or consumer exists with a configuration keyqueue cannot use.
+    """A stream or consumer exists with a layout this process cannot use.
 
-    keyqueue never updates an existing stream or consumer silently: ``field`` names what
-    differs, ``existing`` and ``wanted`` show both values.
+    Raised only for what a process depends on and may not change on its own (the queue's
+    settings, such as its lease, are followed or changed in place instead): ``field`` names what
+    differs, ``existing`` and ``wanted`` are both values, and the one-line message ends with the
+    command that fixes it.
     """
 
     def __init__(self, entity: str, field: str, existing: Any, wanted: Any, hint: str = "") -> None:
         self.entity, self.field, self.existing, self.wanted = entity, field, existing, wanted
-        message = f"{entity}: {field} is {existing!r} on the server but keyqueue needs {wanted!r}"
-        super().__init__(f"{message}. {hint}" if hint else message)
+        message = f"{entity}: {field} is {existing!r} on the server, {wanted!r} here"
+        super().__init__(f"{message}; {hint}" if hint else message)
 
 
 # --- transport ---------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ Enqueueing prepared requests
     :class:`OutgoingRequest` (headers and body already encoded), :class:`Enqueued` (the receipt).
 A key-value bucket with revision-checked writes
     :class:`KeyValue`, :class:`KvEntry`.
+Applications by name
+    :func:`load_app` (``MODULE:APP``, as ``keyqueue worker`` takes it, for a plugin's commands).
 
 A plugin imports keyqueue through :data:`PUBLIC_MODULES` only: ``keyqueue``, this module,
 ``keyqueue.events`` (the lifecycle events contract), ``keyqueue.errors`` and ``keyqueue.wire``
@@ -39,6 +41,7 @@ from typing import Final
 
 from nats.aio.client import Client
 
+from keyqueue.app.loading import load_app
 from keyqueue.jetstream.api import JetStreamApi, PubAck, parse_pub_ack
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.kv import KeyValue, KvEntry
@@ -59,6 +62,7 @@ __all__ = [
     "QueueNames",
     "Topology",
     "connect",
+    "load_app",
     "parse_pub_ack",
     "validate_key",
     "validate_queue_name",

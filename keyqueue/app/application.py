@@ -265,7 +265,8 @@ class App:
         return self._processors.get(queue)
 
     def configure_queue(self, config: QueueConfig) -> None:
-        """Use ``config`` for queue ``config.name`` (every worker and producer must agree on it)."""
+        """Use ``config`` for queue ``config.name``: its layout and, for a queue this app creates, its
+        settings (on an existing queue the server's settings apply; see ``QueueConfig``)."""
         self._queue_configs[config.name] = config
 
     def queue_config(self, queue: str) -> QueueConfig:
@@ -422,7 +423,8 @@ class App:
         """A worker for ``queues`` (default: all of the app's); use it as ``async with app.worker():``.
 
         ``concurrency``: keys held at once per queue. ``linger``: seconds a key stays held with no
-        new request. ``ack_wait``: the queue's lease (overrides its ``QueueConfig``).
+        new request. ``ack_wait``: seconds of the queue's lease, set on the server in place if it
+        differs (``None``: hold keys for the lease the server has).
         ``drain_timeout``: seconds a stopping worker waits for requests in hand.
         ``overflow_min_pending`` / ``overflow_min_ack_pending``: on an ``overflow`` queue, take keys
         only while that many wait / are held. ``priority``: on a ``prioritized`` queue, 0 (served

@@ -142,6 +142,8 @@ class NatsTransport:
         if publisher is None:
             assert state.nc is not None
             config = self.queue_config(queue)
+            # Creates what is missing and checks the streams' layout; never the consumer's settings,
+            # which producers do not use (docs/decisions.md, "Who owns each setting").
             await Topology(JetStreamApi(state.nc), config).ensure()
             publisher = state.publishers[queue] = Publisher(state.nc, config.names)
         return state, publisher

@@ -162,15 +162,16 @@ class Worker:
             if self.ack_wait is not None:
                 config = dataclasses.replace(config, ack_wait=self.ack_wait)
             settings = SessionSettings(ack_wait=config.ack_wait, linger=self.linger, drain_timeout=self.drain_timeout)
+            # Without a lease of its own the worker holds keys for the queue's, as the server has it.
             self.queue_workers[queue] = QueueWorker(nc, config, self._factory(queue), concurrency=self.concurrency,
                                                     settings=settings, name=self.name, observer=self,
-                                                    pull=self.pull)
+                                                    pull=self.pull, follow_lease=self.ack_wait is None)
         self._unsubscribe = self.app.on_reconnect(self._reconnected)
         self._runner = asyncio.create_task(self._run(), name=f"keyqueue-worker:{self.name}")
         started = asyncio.ensure_future(asyncio.gather(*(w.started() for w in self.queue_workers.values())))
         first: list[asyncio.Future[Any]] = [self._runner, started]
         await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
-        if not started.done():
+        if not _succeeded(started):
             started.cancel()
             try:
                 await self._finish()  # the runner ended before every queue started: raise why
@@ -391,6 +392,12 @@ class Worker:
                 await call()
         finally:
             self._room.set()  # nothing may wait for a dispatcher that has ended
+
+
+def _succeeded(future: asyncio.Future[Any]) -> bool:
+    """Whether ``future`` is done without an error. Its error is retrieved (so asyncio never logs
+    it as unretrieved): a queue that could not start also ends the runner, which raises it."""
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:

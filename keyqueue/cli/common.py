@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from keyqueue.admin.inspection import list_queues
-from keyqueue.app.application import App, default_app
+from keyqueue.app.loading import load_app
 from keyqueue.app.transport import open_connection
 from keyqueue.errors import ConfigError, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
@@ -55,42 +53,6 @@ def url_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--url", metavar="URL", help="NATS server(s), comma-separated (default: $KEYQUEUE_URL)."
     )(fn)
-
-
-def load_app(spec: str, url: str | None = None) -> App:
-    """The ``App`` named by ``MODULE:APP`` (``MODULE`` alone: its ``app``), with ``url`` if given.
-
-    The current directory is importable, as with ``python -m``.
-    """
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or (spec.count(":") > 1):
-        raise ConfigError(f"{spec!r} is not MODULE:APP (for example shop:app for `app` in shop.py, "
-                          "or shop.tasks:app in a package)")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
-            raise ConfigError(f"cannot import {module_name!r}: no module named {exc.name!r} "
-                              f"(looked in {os.getcwd()} and the installed packages)") from None
-        raise ConfigError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
-    except Exception as exc:
-        raise ConfigError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc} "
-                          f"(python -c 'import {module_name}' shows the traceback)") from None
-    if attribute:
-        if not hasattr(module, attribute):
-            raise ConfigError(f"module {module_name!r} has no attribute {attribute!r}")
-        app = getattr(module, attribute)
-    else:
-        app = getattr(module, "app", None)
-        if app is None:
-            app = default_app()
-    if not isinstance(app, App):
-        raise ConfigError(f"{spec} is a {type(app).__name__}, not a keyqueue.App")
-    if url is not None:
-        app.settings = app.settings.with_url(url)
-    return app
 
 
 @contextlib.asynccontextmanager

@@ -1,6 +1,7 @@
-"""Commands on a queue as a whole: ``inspect`` what it holds, ``unpin`` and ``recreate-consumer``.
+"""Commands on a queue as a whole: ``inspect`` what it holds, ``unpin``, ``configure`` its settings
+and ``recreate-consumer``.
 
-The work happens in ``keyqueue.admin`` (and, for recreating the consumer, the topology); these
+The work happens in ``keyqueue.admin`` (and, for the consumer and settings, the topology); these
 commands format its results. A queue that does not exist is one line naming it and the queues
 the server has.
 """
@@ -17,11 +18,11 @@ from keyqueue.admin.consumers import unpin as unpin_queue
 from keyqueue.admin.inspection import KEY_LIMIT, Holder, KeyState, QueueReport, inspect_queue, list_queues
 from keyqueue.cli.common import connection, load_app, table, to_json, url_option
 from keyqueue.cli.common import no_such_queue as _no_such_queue
-from keyqueue.errors import StreamNotFound
+from keyqueue.errors import ConfigError, ConsumerNotFound, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.topology import QueueConfig, Topology
 
-__all__ = ["inspect_command", "recreate_consumer", "unpin"]
+__all__ = ["configure", "inspect_command", "recreate_consumer", "unpin"]
 
 
 async def _report(api: JetStreamApi, queue: str) -> QueueReport:
@@ -169,35 +170,95 @@ def unpin(queue: str, url: str | None) -> None:
     asyncio.run(run())
 
 
+@click.command()
+@click.argument("queue")
+@click.option("--ack-wait", type=click.FloatRange(1), default=None, metavar="SECONDS",
+              help="The queue's lease: seconds a key stays held without a keepalive.")
+@click.option("--max-ack-pending", type=click.IntRange(1), default=None, metavar="N",
+              help="How many keys the whole fleet may hold at once.")
+@click.option("--max-backlog-per-key", type=click.IntRange(0), default=None, metavar="N",
+              help="Pending requests a key may have (0: unlimited); one more is refused with BacklogFull.")
+@url_option
+def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, max_backlog_per_key: int | None,
+              url: str | None) -> None:
+    """Change a queue's settings on the server in place, while its workers run; without options, show them.
+
+    The settings belong to the queue: workers started without --ack-wait hold keys for the lease
+    the server has, and producers never check them. A worker already running keeps its lease
+    until it restarts, which is safe: it holds each key through a lease record that the server
+    keeps for that worker's own lease (docs/decisions.md, "Who owns each setting").
+
+    \b
+    Examples:
+      $ keyqueue configure shop --ack-wait 60
+      $ keyqueue configure shop                 # show them
+    """
+
+    async def run() -> None:
+        async with connection(url) as nc:
+            api = JetStreamApi(nc)
+            topology = Topology(api, QueueConfig(queue))
+            try:
+                changes = await topology.configure(ack_wait=ack_wait, max_ack_pending=max_ack_pending,
+                                                   max_backlog_per_key=max_backlog_per_key)
+                current = await topology.server_config()
+            except StreamNotFound:
+                raise await _no_such_queue(api, queue) from None
+            except ConsumerNotFound:
+                raise ConfigError(f"queue {queue!r} has no token consumer; start a worker, or run "
+                                  f"`keyqueue recreate-consumer {queue}`") from None
+        for change in changes:
+            click.echo(f"queue {queue}: {change}")
+        if not changes:
+            click.echo(f"queue {queue}: ack_wait {current.ack_wait:g}s, max_ack_pending {current.max_ack_pending}, "
+                       f"max_backlog_per_key {current.max_backlog_per_key or 'unlimited'}, "
+                       f"priority policy {current.priority_policy}")
+
+    asyncio.run(run())
+
+
 @click.command("recreate-consumer")
 @click.argument("queue")
 @click.option("--app", "app_spec", metavar="MODULE:APP", default=None,
-              help="Take the queue's configuration (priority policy, ack wait) from this app.")
+              help="Take the queue's priority policy from this app (default: keep the server's).")
+@click.option("--ack-wait", type=click.FloatRange(1), default=None, metavar="SECONDS",
+              help="Set the queue's lease (default: keep the server's).")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @url_option
-def recreate_consumer(queue: str, app_spec: str | None, yes: bool, url: str | None) -> None:
-    """Delete and recreate a queue's token consumer, to change its priority policy or lease.
+def recreate_consumer(queue: str, app_spec: str | None, ack_wait: float | None, yes: bool, url: str | None) -> None:
+    """Delete and recreate a queue's token consumer, to change its priority policy or repair it.
 
-    Stop every worker of the queue first: the new consumer delivers every remaining token again,
-    so a worker still holding a key would share it. Requests are kept.
+    Stop every worker of the queue first: the new consumer delivers every remaining token again.
+    Requests are kept, and so are the queue's settings (its lease and max_ack_pending; change
+    them in place with `keyqueue configure`).
 
     \b
     Example:
       $ keyqueue recreate-consumer shop --app shop:app --yes
     """
-    config = load_app(app_spec, url).queue_config(queue) if app_spec else QueueConfig(queue)
+    app_config = load_app(app_spec, url).queue_config(queue) if app_spec else None
     if not yes:
-        click.confirm(f"Recreate the token consumer of queue {queue!r} (policy {config.priority_policy})? "
-                      "Every worker of the queue must be stopped", abort=True)
+        policy = f" (priority policy {app_config.priority_policy})" if app_config else ""
+        click.confirm(f"Recreate the token consumer of queue {queue!r}{policy}? Every worker of the queue must be "
+                      "stopped", abort=True)
 
     async def run() -> None:
         async with connection(url) as nc:
             api = JetStreamApi(nc)
             try:
-                await Topology(api, config).recreate_consumer()
+                config = app_config or await _server_config(api, queue)
+                lease = await Topology(api, config).recreate_consumer(ack_wait=ack_wait)
             except StreamNotFound:
                 raise await _no_such_queue(api, queue) from None
         click.echo(f"recreated consumer {config.names.consumer} of queue {queue} "
-                   f"(priority policy {config.priority_policy})")
+                   f"(priority policy {config.priority_policy}, ack_wait {lease.after:g}s)")
 
     asyncio.run(run())
+
+
+async def _server_config(api: JetStreamApi, queue: str) -> QueueConfig:
+    """The queue's config as the server has it (the defaults for a queue without a consumer)."""
+    try:
+        return await Topology(api, QueueConfig(queue)).server_config()
+    except ConsumerNotFound:
+        return QueueConfig(queue)

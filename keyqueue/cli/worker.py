@@ -6,7 +6,7 @@ import asyncio
 
 import click
 
-from keyqueue.cli.common import configure_logging, load_app, url_option
+from keyqueue.cli.common import LOG_FORMATS, configure_logging, load_app, url_option
 
 __all__ = ["worker"]
 
@@ -19,8 +19,9 @@ __all__ = ["worker"]
               help="Keys held at once, per queue.")
 @click.option("--linger", type=click.FloatRange(0), default=0.05, show_default=True,
               help="Seconds a key stays held with no new request.")
-@click.option("--ack-wait", type=click.FloatRange(1), default=None,
-              help="Seconds of a key's lease (default: the queue's configuration, 30).")
+@click.option("--ack-wait", type=click.FloatRange(1), default=None, metavar="SECONDS",
+              help="Set the queue's lease on the server to SECONDS, in place (default: hold keys for the "
+                   "lease the server has; `keyqueue configure` changes it without a worker).")
 @click.option("--drain-timeout", type=click.FloatRange(0), default=10.0, show_default=True,
               help="Seconds a stopping worker waits for the requests in hand.")
 @click.option("--name", default=None, metavar="NAME",
@@ -35,11 +36,18 @@ __all__ = ["worker"]
               help="How long to wait for an unreachable server at start, retrying with a backoff and "
                    "logging each attempt (default: wait forever).")
 @url_option
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-              show_default=True)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+              default="info", show_default=True, envvar="KEYQUEUE_LOG_LEVEL", show_envvar=True,
+              help="Least severe log lines shown; debug adds keys acquired and released, every request, "
+                   "and the traceback of each failed attempt.")
+@click.option("--log-format", type=click.Choice(LOG_FORMATS, case_sensitive=False), default="text",
+              show_default=True, envvar="KEYQUEUE_LOG_FORMAT", show_envvar=True,
+              help="json: one JSON object per line (time, level, logger, message, and fields such as "
+                   "queue, key, request_id, attempt).")
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
            drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
-           priority: int | None, connect_timeout: float | None, url: str | None, log_level: str) -> None:
+           priority: int | None, connect_timeout: float | None, url: str | None, log_level: str,
+           log_format: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
     MODULE:APP names the App, e.g. shop:app for `app` in shop.py (the current directory is
@@ -50,13 +58,19 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     log); producers of the same app on this machine find it. A configured server that is not up
     yet is waited for (each attempt logged) for --connect-timeout seconds, by default forever.
 
+    The log goes to stderr, one line per event worth a look: a failed attempt that is retried
+    (a warning, no traceback), a request dead-lettered (an error with its traceback; a rejected
+    one is a warning), lost leases and connections, and at the stop each queue's totals.
+    --log-level debug adds every key and request; --log-format json writes one JSON object
+    per line.
+
     \b
     Example:
       $ export KEYQUEUE_URL=nats://127.0.0.1:4222
       $ keyqueue worker shop:app --concurrency 32
       $ keyqueue worker shop:app --overflow-min-pending 50     # an overflow pool
     """
-    configure_logging(log_level)
+    configure_logging(log_level, log_format.lower())
     app = load_app(app_spec, url)
     serving = app.worker(queues=list(queues) or None, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
                          drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,

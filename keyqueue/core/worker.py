@@ -3,10 +3,21 @@
 One asyncio task per key session, owned by a TaskGroup; the puller, the reconciler, the
 loop-lag monitor and the backlog probe are owned tasks too, cancelled and awaited on exit.
 
-The sessions' steps are logged (on ``keyqueue.worker``: lease lost, dead-lettered and failed
-sessions as warnings, releases, retries and pins as info, the rest as debug), counted, and told
-to the worker's :class:`~keyqueue.core.observer.SessionObserver`, whose failures are logged and
-never reach a session.
+The sessions' steps are counted, told to the worker's
+:class:`~keyqueue.core.observer.SessionObserver` (whose failures are logged and never reach a
+session), and logged on ``keyqueue.worker``, one line per step, each with its fields as ``kq_*``
+record attributes (``kq_event``, ``kq_queue``, ``kq_key``, ``kq_request_id``, ...):
+
+* **error**: a request dead-lettered after its last attempt (with that attempt's traceback) or
+  for crash-looping; a session that failed unexpectedly (with its traceback).
+* **warning**: a failed attempt that is retried, in one line (its traceback only when the logger
+  is at debug); a request rejected as bad input (``Reject``, an unreadable message: no
+  traceback); a lost lease; a session cut off by a lost connection or a timeout (one line, the
+  same error at most once per :data:`OUTAGE_LOG_INTERVAL`, then counted).
+* **info**: pinned and unpinned; a session interrupted by the stop.
+* **debug**: keys acquired and released, attempts started and succeeded, superseded requests.
+
+A request without a request id (not sent by keyqueue) is named by its inbox sequence (``seq 17``).
 """
 
 from __future__ import annotations
@@ -39,9 +50,10 @@ from keyqueue.core.reconciler import Reconciler
 from keyqueue.core.session import KeySession, SessionSettings
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.connect import LogThrottle
 from keyqueue.jetstream.pull import PullOptions, Token, TokenPuller
 from keyqueue.jetstream.queue_io import QueueIO
-from keyqueue.jetstream.topology import QueueConfig, Topology
+from keyqueue.jetstream.topology import Change, QueueConfig, Topology
 
 log = logging.getLogger("keyqueue.worker")
 
@@ -50,6 +62,12 @@ NO_JETSTREAM_AFTER = 30.0
 
 LOOP_TICK = 0.1
 """Seconds between the loop-lag monitor's ticks."""
+
+OUTAGE_LOG_INTERVAL = 30.0
+"""Seconds during which further sessions cut off by the same connection error are counted, not logged."""
+
+_CONNECTION_ERRORS = (ConnectionFailed, KeyqueueTimeout)
+"""What cuts sessions off during an outage: expected, and named well enough to need no traceback."""
 
 P = ParamSpec("P")
 
@@ -60,11 +78,15 @@ class QueueWorker:
     def __init__(self, nc: Client, config: QueueConfig, factory: ProcessorFactory, *,
                  concurrency: int = 16, settings: SessionSettings | None = None,
                  pull: PullOptions | None = None, reconcile_interval: float = 30.0,
-                 name: str | None = None, observer: SessionObserver | None = None) -> None:
+                 name: str | None = None, observer: SessionObserver | None = None,
+                 follow_lease: bool = False) -> None:
         self.nc = nc
         self.config = config
         self.factory = factory
         self.concurrency = concurrency
+        self.follow_lease = follow_lease
+        """Take the queue's lease (ack_wait) from the server at start, instead of setting the
+        server's to ``settings.ack_wait`` (docs/decisions.md, "Who owns each setting")."""
         self.settings = settings or SessionSettings(ack_wait=config.ack_wait)
         if self.settings.ack_wait != config.ack_wait:
             raise ConfigError(
@@ -113,6 +135,16 @@ class QueueWorker:
     def counts(self) -> dict[str, int]:
         """Session steps seen, by name (acquired, started, succeeded, retried, dead_lettered, released, ...)."""
         return self.report.counts
+
+    def summary(self) -> str:
+        """What this worker did, for a log line: ``120 succeeded, 3 retried, 2 dead-lettered``."""
+        counts = self.counts
+        parts = [f"{counts.get('succeeded', 0)} succeeded"]
+        for event, what in (("retried", "retried"), ("dead_lettered", "dead-lettered"),
+                            ("lease_lost", "leases lost"), ("session_failed", "sessions failed")):
+            if counts.get(event):
+                parts.append(f"{counts[event]} {what}")
+        return ", ".join(parts)
 
     # --- tokens ----------------------------------------------------------------------------------
 
@@ -193,17 +225,20 @@ class QueueWorker:
                     task.cancel()
         finally:
             self._tg = None
-        log.info("worker %s stopped: %s", self.name, self.counts)
+        log.debug("worker %s stopped serving queue %s: %s", self.name, self.config.name, self.summary())
 
     async def _ensure_topology(self) -> None:
-        """Create or verify the queue's streams and consumer. A server that cannot answer yet (a
-        cluster electing leaders, a restart) is waited for, each attempt logged; a configuration
-        that does not match is raised at once."""
+        """Create or check the queue's streams and consumer, and settle this worker's lease: the
+        server's (``follow_lease``) or ``settings.ack_wait``, set on the server in place. A server
+        that cannot answer yet (a cluster electing leaders, a restart) is waited for, each attempt
+        logged; a layout that does not match is raised at once."""
         delay = 0.5
         began = time.monotonic()
         while True:
             try:
-                await Topology(JetStreamApi(self.nc), self.config).ensure()
+                lease = await Topology(JetStreamApi(self.nc), self.config).ensure_worker(
+                    None if self.follow_lease else self.settings.ack_wait)
+                self._use_lease(lease)
                 return
             except (KeyqueueTimeout, ConnectionFailed) as e:
                 # "No responders" that lasts is a server without JetStream, not an election.
@@ -214,6 +249,21 @@ class QueueWorker:
                             delay)
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
+
+    def _use_lease(self, lease: Change) -> None:
+        """Hold keys for the lease the server now has. Workers already running keep their own until
+        they restart: each holds its keys through lease records whose TTL is its own lease, so no
+        worker ever believes it holds a key longer than the server keeps its record."""
+        if lease.before != lease.after:
+            log.warning("queue %s: the lease changed on the server, %s; workers already running keep theirs "
+                        "until they restart", self.config.name, lease)
+        elif self.follow_lease:
+            log.info("queue %s: lease (ack_wait) %gs, the queue's on the server (`keyqueue configure %s "
+                     "--ack-wait SECONDS` changes it)", self.config.name, lease.after, self.config.name)
+        if lease.after != self.settings.ack_wait:
+            self.settings = dataclasses.replace(self.settings, ack_wait=lease.after)
+            self.config = dataclasses.replace(self.config, ack_wait=lease.after)
+            self._stale_after = lease.after - Lease.default_margin(lease.after)
 
     async def started(self) -> None:
         """Wait until the worker is pulling tokens; raises what kept it from starting."""
@@ -276,14 +326,19 @@ class _Report:
         self.queue = queue
         self.observer = observer
         self.counts: dict[str, int] = {}
+        self.outage = LogThrottle(OUTAGE_LOG_INTERVAL)
 
-    def _log(self, event: str, level: int, key: str | None, **fields: Any) -> None:
-        self.counts[event] = self.counts.get(event, 0) + 1
+    def _log(self, event: str, level: int, key: str | None, message: str, *args: object,
+             exc_info: BaseException | None = None, **fields: Any) -> None:
+        """Count ``event``; log ``message % args`` with the event's fields as ``kq_*`` attributes."""
+        self._count(event)
         if log.isEnabledFor(level):
-            detail = " ".join(f"{k}={v}" for k, v in fields.items())
             extra = {"kq_event": event, "kq_queue": self.queue, "kq_key": key,
                      **{f"kq_{k}": v for k, v in fields.items()}}
-            log.log(level, "%s queue=%s key=%s %s", event, self.queue, key, detail, extra=extra)
+            log.log(level, message, *args, extra=extra, exc_info=exc_info)
+
+    def _count(self, event: str) -> None:
+        self.counts[event] = self.counts.get(event, 0) + 1
 
     def _tell(self, step: Callable[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
         try:
@@ -292,55 +347,109 @@ class _Report:
             log.exception("session observer failed in %s; carrying on", step.__name__)
 
     def key_acquired(self, hold: KeyHold) -> None:
-        self._log("acquired", logging.DEBUG, hold.key, fencing=hold.fencing, delivered=hold.delivered)
+        self._log("acquired", logging.DEBUG, hold.key, "queue %s key %s: acquired (fencing %s)", self.queue,
+                  hold.key, hold.fencing, fencing=hold.fencing, delivered=hold.delivered)
         self._tell(self.observer.key_acquired, hold)
 
     def key_released(self, hold: KeyHold, end: SessionEnd) -> None:
-        outcome = end.outcome
+        outcome, key = end.outcome, hold.key
         if outcome is Outcome.LEASE_LOST:
-            self._log("lease_lost", logging.WARNING, hold.key, reason=end.reason)
+            self._log("lease_lost", logging.WARNING, key, "queue %s key %s: lease lost (%s); nothing more was "
+                      "sent for the key", self.queue, key, end.reason, reason=end.reason)
         elif outcome is Outcome.FAILED:
-            self._log("session_failed", logging.WARNING, hold.key, error=end.reason)
+            self._session_failed(key, end)
         elif outcome is Outcome.INTERRUPTED:
-            self._log(outcome.value, logging.INFO, hold.key)
+            self._log(outcome.value, logging.INFO, key, "queue %s key %s: interrupted by the stop; the request in "
+                      "hand runs again elsewhere", self.queue, key)
         elif outcome is Outcome.CONTENDED:
-            self._log(outcome.value, logging.DEBUG, hold.key)
+            self._log(outcome.value, logging.DEBUG, key, "queue %s key %s: not acquired (another worker held it) "
+                      "before the drain", self.queue, key)
         else:
-            self._log(outcome.value, logging.INFO, hold.key, processed=end.processed, republished=end.republished)
+            self._log(outcome.value, logging.DEBUG, key, "queue %s key %s: %s after %d request(s)%s", self.queue, key,
+                      outcome.value, end.processed, "; requests arrived meanwhile, so it is scheduled again"
+                      if end.republished else "", processed=end.processed, republished=end.republished)
         self._tell(self.observer.key_released, hold, end)
 
+    def _session_failed(self, key: str, end: SessionEnd) -> None:
+        error = end.error
+        message = "queue %s key %s: session failed: %s; the key is delivered again shortly%s"
+        described = describe(error) if error is not None else end.reason
+        if not isinstance(error, _CONNECTION_ERRORS):
+            self._log("session_failed", logging.ERROR, key, message, self.queue, key, described, "", exc_info=error,
+                      error=described)
+            return
+        # An outage cuts off every session in hand at once: one line per error type and interval.
+        held_back = self.outage.admit(type(error))
+        if held_back is None:
+            self._count("session_failed")
+            return
+        self._log("session_failed", logging.WARNING, key, message, self.queue, key, described,
+                  LogThrottle.suffix(held_back), error=described)
+
     def request_started(self, attempt: RequestAttempt) -> None:
-        self._log("started", logging.DEBUG, attempt.key, request_id=attempt.request_id, seq=attempt.seq,
+        self._log("started", logging.DEBUG, attempt.key, "%s started, attempt %d (%s)", _what(attempt),
+                  attempt.attempt, self._where(attempt), request_id=attempt.request_id, seq=attempt.seq,
                   attempt=attempt.attempt, batch=attempt.batch, message_type=attempt.message_type)
         self._tell(self.observer.request_started, attempt)
 
     def attempt_failed(self, attempt: RequestAttempt, error: BaseException) -> None:
-        self.counts["failed"] = self.counts.get("failed", 0) + 1  # logged as retried or dead_lettered
+        self._count("failed")  # logged as retried or dead_lettered
         self._tell(self.observer.attempt_failed, attempt, error)
 
     def request_retried(self, attempt: RequestAttempt, delay: float, error: BaseException) -> None:
-        self._log("retried", logging.INFO, attempt.key, request_id=attempt.request_id, attempt=attempt.attempt,
-                  delay=delay, error=describe(error), message_type=attempt.message_type)
+        # One line per retry; where it was raised only at debug (the last attempt's traceback is
+        # logged if the request is dead-lettered).
+        self._log("retried", logging.WARNING, attempt.key, "%s failed on attempt %d, retrying in %s: %s (%s)",
+                  _what(attempt), attempt.attempt, _seconds(delay), describe(error), self._where(attempt),
+                  exc_info=error if log.isEnabledFor(logging.DEBUG) else None, request_id=attempt.request_id,
+                  seq=attempt.seq, attempt=attempt.attempt, delay=delay, error=describe(error),
+                  message_type=attempt.message_type)
         self._tell(self.observer.request_retried, attempt, delay, error)
 
     def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
-        self._log("succeeded", logging.DEBUG, request.key, request_id=request.request_id, seq=request.seq,
-                  elapsed=elapsed, message_type=request.message_type)
+        if superseded_by is not None:
+            self._log("succeeded", logging.DEBUG, request.key, "%s superseded by request %s (%s)", _what(request),
+                      superseded_by, self._where(request), request_id=request.request_id, seq=request.seq,
+                      superseded_by=superseded_by, message_type=request.message_type)
+        else:
+            self._log("succeeded", logging.DEBUG, request.key, "%s succeeded in %.3fs (%s)", _what(request), elapsed,
+                      self._where(request), request_id=request.request_id, seq=request.seq, elapsed=elapsed,
+                      message_type=request.message_type)
         self._tell(self.observer.request_succeeded, request, elapsed, superseded_by)
 
     def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
-        self._log("dead_lettered", logging.WARNING, request.key, request_id=request.request_id, seq=request.seq,
-                  reason=reason, attempts=request.attempt, error=describe(error),
-                  message_type=request.message_type)
+        fields: dict[str, Any] = {"request_id": request.request_id, "seq": request.seq, "reason": reason,
+                                  "attempts": request.attempt, "error": describe(error),
+                                  "message_type": request.message_type}
+        what, where = _what(request), self._where(request)
+        if reason == "rejected":
+            # Bad input (Reject, an unreadable message): expected, and its message says why.
+            self._log("dead_lettered", logging.WARNING, request.key, "%s rejected, moved to the dead-letter queue: "
+                      "%s (%s)", what, describe(error), where, **fields)
+        elif reason == "max-attempts":
+            last = request.attempt
+            self._log("dead_lettered", logging.ERROR, request.key, "%s failed on attempt %d of %d, moved to the "
+                      "dead-letter queue: %s (%s)", what, last, last, describe(error), where, exc_info=error, **fields)
+        else:
+            self._log("dead_lettered", logging.ERROR, request.key, "%s moved to the dead-letter queue (%s): %s (%s)",
+                      what, reason, describe(error), where, **fields)
         self._tell(self.observer.request_dead_lettered, request, reason, error)
 
     def worker_pinned(self, queue: str, pin_id: str) -> None:
-        self._log("pinned", logging.INFO, None, pin_id=pin_id)
+        self._log("pinned", logging.INFO, None, "queue %s: this worker is its pinned client (pin %s)", queue, pin_id,
+                  pin_id=pin_id)
         self._tell(self.observer.worker_pinned, queue, pin_id)
 
     def worker_unpinned(self, queue: str, pin_id: str) -> None:
-        self._log("unpinned", logging.INFO, None, pin_id=pin_id)
+        self._log("unpinned", logging.INFO, None, "queue %s: this worker is no longer its pinned client (pin %s)",
+                  queue, pin_id, pin_id=pin_id)
         self._tell(self.observer.worker_unpinned, queue, pin_id)
+
+    def _where(self, request: RequestAttempt) -> str:
+        """``queue shop, key o1, request 01J...``; a request without an id (not sent by keyqueue) by
+        its inbox sequence: ``seq 17``."""
+        named = f"request {request.request_id}" if request.request_id else f"seq {request.seq}"
+        return f"queue {self.queue}, key {request.key}, {named}"
 
     def around_attempt(self, attempt: RequestAttempt, context: RequestContext,
                        requests: Sequence[Request]) -> AbstractAsyncContextManager[object]:
@@ -351,3 +460,13 @@ class _Report:
             await self.observer.wait_for_room()
         except Exception:
             log.exception("session observer failed in wait_for_room; carrying on")
+
+
+def _what(request: RequestAttempt) -> str:
+    """What a log line calls a request: its task (``X-MESSAGE-TYPE``), else "request"."""
+    return request.message_type or "request"
+
+
+def _seconds(delay: float) -> str:
+    """A delay for a log line: ``52ms``, ``1.5s``."""
+    return f"{delay * 1000:.0f}ms" if delay < 1 else f"{delay:.1f}s"

@@ -1,13 +1,28 @@
-"""A queue's streams and consumer, created idempotently and verified against what exists.
+"""A queue's streams and consumer: created when missing, checked or followed when they exist.
 
-keyqueue never updates an existing stream or consumer: if one differs in a field keyqueue
-depends on, :class:`~keyqueue.errors.TopologyMismatch` names the field and how to fix it.
+Each setting has one owner (docs/decisions.md, "Who owns each setting"):
+
+- **keyqueue's layout**: the streams' subjects and retention, the token and lease streams'
+  per-subject limits and discard policy, message TTLs, direct gets (which follow ``replicas``);
+  the consumer's ack policy and unlimited deliveries. Every process checks it, and a difference is
+  a :class:`~keyqueue.errors.TopologyMismatch`: one line naming a command that fixes it.
+- **the queue's settings**: the lease (the consumer's ``ack_wait``), ``max_ack_pending``, the
+  per-key backlog cap and a pinned queue's ``priority_timeout``. The process that creates the
+  queue takes them from its :class:`QueueConfig`; after that the server's values apply, and they
+  change in place: ``keyqueue configure`` (:meth:`Topology.configure`), or a worker given a lease
+  (:meth:`Topology.ensure_worker`). A worker not given one follows the server's.
+- **the workers' pull protocol**: the priority policy and group. Only workers check it; it changes
+  with every worker stopped (``keyqueue recreate-consumer --app``).
+
+Producers call :meth:`Topology.ensure`, which never looks at the consumer's settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 from keyqueue.errors import ConfigError, ConsumerNotFound, JetStreamError, StreamNotFound, TopologyMismatch
 from keyqueue.jetstream.api import JetStreamApi
@@ -18,13 +33,18 @@ NS: Final = 1_000_000_000
 
 PriorityPolicy = Literal["none", "overflow", "pinned_client", "prioritized"]
 
+OWNERS: Final = 'docs/decisions.md, "Who owns each setting"'
+"""Where the owner of every setting, and the fix for each difference, is written down."""
+
 
 @dataclass(frozen=True, slots=True)
 class QueueConfig:
     """How one queue's streams and token consumer are configured.
 
-    Every worker and producer of a queue must agree on these values: they are checked against
-    the server on first use.
+    The layout fields (``replicas``, ``priority_policy``, ``priority_group``) must match the
+    queue on the server. The queue's settings (``ack_wait``, ``max_ack_pending``,
+    ``max_backlog_per_key``, ``priority_timeout``) are what a new queue starts with; on an
+    existing queue the server's values apply, and ``keyqueue configure`` changes them.
     """
 
     name: str
@@ -52,6 +72,8 @@ class QueueConfig:
             raise ConfigError(f"ack_wait must be at least 1 second, got {self.ack_wait}")
         if self.max_ack_pending < 1:
             raise ConfigError(f"max_ack_pending must be positive, got {self.max_ack_pending}")
+        if self.max_backlog_per_key < 0:
+            raise ConfigError(f"max_backlog_per_key must be 0 (unlimited) or more, got {self.max_backlog_per_key}")
         if self.priority_policy not in ("none", "overflow", "pinned_client", "prioritized"):
             raise ConfigError(
                 f"priority_policy {self.priority_policy!r} is not one of "
@@ -66,7 +88,7 @@ class QueueConfig:
 
     def inbox_config(self) -> dict[str, Any]:
         n = self.names
-        config: dict[str, Any] = {
+        return {
             "name": n.inbox_stream,
             "subjects": [n.inbox_prefix + ">"],
             "retention": "limits",
@@ -76,12 +98,8 @@ class QueueConfig:
             # Direct gets may be served by a lagging follower, which could hide a request at the
             # quiescence re-check: on replicated inboxes keyqueue reads from the leader.
             "allow_direct": self.replicas == 1,
-            "discard": "old",
+            **backlog_cap(self.max_backlog_per_key),
         }
-        if self.max_backlog_per_key:
-            config.update(max_msgs_per_subject=self.max_backlog_per_key, discard="new",
-                          discard_new_per_subject=True)
-        return config
 
     def token_config(self) -> dict[str, Any]:
         n = self.names
@@ -151,43 +169,168 @@ class QueueConfig:
         return config
 
 
-# Fields compared on an existing stream/consumer; others (limits the server fills in) are not ours.
-_STREAM_FIELDS: Final = ("subjects", "retention", "max_msgs_per_subject", "discard",
-                         "discard_new_per_subject", "allow_direct", "allow_msg_ttl")
-_CONSUMER_FIELDS: Final = ("ack_policy", "ack_wait", "max_deliver", "max_ack_pending",
-                           "priority_groups", "priority_policy", "priority_timeout")
+def backlog_cap(max_backlog_per_key: int) -> dict[str, Any]:
+    """The inbox fields that make a per-key backlog cap (0: none): the server refuses one request
+    too many for a key with 10077, which producers raise as ``BacklogFull``."""
+    if max_backlog_per_key:
+        return {"max_msgs_per_subject": max_backlog_per_key, "discard": "new", "discard_new_per_subject": True}
+    return {"max_msgs_per_subject": -1, "discard": "old", "discard_new_per_subject": False}
 
 
-def _verify(entity: str, existing: dict[str, Any], wanted: dict[str, Any], fields: tuple[str, ...],
-            hint: str) -> None:
-    defaults: dict[str, Any] = {"discard": "old", "retention": "limits", "max_msgs_per_subject": -1,
-                                "discard_new_per_subject": False,
-                                "allow_direct": False, "allow_msg_ttl": False, "priority_policy": "none",
-                                "max_deliver": -1}
-    for field in fields:
-        if field not in wanted and field not in existing:
-            continue
-        want = wanted.get(field, defaults.get(field))
-        have = existing.get(field, defaults.get(field))
-        if field == "priority_timeout" and wanted.get("priority_policy") != "pinned_client":
-            continue
-        if want != have:
-            raise TopologyMismatch(entity, field, have, want, hint)
+class Change(NamedTuple):
+    """One of a queue's settings as it was and as it is now (durations in seconds)."""
+
+    setting: str
+    before: float
+    after: float
+
+    def __str__(self) -> str:
+        return f"{self.setting} {_shown(self.setting, self.before)} → {_shown(self.setting, self.after)}"
+
+
+_DURATIONS: Final = frozenset({"ack_wait", "priority_timeout"})
+"""Consumer fields that JetStream keeps in nanoseconds and keyqueue shows in seconds."""
+
+
+def _shown(setting: str, value: float) -> str:
+    if setting in _DURATIONS:
+        return f"{value:g}s"
+    if setting == "max_backlog_per_key" and value <= 0:
+        return "unlimited"
+    return f"{value:g}"
+
+
+# --- what is checked, and what a difference means ----------------------------------------------
+
+_STREAM_LAYOUT: Final = ("subjects", "retention", "max_msgs_per_subject", "discard", "discard_new_per_subject",
+                         "allow_msg_ttl")
+"""Stream fields that are keyqueue's layout (but for the inbox's backlog cap, a setting)."""
+_BACKLOG_CAP: Final = ("max_msgs_per_subject", "discard", "discard_new_per_subject")
+_CONSUMER_LAYOUT: Final = ("ack_policy", "max_deliver")
+_PULL_PROTOCOL: Final = ("priority_policy", "priority_groups")
+
+_SERVER_DEFAULTS: Final[dict[str, Any]] = {
+    "discard": "old", "retention": "limits", "max_msgs_per_subject": -1, "discard_new_per_subject": False,
+    "allow_direct": False, "allow_msg_ttl": False, "priority_policy": "none", "max_deliver": -1,
+}
+"""What the server means when it leaves a field out of a config."""
+
+
+def _differs(existing: dict[str, Any], wanted: dict[str, Any], field: str) -> tuple[Any, Any] | None:
+    """``(on the server, here)`` if the field differs, else None."""
+    if field not in wanted and field not in existing:
+        return None
+    have = existing.get(field, _SERVER_DEFAULTS.get(field))
+    want = wanted.get(field, _SERVER_DEFAULTS.get(field))
+    return None if have == want else (have, want)
 
 
 class Topology:
-    """Creates or verifies a queue's streams and consumer."""
+    """Creates a queue's streams and consumer, checks their layout, and changes its settings."""
 
     def __init__(self, api: JetStreamApi, config: QueueConfig) -> None:
         self.api = api
         self.config = config
 
+    # --- producers and workers -------------------------------------------------------------------
+
     async def ensure(self) -> None:
-        """Create what is missing; verify what exists. Safe to call from every process."""
-        for wanted in (self.config.inbox_config(), self.config.token_config(), self.config.dlq_config()):
-            await self._ensure_stream(wanted)
+        """Create what is missing and check the streams' layout; an existing consumer is left as
+        it is. What producers call: safe from every process, never failing on a consumer setting."""
+        await self._ensure_streams()
+        await self._consumer()
+
+    async def ensure_worker(self, ack_wait: float | None = None) -> Change:
+        """What a worker calls: :meth:`ensure`, then the consumer's layout and priority policy
+        checked, and the queue's lease set to ``ack_wait`` in place when given and different
+        (``None``: the server's lease is followed). Returns the lease before and after, in seconds.
+
+        Changing the lease under a running fleet is safe: each worker holds its keys through lease
+        records with its own lease as their TTL (docs/decisions.md, "Who owns each setting").
+        """
+        await self._ensure_streams()
+        consumer = await self._consumer(ack_wait)
+        self._check_consumer(consumer)
+        before = consumer["ack_wait"] / NS
+        if ack_wait is None or int(ack_wait * NS) == consumer["ack_wait"]:
+            return Change("ack_wait", before, before)
+        [change] = await self.configure(ack_wait=ack_wait)
+        return change
+
+    # --- the queue's settings --------------------------------------------------------------------
+
+    async def configure(self, *, ack_wait: float | None = None, max_ack_pending: int | None = None,
+                        max_backlog_per_key: int | None = None) -> list[Change]:
+        """Change the queue's settings on the server in place, on a live fleet; one ``Change``
+        per setting given. ``StreamNotFound`` / ``ConsumerNotFound`` if the queue does not exist."""
+        if ack_wait is not None and ack_wait < 1:
+            raise ConfigError(f"ack_wait must be at least 1 second, got {ack_wait}")
+        if max_ack_pending is not None and max_ack_pending < 1:
+            raise ConfigError(f"max_ack_pending must be positive, got {max_ack_pending}")
+        if max_backlog_per_key is not None and max_backlog_per_key < 0:
+            raise ConfigError(f"max_backlog_per_key must be 0 (unlimited) or more, got {max_backlog_per_key}")
+        n = self.config.names
+        changes: list[Change] = []
+        update: dict[str, Any] = {}
+        if ack_wait is not None or max_ack_pending is not None:
+            current = await self._consumer_config()
+            if ack_wait is not None:
+                changes.append(Change("ack_wait", current["ack_wait"] / NS, ack_wait))
+                update["ack_wait"] = int(ack_wait * NS)
+            if max_ack_pending is not None:
+                changes.append(Change("max_ack_pending", current.get("max_ack_pending", -1), max_ack_pending))
+                update["max_ack_pending"] = max_ack_pending
+            await self.api.request(f"CONSUMER.CREATE.{n.token_stream}.{n.consumer}",
+                                   {"stream_name": n.token_stream, "config": {**current, **update}, "action": "update"})
+        if max_backlog_per_key is not None:
+            inbox = (await self.api.stream_info(n.inbox_stream))["config"]
+            changes.append(Change("max_backlog_per_key", max(0, inbox.get("max_msgs_per_subject", -1)),
+                                  max_backlog_per_key))
+            await self.api.request(f"STREAM.UPDATE.{n.inbox_stream}", {**inbox, **backlog_cap(max_backlog_per_key)})
+        return changes
+
+    async def server_config(self) -> QueueConfig:
+        """This queue's config with the settings and priority policy the server has."""
+        consumer = await self._consumer_config()
+        inbox = (await self.api.stream_info(self.config.names.inbox_stream))["config"]
+        groups = consumer.get("priority_groups") or [self.config.priority_group]
+        timeout = consumer.get("priority_timeout")
+        return dataclasses.replace(
+            self.config, ack_wait=consumer["ack_wait"] / NS, max_ack_pending=consumer["max_ack_pending"],
+            max_backlog_per_key=max(0, inbox.get("max_msgs_per_subject", -1)),
+            priority_policy=consumer.get("priority_policy", "none"), priority_group=groups[0],
+            priority_timeout=timeout / NS if timeout else self.config.priority_timeout,
+        )
+
+    async def recreate_consumer(self, *, ack_wait: float | None = None) -> Change:
+        """Delete and create the token consumer with this config's layout and priority policy
+        (every worker of the queue must be stopped). The lease and ``max_ack_pending`` stay what
+        the server had, unless ``ack_wait`` is given; returns the lease before and after."""
+        n = self.config.names
+        wanted = self.config.consumer_config()
+        try:
+            current = await self._consumer_config()
+        except ConsumerNotFound:
+            current = {}
+        for kept in ("ack_wait", "max_ack_pending"):
+            if kept in current:
+                wanted[kept] = current[kept]
+        if ack_wait is not None:
+            wanted["ack_wait"] = int(ack_wait * NS)
+        if current:
+            await self.api.delete_consumer(n.token_stream, n.consumer)
+        await self.api.add_consumer(n.token_stream, wanted)
+        return Change("ack_wait", current.get("ack_wait", wanted["ack_wait"]) / NS, wanted["ack_wait"] / NS)
+
+    # --- streams ---------------------------------------------------------------------------------
+
+    async def _ensure_streams(self) -> None:
+        config = self.config
+        await self._ensure_stream(config.inbox_config(),
+                                  tuple(f for f in _STREAM_LAYOUT if f not in _BACKLOG_CAP))
+        await self._ensure_stream(config.token_config(), _STREAM_LAYOUT)
+        await self._ensure_stream(config.dlq_config(), _STREAM_LAYOUT)
         await self._ensure_lease_stream()
-        await self._ensure_consumer()
 
     async def _ensure_lease_stream(self) -> None:
         n = self.config.names
@@ -207,38 +350,83 @@ class Topology:
             except JetStreamError:
                 # Another process created it first (with a first_seq read a moment apart).
                 info = await self.api.stream_info(n.lease_stream)
-        hint = (f"keyqueue will not change an existing stream; delete it (nats stream rm {n.lease_stream}) "
-                "while no worker runs")
-        _verify(f"stream {n.lease_stream}", info["config"], self.config.lease_config(), _STREAM_FIELDS, hint)
+        self._check_stream(info["config"], self.config.lease_config(), _STREAM_LAYOUT)
 
-    async def _ensure_stream(self, wanted: dict[str, Any]) -> None:
-        name = wanted["name"]
+    async def _ensure_stream(self, wanted: dict[str, Any], layout: tuple[str, ...]) -> None:
         try:
-            info = await self.api.stream_info(name)
+            info = await self.api.stream_info(wanted["name"])
         except StreamNotFound:
-            await self.api.add_stream(wanted)
-            return
-        hint = (f"keyqueue will not change an existing stream; delete it (nats stream rm {name}) "
-                "or configure the queue to match")
-        _verify(f"stream {name}", info["config"], wanted, _STREAM_FIELDS, hint)
+            try:
+                await self.api.add_stream(wanted)
+                return
+            except JetStreamError as refused:
+                # Another process may have created it first, with a setting of its own (a backlog cap).
+                info = await self._created_meanwhile(self.api.stream_info(wanted["name"]), StreamNotFound, refused)
+        self._check_stream(info["config"], wanted, layout)
 
-    async def _ensure_consumer(self) -> None:
+    def _check_stream(self, existing: dict[str, Any], wanted: dict[str, Any], layout: tuple[str, ...]) -> None:
+        name = wanted["name"]
+        for field in layout:
+            if (differs := _differs(existing, wanted, field)) is not None:
+                raise TopologyMismatch(
+                    f"stream {name}", field, *differs,
+                    f"that is keyqueue's layout, not a setting, so keyqueue did not make this stream: with nothing "
+                    f"using the queue, delete it (`nats stream rm {name}`, which deletes its messages) and keyqueue "
+                    f"creates it again ({OWNERS})")
+        if (differs := _differs(existing, wanted, "allow_direct")) is not None:
+            replicas = existing.get("num_replicas", 1)
+            raise TopologyMismatch(
+                f"stream {name}", "allow_direct", *differs,
+                f"direct gets follow the queue's replicas: the stream has {replicas}, this process's QueueConfig "
+                f"has replicas={self.config.replicas}; configure the queue with replicas={replicas} ({OWNERS})")
+
+    # --- the token consumer ----------------------------------------------------------------------
+
+    async def _consumer_config(self) -> dict[str, Any]:
         n = self.config.names
+        config: dict[str, Any] = (await self.api.consumer_info(n.token_stream, n.consumer))["config"]
+        return config
+
+    async def _consumer(self, ack_wait: float | None = None) -> dict[str, Any]:
+        """The consumer's config on the server, created from this config (with ``ack_wait`` as
+        its lease, if given) when it is missing."""
+        n = self.config.names
+        try:
+            return await self._consumer_config()
+        except ConsumerNotFound:
+            wanted = self.config.consumer_config()
+            if ack_wait is not None:
+                wanted["ack_wait"] = int(ack_wait * NS)
+            try:
+                created: dict[str, Any] = (await self.api.add_consumer(n.token_stream, wanted))["config"]
+                return created
+            except JetStreamError as refused:
+                # Another process may have created it first, with its own settings: the server's apply.
+                return await self._created_meanwhile(self._consumer_config(), ConsumerNotFound, refused)
+
+    @staticmethod
+    async def _created_meanwhile(read: Awaitable[dict[str, Any]], missing: type[JetStreamError],
+                                 refused: JetStreamError) -> dict[str, Any]:
+        """What ``read`` finds after a create was refused; the refusal itself if nothing is there."""
+        try:
+            return await read
+        except missing:
+            raise refused from None
+
+    def _check_consumer(self, existing: dict[str, Any]) -> None:
+        n = self.config.names
+        entity = f"consumer {n.token_stream}/{n.consumer}"
         wanted = self.config.consumer_config()
-        try:
-            info = await self.api.consumer_info(n.token_stream, n.consumer)
-        except ConsumerNotFound:
-            await self.api.add_consumer(n.token_stream, wanted)
-            return
-        hint = ("the server cannot change this in place: stop every worker of the queue, then "
-                f"recreate the consumer with `keyqueue recreate-consumer {self.config.name}`")
-        _verify(f"consumer {n.token_stream}/{n.consumer}", info["config"], wanted, _CONSUMER_FIELDS, hint)
-
-    async def recreate_consumer(self) -> None:
-        """Delete and create the token consumer (to change its priority policy, say)."""
-        n = self.config.names
-        try:
-            await self.api.delete_consumer(n.token_stream, n.consumer)
-        except ConsumerNotFound:
-            pass
-        await self.api.add_consumer(n.token_stream, self.config.consumer_config())
+        for field in _CONSUMER_LAYOUT:
+            if (differs := _differs(existing, wanted, field)) is not None:
+                raise TopologyMismatch(
+                    entity, field, *differs,
+                    f"that is keyqueue's layout, not a setting: with every worker of the queue stopped, run "
+                    f"`keyqueue recreate-consumer {n.queue}` (requests and the queue's settings are kept) ({OWNERS})")
+        for field in _PULL_PROTOCOL:
+            if (differs := _differs(existing, wanted, field)) is not None:
+                raise TopologyMismatch(
+                    entity, field, *differs,
+                    f"workers pull by the queue's priority policy, so it changes with all of them stopped: stop "
+                    f"them, run `keyqueue recreate-consumer {n.queue} --app MODULE:APP` with the app's new "
+                    f"QueueConfig, then start them again; or configure this app like the queue ({OWNERS})")

@@ -7,14 +7,12 @@ imported only when a command runs, so listing commands stays fast.
 The NATS URL is found as every keyqueue command finds it: ``--url``, else ``$KEYQUEUE_URL``
 (``keyqueue.Settings.from_env``), else, for ``backfill --app``, the app's own (its embedded
 server when it has none), else a one-line error. ``--app MODULE:APP`` is loaded as ``keyqueue
-worker`` loads it (keyqueue's loader is not public, so :func:`load_app` repeats it).
+worker`` loads it (``keyqueue.ext.load_app``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -24,39 +22,13 @@ from typing import Any
 
 import click
 
-from keyqueue import App, BatchTask, Settings, Task, default_app
+from keyqueue import App, BatchTask, Settings, Task
 from keyqueue.errors import ConfigError, KeyqueueError
+from keyqueue.ext import load_app
 
 _URL_HELP = "NATS server(s), comma-separated (default: $KEYQUEUE_URL)."
 _MASTER_HELP = "Spark master: local[*] (this machine, default), spark://host:7077, yarn, k8s://..."
 _NO_SERVER = "no NATS server: pass --url or set KEYQUEUE_URL (`keyqueue dev-server` runs one)"
-
-
-def load_app(spec: str, url: str | None = None) -> App:
-    """The ``App`` named by ``MODULE:APP`` (``MODULE`` alone: its ``app``), with ``url`` if given;
-    the current directory is importable. ``ConfigError`` says what is wrong in one line."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or spec.count(":") > 1:
-        raise ConfigError(f"{spec!r} is not MODULE:APP (for example shop:app for `app` in shop.py)")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):
-            raise ConfigError(f"cannot import {module_name!r}: no module named {e.name!r} "
-                              f"(looked in {os.getcwd()} and the installed packages)") from None
-        raise ConfigError(f"importing {module_name!r} failed: {type(e).__name__}: {e}") from None
-    except Exception as e:
-        raise ConfigError(f"importing {module_name!r} failed: {type(e).__name__}: {e}") from None
-    if attribute and not hasattr(module, attribute):
-        raise ConfigError(f"module {module_name!r} has no attribute {attribute!r}")
-    app = getattr(module, attribute or "app", None) or default_app()
-    if not isinstance(app, App):
-        raise ConfigError(f"{spec} is a {type(app).__name__}, not a keyqueue.App")
-    if url is not None:
-        app.settings = app.settings.with_url(url)
-    return app
 
 
 def nats_url(url: str | None, app: App | None = None) -> str:

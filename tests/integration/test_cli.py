@@ -327,3 +327,84 @@ def test_the_dlq_delete_and_purge_commands_have_an_example_in_their_help() -> No
     for command in ("delete", "purge"):
         result = CliRunner().invoke(main, ["dlq", command, "--help"])
         assert result.exit_code == 0 and "Example" in result.output, command
+
+
+# --- one owner per setting (issue 15) ----------------------------------------------------------------
+
+
+async def token_consumer(nats_url: str, queue: str = "shop") -> dict[str, object]:
+    nc = await nats.connect(nats_url)
+    try:
+        config: dict[str, object] = (await JetStreamApi(nc).consumer_info(f"KQ_{queue}_TOKENS", "workers"))["config"]
+        return config
+    finally:
+        await nc.close()
+
+
+async def test_the_lease_is_the_queues_set_by_a_worker_or_configure_and_kept_by_recreate(nats_url: str) -> None:
+    env = environment(KEYQUEUE_URL=nats_url)
+    order = '{"order_id": "o1", "amount": 1}'
+    code, _, err = await run("enqueue", "examples.quickstart.app:app", "charge", order, env=env)
+    assert code == 0, err  # a producer first: the queue gets the default lease, 30 s
+    assert (await token_consumer(nats_url))["ack_wait"] == 30_000_000_000
+
+    worker = await Process.start("worker", "examples.quickstart.app:app", "-q", "shop", "--ack-wait", "5", env=env)
+    try:
+        await worker.wait_for(r"WARNING .*queue shop: the lease changed on the server, ack_wait 30s → 5s; workers "
+                              r"already running keep theirs until they restart")
+        await worker.wait_for(r"queue shop: charge, refund")
+        assert (await token_consumer(nats_url))["ack_wait"] == 5_000_000_000
+        code, out, err = await run("enqueue", "examples.quickstart.app:app", "charge", order, "--wait", env=env)
+        assert (code, json.loads(out)["charged"]) == (0, 1), err  # a producer afterwards never checks the lease
+    finally:
+        assert await worker.stop() == 0, "".join(worker.lines)
+    assert not any("never retrieved" in line or "Traceback" in line for line in worker.lines)
+
+    assert await run("configure", "shop", "--ack-wait", "7", env=env) == (0, "queue shop: ack_wait 5s → 7s\n", "")
+    assert (await token_consumer(nats_url))["ack_wait"] == 7_000_000_000
+    code, out, _ = await run("recreate-consumer", "shop", "--yes", env=env)
+    assert (code, out) == (0, "recreated consumer workers of queue shop (priority policy none, ack_wait 7s)\n")
+    assert (await token_consumer(nats_url))["ack_wait"] == 7_000_000_000
+    code, out, _ = await run("configure", "shop", env=env)
+    assert (code, out) == (0, "queue shop: ack_wait 7s, max_ack_pending 10000, max_backlog_per_key unlimited, "
+                              "priority policy none\n")
+    code, out, _ = await run("recreate-consumer", "shop", "--yes", "--ack-wait", "9", env=env)
+    assert (code, out) == (0, "recreated consumer workers of queue shop (priority policy none, ack_wait 9s)\n")
+
+    follower = await Process.start("worker", "examples.quickstart.app:app", "-q", "shop", env=env)
+    try:
+        await follower.wait_for(r"INFO .*queue shop: lease \(ack_wait\) 9s, the queue's on the server")
+        code, out, err = await run("enqueue", "examples.quickstart.app:app", "charge", order, "--wait", env=env)
+        assert (code, json.loads(out)["charged"]) == (0, 1), err
+    finally:
+        assert await follower.stop() == 0, "".join(follower.lines)
+    assert (await token_consumer(nats_url))["ack_wait"] == 9_000_000_000
+
+
+async def test_configure_changes_the_fleet_cap_and_the_backlog_cap_in_place(nats_url: str) -> None:
+    env = environment(KEYQUEUE_URL=nats_url)
+    order = '{"order_id": "o1", "amount": 1}'
+    assert (await run("enqueue", "examples.quickstart.app:app", "charge", order, env=env))[0] == 0
+    code, out, _ = await run("configure", "shop", "--max-ack-pending", "50", "--max-backlog-per-key", "2", env=env)
+    assert (code, out) == (0, "queue shop: max_ack_pending 10000 → 50\nqueue shop: max_backlog_per_key unlimited → 2\n")
+    assert (await token_consumer(nats_url))["max_ack_pending"] == 50
+    assert (await run("enqueue", "examples.quickstart.app:app", "charge", order, env=env))[0] == 0
+    code, _, err = await run("enqueue", "examples.quickstart.app:app", "charge", order, env=env)
+    assert code == 1 and err.startswith("Error: key 'o1' in queue 'shop' has a full backlog"), err
+
+
+async def test_a_worker_on_a_stream_keyqueue_did_not_make_is_one_line_and_exit_1(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        await JetStreamApi(nc).add_stream({"name": "KQ_shop_INBOX", "subjects": ["kq.shop.in.>"],
+                                           "retention": "workqueue"})
+    finally:
+        await nc.close()
+    code, _, err = await run("worker", "examples.quickstart.app:app", env=environment(KEYQUEUE_URL=nats_url))
+    assert code == 1
+    assert err.strip().splitlines()[-1] == (
+        "Error: stream KQ_shop_INBOX: retention is 'workqueue' on the server, 'limits' here; that is keyqueue's "
+        "layout, not a setting, so keyqueue did not make this stream: with nothing using the queue, delete it "
+        "(`nats stream rm KQ_shop_INBOX`, which deletes its messages) and keyqueue creates it again "
+        '(docs/decisions.md, "Who owns each setting")')
+    assert "never retrieved" not in err and "Traceback" not in err, err

@@ -149,14 +149,19 @@ async def test_exclusivity_and_order_hold_under_each_policy(nc: Client, fleet: F
     check_order(log, expected)
 
 
-async def test_changing_the_policy_of_an_existing_queue_is_refused(nc: Client) -> None:
+async def test_a_worker_of_another_policy_is_refused_and_a_producer_is_not(nc: Client) -> None:
     from keyqueue.errors import TopologyMismatch
 
     await queue(nc, "overflow")
+    pinned = Topology(JetStreamApi(nc), QueueConfig("pq", priority_policy="pinned_client"))
+    await pinned.ensure()  # a producer never checks the consumer's settings
     with pytest.raises(TopologyMismatch) as caught:
-        await queue(nc, "pinned_client")
+        await pinned.ensure_worker()
     assert caught.value.field == "priority_policy"
-    assert "recreate-consumer pq" in str(caught.value)
+    assert str(caught.value).startswith("consumer KQ_pq_TOKENS/workers: priority_policy is 'overflow' on the "
+                                        "server, 'pinned_client' here; ")
+    assert "`keyqueue recreate-consumer pq --app MODULE:APP`" in str(caught.value)
+    assert "\n" not in str(caught.value)
 
 
 def test_cli_unpin_recreate_consumer_and_worker_flags(nats_url: str, tmp_path: Path) -> None:
