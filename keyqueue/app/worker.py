@@ -115,6 +115,8 @@ class Worker:
         self._unsubscribe: Any = None
         self._started = False
         self._stopped = False
+        self._stop_asked = asyncio.Event()
+        """Set by the first SIGINT/SIGTERM :meth:`serve` receives."""
 
     def __repr__(self) -> str:
         return f"<Worker {self.name} app={self.app.name} queues={self.queues}>"
@@ -195,7 +197,10 @@ class Worker:
                     raise ConnectionFailed(f"{e} (gave up after {attempt} attempt(s) in {waited:.0f}s; "
                                            "--connect-timeout sets how long a worker waits)") from None
                 log.warning("worker %s: %s; attempt %d, retrying in %.1fs", self.name, e, attempt, delay)
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop_asked.wait(), delay)
+                if self._stop_asked.is_set():
+                    raise _StoppedWhileStarting from None
                 delay = min(CONNECT_RETRY_MAX, delay * 2)
 
     async def _run(self) -> None:
@@ -245,8 +250,11 @@ class Worker:
             await asyncio.to_thread(self.executor.shutdown, wait=True)
 
     async def serve(self) -> None:
-        """Start, run until SIGINT or SIGTERM, then drain and stop. A second signal stops at once."""
-        await self.start()
+        """Start, run until SIGINT or SIGTERM, then drain and stop. A second signal stops at once.
+
+        The signals are handled from the first moment: one that arrives while the worker waits for
+        its server ends the wait, one that arrives while its queues start drains them once started.
+        """
         loop = asyncio.get_running_loop()
         signals = 0
 
@@ -254,6 +262,7 @@ class Worker:
             nonlocal signals
             signals += 1
             name = signal.Signals(signum).name
+            self._stop_asked.set()
             if signals == 1:
                 log.warning("%s: draining (finishing requests in hand, up to %ss); send again to stop now",
                             name, self.drain_timeout)
@@ -265,6 +274,13 @@ class Worker:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, on_signal, signum)
         try:
+            try:
+                await self.start()
+            except _StoppedWhileStarting:
+                log.warning("worker %s: stopped while waiting for the server", self.name)
+                return
+            if self._stop_asked.is_set():
+                self.request_stop(now=signals > 1)  # asked while the queues were starting
             assert self._runner is not None
             await asyncio.wait([self._runner])
         finally:
@@ -398,6 +414,10 @@ def _succeeded(future: asyncio.Future[Any]) -> bool:
     """Whether ``future`` is done without an error. Its error is retrieved (so asyncio never logs
     it as unretrieved): a queue that could not start also ends the runner, which raises it."""
     return future.done() and not future.cancelled() and future.exception() is None
+
+
+class _StoppedWhileStarting(Exception):
+    """A signal asked the worker to stop before it reached its server."""
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -4,8 +4,8 @@
   (``keyqueue_add_commands``).
 - ``common``: what commands share: ``--url``, loading an app, a connection, output, logging.
 - ``worker``: serve an app's queues.                ``enqueue``: enqueue a task by name.
-- ``queues``: ``inspect``, ``unpin``, ``recreate-consumer``.
-- ``dlq``: list, show, replay dead requests.        ``watch``: follow a key's progress.
+- ``queues``: ``inspect``, ``configure``, ``unpin``, ``recreate-consumer``.
+- ``dlq``: list, show, replay, delete, purge.       ``watch``: follow a key's progress.
 - ``plugins``: loaded plugins and their hooks.      ``server``: ``dev-server``, a local nats-server.
 - ``events``: ``events tail``, added by the built-in events plugin.
 

@@ -236,6 +236,21 @@ async def test_connect_timeout_gives_up_with_one_line() -> None:
     assert "Traceback" not in err
 
 
+async def test_a_signal_while_waiting_for_the_server_stops_the_worker_cleanly() -> None:
+    worker = await Process.start("worker", "examples.quickstart.app:app",
+                                 env=environment(KEYQUEUE_URL="nats://127.0.0.1:1"))
+    await worker.wait_for(r"attempt 1, retrying in")
+    assert await worker.stop() == 0, "the worker died of the signal instead of handling it"
+    await worker.wait_for(r"stopped while waiting for the server")
+
+
+async def test_a_signal_as_the_queues_start_drains_the_worker(nats_url: str) -> None:
+    worker = await Process.start("worker", "examples.quickstart.app:app", env=environment(KEYQUEUE_URL=nats_url))
+    await worker.wait_for(r"queue shop: charge, refund")  # logged while the worker is still starting
+    assert await worker.stop() == 0, "the worker died of the signal instead of draining"
+    await worker.wait_for(r"SIGTERM: draining")
+
+
 @pytest.mark.parametrize("args", [["unpin", "nosuch"], ["inspect", "nosuch"], ["recreate-consumer", "nosuch", "--yes"]])
 def test_a_queue_that_does_not_exist_is_one_line_naming_it(args: list[str], nats_url: str) -> None:
     async def create_shop() -> None:

@@ -468,9 +468,12 @@ async def test_a_worker_that_cannot_start_raises_why(make_app: MakeApp) -> None:
     async def echo(x: str) -> str:
         return x
 
-    await echo.enqueue(x="a")  # creates the consumer with ack_wait 30 s
-    with pytest.raises(keyqueue.TopologyMismatch, match="ack_wait"):
-        async with app.worker(ack_wait=5):
+    nc = await app.connection()
+    # A stream of the queue's name that keyqueue did not make: a layout no command changes in place.
+    await JetStreamApi(nc).add_stream({"name": QueueNames(echo.queue).inbox_stream,
+                                       "subjects": [f"elsewhere.{echo.queue}.>"], "storage": "memory"})
+    with pytest.raises(keyqueue.TopologyMismatch, match="subjects"):
+        async with app.worker():
             pass
     with pytest.raises(keyqueue.ConfigError, match="no tasks or processors for queue"):
         async with app.worker(queues=["nope"]):
