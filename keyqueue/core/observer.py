@@ -99,6 +99,8 @@ class RequestAttempt:
     the sessions that ended with it at the head)."""
     batch: int = 1
     """How many requests the attempt handled together."""
+    max_attempts: int = 0
+    """The attempts its retry policy allows in all (0 where it does not apply)."""
 
 
 class SessionObserver(Protocol):

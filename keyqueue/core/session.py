@@ -414,7 +414,8 @@ class KeySession:
             await self.observer.wait_for_room()
             self.lease.check()
             self.ctx.request_id, self.ctx.attempt = head.request_id, attempt
-            this = self._attempt(head.seq, head.headers, attempt, len(requests))
+            this = dataclasses.replace(self._attempt(head.seq, head.headers, attempt, len(requests)),
+                                       max_attempts=policy.max_attempts)
             self.observer.request_started(this)
             started = time.monotonic()
             try:

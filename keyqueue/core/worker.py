@@ -221,8 +221,7 @@ class QueueWorker:
                 await self.draining.wait()
                 self.puller.stop()
                 await self._drain()
-                for task in helpers:
-                    task.cancel()
+                await _cancel_all(helpers)
         finally:
             self._tg = None
         log.debug("worker %s stopped serving queue %s: %s", self.name, self.config.name, self.summary())
@@ -399,8 +398,8 @@ class _Report:
     def request_retried(self, attempt: RequestAttempt, delay: float, error: BaseException) -> None:
         # One line per retry; where it was raised only at debug (the last attempt's traceback is
         # logged if the request is dead-lettered).
-        self._log("retried", logging.WARNING, attempt.key, "%s failed on attempt %d, retrying in %s: %s (%s)",
-                  _what(attempt), attempt.attempt, _seconds(delay), describe(error), self._where(attempt),
+        self._log("retried", logging.WARNING, attempt.key, "%s failed on attempt %s, retrying in %s: %s (%s)",
+                  _what(attempt), _of(attempt), _seconds(delay), describe(error), self._where(attempt),
                   exc_info=error if log.isEnabledFor(logging.DEBUG) else None, request_id=attempt.request_id,
                   seq=attempt.seq, attempt=attempt.attempt, delay=delay, error=describe(error),
                   message_type=attempt.message_type)
@@ -470,3 +469,18 @@ def _what(request: RequestAttempt) -> str:
 def _seconds(delay: float) -> str:
     """A delay for a log line: ``52ms``, ``1.5s``."""
     return f"{delay * 1000:.0f}ms" if delay < 1 else f"{delay:.1f}s"
+
+
+def _of(attempt: RequestAttempt) -> str:
+    """``2 of 5``, or ``2`` where the number of attempts allowed is not known."""
+    return f"{attempt.attempt} of {attempt.max_attempts}" if attempt.max_attempts else str(attempt.attempt)
+
+
+async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until they end, cancelling again any that carries on: on Python
+    3.11 ``asyncio.wait_for`` drops a cancel that arrives as its future completes, so a helper
+    cancelled at that moment would run another round (a reconciler would sleep a full interval)."""
+    while pending := [task for task in tasks if not task.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.5)

@@ -141,7 +141,7 @@ async def test_a_bad_day_in_text_is_one_line_per_event_without_tracebacks(tmp_pa
     assert len(retried) == 2, shown
     for n, line in enumerate(retried, 1):
         assert " WARNING " in line
-        assert re.search(rf"charge failed on attempt {n}, retrying in \d+ms: RuntimeError: card declined \({n}\) "
+        assert re.search(rf"charge failed on attempt {n} of 5, retrying in \d+ms: RuntimeError: card declined \({n}\) "
                          r"\(queue shop, key o1, request [0-9A-Z]{26}\)$", line), line
 
     [rejected] = [line for line in lines if "no such address: x" in line]
@@ -217,7 +217,7 @@ async def test_the_last_attempt_of_a_dead_letter_shows_its_traceback_a_retry_onl
             with pytest.raises(keyqueue.DeadLettered):
                 await refund.options(timeout=30).call(order="o7")
         # Leaving the block drained the worker: every line of the session is written.
-    [retried] = worker_records(caplog, "refund failed on attempt 1, retrying in")
+    [retried] = worker_records(caplog, "refund failed on attempt 1 of 2, retrying in")
     assert retried.levelno == logging.WARNING
     assert (retried.exc_info is not None) is (level == logging.DEBUG)
 
