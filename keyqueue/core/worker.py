@@ -105,6 +105,7 @@ class QueueWorker:
                 f"queue {config.name!r} has no priority policy, so overflow thresholds and priorities "
                 "do not apply; configure priority_policy on the queue (see docs/priority-groups.md)"
             )
+        _check_pull_options(config, pull)
         self.pinned: str | None = None
         """The pin id while this worker is the pinned client of a ``pinned_client`` queue."""
         self.puller = TokenPuller(nc, config.names, capacity=self.free_slots, on_token=self._on_token,
@@ -474,6 +475,17 @@ def _seconds(delay: float) -> str:
 def _of(attempt: RequestAttempt) -> str:
     """``2 of 5``, or ``2`` where the number of attempts allowed is not known."""
     return f"{attempt.attempt} of {attempt.max_attempts}" if attempt.max_attempts else str(attempt.attempt)
+
+
+def _check_pull_options(config: QueueConfig, pull: PullOptions) -> None:
+    """Refuse a worker's part that its queue's priority policy would silently ignore."""
+    thresholds = bool(pull.min_pending or pull.min_ack_pending)
+    ignored = {"pinned_client": ("a priority or overflow thresholds", pull.priority is not None or thresholds),
+               "overflow": ("a priority", pull.priority is not None),
+               "prioritized": ("overflow thresholds", thresholds)}.get(config.priority_policy)
+    if ignored is not None and ignored[1]:
+        raise ConfigError(f"queue {config.name!r} has priority policy {config.priority_policy}, which takes no "
+                          f"{ignored[0]}; drop the option (see docs/priority-groups.md)")
 
 
 async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:

@@ -83,9 +83,28 @@ def configure_from_env(environ: Mapping[str, str] | None = None) -> bool:
             _OTelSDKConfigurator().configure()  # type: ignore[no-untyped-call]
         except Exception as exc:
             log.warning("OpenTelemetry is not configured from OTEL_* variables: %s: %s (is the exporter "
-                        "installed? pip install opentelemetry-exporter-otlp)", type(exc).__name__, exc)
+                        "installed? pip install %s)", type(exc).__name__, exc, " ".join(exporter_packages(env)))
             return False
         return True
+
+
+_EXPORTER_PACKAGES: Final = {
+    "otlp": "opentelemetry-exporter-otlp",
+    "otlp_proto_grpc": "opentelemetry-exporter-otlp-proto-grpc",
+    "otlp_proto_http": "opentelemetry-exporter-otlp-proto-http",
+    "prometheus": "opentelemetry-exporter-prometheus",
+    "zipkin": "opentelemetry-exporter-zipkin",
+}
+"""Exporter names of the ``OTEL_*_EXPORTER`` variables -> the distribution that provides them."""
+
+
+def exporter_packages(environ: Mapping[str, str]) -> list[str]:
+    """The distributions the exporters named by ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``
+    need (``otlp``, the default, when neither names one the SDK ships, such as ``console``)."""
+    names = [name.strip() for variable in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER")
+             for name in environ.get(variable, "otlp").split(",")]
+    packages = [_EXPORTER_PACKAGES[name] for name in names if name in _EXPORTER_PACKAGES]
+    return list(dict.fromkeys(packages)) or [_EXPORTER_PACKAGES["otlp"]]
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

@@ -217,3 +217,25 @@ async def test_worker_priority_options_need_a_policy(nats_url: str) -> None:
     with pytest.raises(ConfigError, match="0-9"):
         app.worker(priority=12)
     await app.close()
+
+
+@pytest.mark.parametrize(("policy", "option", "value"), [("pinned_client", "priority", 1),
+                                                         ("pinned_client", "overflow_min_pending", 5),
+                                                         ("overflow", "priority", 1),
+                                                         ("prioritized", "overflow_min_ack_pending", 5)])
+async def test_an_option_the_queues_policy_ignores_is_refused(nats_url: str, policy: str, option: str,
+                                                              value: int) -> None:
+    import keyqueue
+    from keyqueue.errors import ConfigError
+
+    app = keyqueue.App("policed", url=nats_url, set_as_default=False)
+    app.configure_queue(keyqueue.QueueConfig("policed", priority_policy=policy))
+
+    @app.task(queue="policed", key="{k}")
+    async def noop(k: str) -> None:
+        return None
+
+    with pytest.raises(ConfigError, match=f"priority policy {policy}, which takes no"):
+        async with app.worker(**{option: value}):
+            pass
+    await app.close()
