@@ -414,8 +414,7 @@ class KeySession:
             await self.observer.wait_for_room()
             self.lease.check()
             self.ctx.request_id, self.ctx.attempt = head.request_id, attempt
-            this = dataclasses.replace(self._attempt(head.seq, head.headers, attempt, len(requests)),
-                                       max_attempts=policy.max_attempts)
+            this = self._attempt(head.seq, head.headers, attempt, len(requests), policy.max_attempts)
             self.observer.request_started(this)
             started = time.monotonic()
             try:
@@ -457,10 +456,11 @@ class KeySession:
                                       time.monotonic() - started, through=batch[-1].seq, attempt=attempt)
             return
 
-    def _attempt(self, seq: int, headers: Mapping[str, str], attempt: int, batch: int) -> RequestAttempt:
+    def _attempt(self, seq: int, headers: Mapping[str, str], attempt: int, batch: int,
+                 max_attempts: int = 0) -> RequestAttempt:
         """What the observer is told of the request stored at ``seq``."""
         return RequestAttempt(self.io.names.queue, self.key, headers.get(H.MSG_ID, ""), _message_type(headers),
-                              seq, attempt, batch)
+                              seq, attempt, batch, max_attempts)
 
     async def _backoff(self, delay: float) -> bool:
         """Sleep before a retry, holding the key; False if a drain started meanwhile."""

@@ -387,6 +387,10 @@ class _Report:
                   LogThrottle.suffix(held_back), error=described)
 
     def request_started(self, attempt: RequestAttempt) -> None:
+        if not log.isEnabledFor(logging.DEBUG):  # the per-request path: build no line nobody reads
+            self._count("started")
+            self._tell(self.observer.request_started, attempt)
+            return
         self._log("started", logging.DEBUG, attempt.key, "%s started, attempt %d (%s)", _what(attempt),
                   attempt.attempt, self._where(attempt), request_id=attempt.request_id, seq=attempt.seq,
                   attempt=attempt.attempt, batch=attempt.batch, message_type=attempt.message_type)
@@ -407,7 +411,9 @@ class _Report:
         self._tell(self.observer.request_retried, attempt, delay, error)
 
     def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
-        if superseded_by is not None:
+        if not log.isEnabledFor(logging.DEBUG):
+            self._count("succeeded")
+        elif superseded_by is not None:
             self._log("succeeded", logging.DEBUG, request.key, "%s superseded by request %s (%s)", _what(request),
                       superseded_by, self._where(request), request_id=request.request_id, seq=request.seq,
                       superseded_by=superseded_by, message_type=request.message_type)
