@@ -1,8 +1,8 @@
 """The lease: how long this worker may still act for a key it holds.
 
-The server will redeliver a token ``ack_wait`` after it last heard from the holder, and it
-accepts a stale holder's ack (DESIGN.md section 9), so only the holder's own clock protects
-exclusivity. A keepalive counts only if its reply arrived before the current deadline (then the
+The server deletes the key's lease record (core/lock.py) ``ack_wait`` after the holder last
+wrote it, and it accepts a stale holder's ack (docs/architecture.md, "Fencing"), so a holder must
+stop acting for its key before the record can have expired: by its own clock. A keepalive counts only if its reply arrived before the current deadline (then the
 server certainly got it in time); the new deadline runs from when it was *sent*. Everything is
 on the monotonic clock, less a safety margin.
 """

@@ -1,4 +1,4 @@
-"""The key session: what a worker runs while it holds a key's token (DESIGN.md section 4).
+"""The key session: what a worker runs while it holds a key (docs/architecture.md, "The key session").
 
     token ─► acquire the key's lease record ─► open processor
                                        ┌─ lease check ─► read next request (stream order)

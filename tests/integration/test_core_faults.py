@@ -1,4 +1,4 @@
-"""The core's promises under many workers and faults (DESIGN.md section 10).
+"""The core's promises under many workers and faults (exclusivity, order, nothing lost).
 
 Workers run as separate OS processes (tests/procs/worker_proc.py) and append every handler
 start/end and session event to one log; each test checks that log.

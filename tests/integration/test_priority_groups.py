@@ -1,4 +1,4 @@
-"""ADR-42 priority groups on the token consumer, with worker processes (DESIGN.md section 5)."""
+"""ADR-42 priority groups on the token consumer, with worker processes (docs/priority-groups.md)."""
 
 from __future__ import annotations
 
