@@ -2,9 +2,10 @@
 
 The server deletes the key's lease record (core/lock.py) ``ack_wait`` after the holder last
 wrote it, and it accepts a stale holder's ack (docs/architecture.md, "Fencing"), so a holder must
-stop acting for its key before the record can have expired: by its own clock. A keepalive counts only if its reply arrived before the current deadline (then the
-server certainly got it in time); the new deadline runs from when it was *sent*. Everything is
-on the monotonic clock, less a safety margin.
+stop acting for its key before the record can have expired: by its own clock. A keepalive counts
+only if its reply arrived before the current deadline (then the server certainly got it in
+time); the new deadline runs from when it was *sent*. Everything is on the monotonic clock, less
+a safety margin.
 """
 
 from __future__ import annotations
