@@ -38,6 +38,8 @@ HANDOFF_1 = "5. hand-off, all hot keys busy, 1 process"
 HANDOFF_2 = "5. hand-off, all hot keys busy, 2 processes"
 HELD = "6. keys held by one process"
 REBASER = "7. Rebaser DVU coalescing"
+PRODUCT_HOT = "1p. hot keys, product path"
+PRODUCT_COLD = "2p. cold keys, product path"
 PEERS = "peers: hot keys, 1 process"
 
 RAW_PUBLISH = "raw: publish_async"
@@ -72,9 +74,11 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
     options = options or WorkerOptions(concurrency=128)
     scratch = Path(work_dir or tempfile.mkdtemp(prefix="keyqueue-bench-"))
     report.notes.append(
-        f"keyqueue workers: QueueWorker with {options.concurrency} slots per process, linger "
+        f"keyqueue rows 1-6 measure the core: QueueWorker with {options.concurrency} slots per process, linger "
         f"{options.linger * 1000:.0f} ms, ack_wait {options.ack_wait:.0f} s, a no-op processor; producers "
-        "in the benchmark's own process on Publisher (the task API had not landed)."
+        "in the benchmark's own process on Publisher. Rows 1p/2p measure the product path: one `keyqueue "
+        "worker` process serving a no-op @app.task with the default processor, hooks and the events plugin, "
+        "fed by Task.enqueue_many."
     )
     async with EmbeddedServer(store_dir=scratch / "store", log_file=scratch / "nats-server.log") as server:
         say(f"nats-server on {server.url}; scratch in {scratch}")
@@ -91,6 +95,18 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
             await _keyqueue(b, sizes, report, rates, say)
         finally:
             await nc.close()
+
+        say(f"1p/2p. the product path: keyqueue worker + @app.task, plugins on: {sizes.hot_keys} keys x "
+            f"{sizes.hot_per_key}, then {sizes.cold_keys} keys x 1 ...")
+        from bench.user_path import measure
+
+        product = await measure(server.url, sizes.hot_keys, sizes.hot_per_key, sizes.cold_keys)
+        _ratio(report.add(Row(PRODUCT_HOT, KQ, product.hot, "req/s",
+                              f"{sizes.hot_total:,} requests; one `keyqueue worker` process (128 slots), "
+                              "default processor, hooks and the events plugin; producer on Task.enqueue_many")),
+               rates.fetch_ack, RAW_FETCH, 0.5)
+        _ratio(report.add(Row(PRODUCT_COLD, KQ, product.cold, "req/s",
+                              f"{sizes.cold_keys:,} keys; the same worker")), rates.fetch_ack, RAW_FETCH, 0.25)
 
         per_change_set = 40 if sizes.mode == "full" else 10
         say(f"7. Rebaser: 50 change sets x {per_change_set} updates ...")

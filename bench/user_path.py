@@ -8,7 +8,7 @@ plugin as installed) serving a no-op ``@app.task``, fed by ``Task.enqueue_many``
 - cold keys: 1,000 keys x 1 request.
 
 A workload is timed from its first enqueue until the inbox and the token stream are empty.
-Issue 14 turns this into part of ``make bench``; until then it is the figure for the user path.
+``make bench`` runs :func:`measure` too, as its *product path* rows beside the core's.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench import raw
@@ -47,30 +48,44 @@ async def _timed(api: JetStreamApi, keys: int, per_key: int, tag: str) -> float:
     return len(items) / (time.perf_counter() - began)
 
 
+@dataclass(frozen=True)
+class ProductRates:
+    """Requests per second through a ``keyqueue worker`` process, plugins as installed."""
+
+    hot: float
+    cold: float
+
+
+async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int) -> ProductRates:
+    """Start one ``keyqueue worker bench.user_app:app`` on ``url``; time the hot then the cold workload."""
+    app.settings = app.settings.with_url(url)
+    env = {**os.environ, "KEYQUEUE_URL": url}
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "keyqueue.cli", "worker", "bench.user_app:app", "--concurrency", "128",
+        "--log-level", "warning", env=env)
+    nc = await connect(url)
+    api = JetStreamApi(nc)
+    try:
+        await note.enqueue(k="warmup", i=0)  # the worker is up once it has taken this
+        await _drained(api, timeout=60)
+        hot = await _timed(api, hot_keys, hot_per_key, "h")
+        cold = await _timed(api, cold_keys, 1, "c")
+    finally:
+        worker.terminate()
+        await asyncio.wait_for(worker.wait(), 30)
+        await nc.close()
+        await app.close()
+    return ProductRates(hot, cold)
+
+
 async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedServer(store_dir=Path(tmp) / "store") as server:
             rates = await raw.measure(server.url, 10_000)
-            app.settings = app.settings.with_url(server.url)
-            env = {**os.environ, "KEYQUEUE_URL": server.url}
-            worker = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "keyqueue.cli", "worker", "bench.user_app:app", "--concurrency", "128",
-                "--log-level", "warning", env=env)
-            nc = await connect(server.url)
-            api = JetStreamApi(nc)
-            try:
-                await note.enqueue(k="warmup", i=0)  # the worker is up once it has taken this
-                await _drained(api, timeout=60)
-                hot = await _timed(api, 100, 20, "h")
-                cold = await _timed(api, 1000, 1, "c")
-            finally:
-                worker.terminate()
-                await asyncio.wait_for(worker.wait(), 30)
-                await nc.close()
-                await app.close()
+            product = await measure(server.url, 100, 20, 1000)
     print(f"raw fetch(200)+ack         {rates.fetch_ack:9,.0f} msg/s")
-    print(f"hot keys 100 x 20          {hot:9,.0f} req/s  {hot / rates.fetch_ack:.2f}x raw")
-    print(f"cold keys 1,000 x 1        {cold:9,.0f} req/s  {cold / rates.fetch_ack:.2f}x raw")
+    print(f"hot keys 100 x 20          {product.hot:9,.0f} req/s  {product.hot / rates.fetch_ack:.2f}x raw")
+    print(f"cold keys 1,000 x 1        {product.cold:9,.0f} req/s  {product.cold / rates.fetch_ack:.2f}x raw")
 
 
 if __name__ == "__main__":

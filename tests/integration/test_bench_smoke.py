@@ -9,7 +9,21 @@ import pytest
 from bench import report as output
 from bench.fleet import WorkerOptions
 from bench.results import SMOKE
-from bench.run import BULK, COLD, HANDOFF_SOLO, HELD, HOT_1, HOT_2, LAT_IDLE, LAT_LOAD, RAW_FETCH, REBASER, run
+from bench.run import (
+    BULK,
+    COLD,
+    HANDOFF_SOLO,
+    HELD,
+    HOT_1,
+    HOT_2,
+    LAT_IDLE,
+    LAT_LOAD,
+    PRODUCT_COLD,
+    PRODUCT_HOT,
+    RAW_FETCH,
+    REBASER,
+    run,
+)
 
 
 @pytest.mark.timeout(60)
@@ -18,12 +32,16 @@ async def test_smallest_run_reports_every_workload(tmp_path: Path) -> None:
                        options=WorkerOptions(concurrency=32), say=lambda _: None)
 
     workloads = {row.workload for row in result.rows}
-    for name in (RAW_FETCH, HOT_1, HOT_2, COLD, BULK, LAT_IDLE, LAT_LOAD, HANDOFF_SOLO, HELD, REBASER):
+    for name in (RAW_FETCH, HOT_1, HOT_2, COLD, BULK, LAT_IDLE, LAT_LOAD, HANDOFF_SOLO, HELD, REBASER, PRODUCT_HOT,
+                 PRODUCT_COLD):
         assert name in workloads, name
     for name in (HOT_1, HOT_2, COLD):
         row = result.find(name)
         assert row is not None and row.value > 0 and row.ratio is not None and row.ratio > 0, row
         assert row.check == "order kept, exclusive", row
+    for name in (PRODUCT_HOT, PRODUCT_COLD):  # through a `keyqueue worker` process, plugins on
+        row = result.find(name)
+        assert row is not None and row.value > 0 and row.baseline == RAW_FETCH, row
     idle = result.find(LAT_IDLE)
     assert idle is not None and 0 < idle.value < 1000
     held = result.find(HELD)
