@@ -198,7 +198,8 @@ class Worker:
                                            "--connect-timeout sets how long a worker waits)") from None
                 log.warning("worker %s: %s; attempt %d, retrying in %.1fs", self.name, e, attempt, delay)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop_asked.wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await self._stop_asked.wait()
                 if self._stop_asked.is_set():
                     raise _StoppedWhileStarting from None
                 delay = min(CONNECT_RETRY_MAX, delay * 2)

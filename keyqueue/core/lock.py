@@ -112,7 +112,8 @@ class KeyLock:
                                                    timeout=lease.remaining())
         except WrongLastSequence:
             try:
-                current = await asyncio.wait_for(self.store.last_record(self.subject), lease.remaining())
+                async with asyncio.timeout(lease.remaining()):
+                    current = await self.store.last_record(self.subject)
             except TimeoutError:
                 current = None
             if self._mine(current) and current is not None:

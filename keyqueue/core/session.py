@@ -565,7 +565,8 @@ class KeySession:
         """Finish owed work; :meth:`_give_back` then gives the key back."""
         if reason == "shutdown":
             try:
-                await asyncio.wait_for(processor.idle(self.ctx), self.settings.drain_timeout)
+                async with asyncio.timeout(self.settings.drain_timeout):
+                    await processor.idle(self.ctx)
             except TimeoutError:
                 log.warning("queue %s key %s: owed work did not finish within the drain deadline; the next "
                             "holder does it", self.io.names.queue, self.key)
@@ -583,7 +584,8 @@ class KeySession:
         if not self.lease.valid():
             return  # another worker may own the key now: nothing more is sent for it
         try:
-            await asyncio.wait_for(self._settle_deletes(), HAND_BACK_TIMEOUT)
+            async with asyncio.timeout(HAND_BACK_TIMEOUT):
+                await self._settle_deletes()
         except Exception as e:
             # Unconfirmed deletes may land or not: a request not deleted runs again (at least once).
             log.warning("queue %s key %s: %d delete(s) unconfirmed at release: %r", self.io.names.queue,

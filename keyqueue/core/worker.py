@@ -203,6 +203,7 @@ class QueueWorker:
         """Ensure the topology, then hold keys until :meth:`stop` and the drain finish."""
         try:
             await self._ensure_topology()
+            _raise_if_cancelled()
         except BaseException as e:
             self._start_error = e
             self._started.set()
@@ -219,7 +220,11 @@ class QueueWorker:
                     tg.create_task(self._probe_waiting_tokens(), name="waiting-tokens"),
                 ]
                 self._started.set()
-                await self.draining.wait()
+                try:
+                    await self.draining.wait()
+                except asyncio.CancelledError:
+                    await _cancel_all(helpers)  # cut off (another queue failed to start, say)
+                    raise
                 self.puller.stop()
                 await self._drain()
                 await _cancel_all(helpers)
@@ -492,6 +497,15 @@ def _check_pull_options(config: QueueConfig, pull: PullOptions) -> None:
     if ignored is not None and ignored[1]:
         raise ConfigError(f"queue {config.name!r} has priority policy {config.priority_policy}, which takes no "
                           f"{ignored[0]}; drop the option (see docs/priority-groups.md)")
+
+
+def _raise_if_cancelled() -> None:
+    """Raise ``CancelledError`` if this task was cancelled but the cancel was dropped on the way
+    (nats-py's requests use ``asyncio.wait_for``, which on Python 3.11 drops a cancel that arrives
+    as its reply does): a queue worker cancelled while it set up its streams must not start."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:

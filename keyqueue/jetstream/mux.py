@@ -143,8 +143,12 @@ class RequestMux:
 
 
 async def wait(future: asyncio.Future[list[Msg]], timeout: float, what: str) -> list[Msg]:
-    """Await a mux future with a deadline; a timeout cancels it."""
+    """Await a mux future with a deadline; a timeout cancels it.
+
+    ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for`` drops a cancel that arrives
+    as the future completes, and the task it was meant to stop runs on."""
     try:
-        return await asyncio.wait_for(future, timeout)
+        async with asyncio.timeout(timeout):
+            return await future
     except TimeoutError as e:
         raise KeyqueueTimeout(f"no reply to {what} within {timeout}s") from e

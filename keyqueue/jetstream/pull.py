@@ -261,10 +261,9 @@ class TokenPuller:
                     want -= batch
                 self._wake.clear()
                 wait = self.options.heartbeat if now >= self._retry_at else self._retry_at - now
-                try:
-                    await asyncio.wait_for(self._wake.wait(), wait)
-                except TimeoutError:
-                    pass
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
         finally:
             if sub is not None:
                 await self._unsubscribe(sub)
