@@ -1,14 +1,44 @@
-"""``keyqueue worker MODULE:APP``: serve an app's queues until SIGINT or SIGTERM."""
+"""``keyqueue worker MODULE:APP``: serve an app's queues until SIGINT or SIGTERM.
+
+With ``--processes N`` (N > 1) the command is a parent that supervises N such workers
+(``keyqueue.cli.supervisor``) on one server: the app's URL, resolved here once.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import sys
+from typing import Any, Final
 
 import click
 
+from keyqueue.app.application import App
 from keyqueue.cli.common import LOG_FORMATS, configure_logging, load_app, url_option
+from keyqueue.cli.supervisor import Supervisor, WorkerCommand
 
-__all__ = ["worker"]
+__all__ = ["ProcessCount", "worker"]
+
+
+class ProcessCount(click.ParamType[int, Any]):
+    """``--processes``: a number of processes (at least 1), or ``auto`` for one per CPU."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            count = value
+        elif str(value).strip().lower() == "auto":
+            count = os.cpu_count() or 1
+        else:
+            try:
+                count = int(value)
+            except ValueError:
+                self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
+        if count < 1:
+            self.fail(f"{count} is not at least 1", param, ctx)
+        return count
 
 
 @click.command()
@@ -35,6 +65,9 @@ __all__ = ["worker"]
 @click.option("--connect-timeout", type=click.FloatRange(0), default=None, metavar="SECONDS",
               help="How long to wait for an unreachable server at start, retrying with a backoff and "
                    "logging each attempt (default: wait forever).")
+@click.option("--processes", "-p", type=ProcessCount(), default="1", show_default=True,
+              help="Worker processes to run, each with these options, under a parent that restarts them "
+                   "(auto: one per CPU).")
 @url_option
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
               default="info", show_default=True, envvar="KEYQUEUE_LOG_LEVEL", show_envvar=True,
@@ -46,7 +79,7 @@ __all__ = ["worker"]
                    "queue, key, request_id, attempt).")
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
            drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
-           priority: int | None, connect_timeout: float | None, url: str | None, log_level: str,
+           priority: int | None, connect_timeout: float | None, processes: int, url: str | None, log_level: str,
            log_format: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
@@ -64,14 +97,27 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     --log-level debug adds every key and request; --log-format json writes one JSON object
     per line.
 
+    --processes N runs N workers, each its own process named NAME/1 .. NAME/N (NAME: --name,
+    default host:pid of the parent), under a parent that serves no queue: it relays their log
+    with each line naming its worker, and forwards SIGINT/SIGTERM (the first drains them all,
+    a second stops them now). A worker that dies is restarted after a backoff while the others
+    go on (its keys pass to them within the queue's ack_wait); one that keeps dying at start
+    (a configuration error) stops them all, with exit status 1. With no URL configured, the
+    parent starts or finds the app's embedded nats-server and the workers share it.
+
     \b
     Example:
       $ export KEYQUEUE_URL=nats://127.0.0.1:4222
       $ keyqueue worker shop:app --concurrency 32
-      $ keyqueue worker shop:app --overflow-min-pending 50     # an overflow pool
+      $ keyqueue worker shop:app --processes auto          # one worker process per CPU
+      $ keyqueue worker shop:app --overflow-min-pending 50 # an overflow pool
     """
     configure_logging(log_level, log_format.lower())
     app = load_app(app_spec, url)
+    if processes > 1:
+        json_lines = log_format.lower() == "json"
+        asyncio.run(_supervise(app, click.get_current_context(), processes, name, json_lines=json_lines))
+        return
     serving = app.worker(queues=list(queues) or None, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
                          drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
                          overflow_min_ack_pending=overflow_min_ack_pending, priority=priority,
@@ -84,3 +130,41 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
             await app.close()
 
     asyncio.run(run())
+
+
+_URL_ENV: Final = "KEYQUEUE_URL"
+"""How the parent gives its worker processes the server's URL (in their environment, not in ``ps``)."""
+
+_NOT_PASSED_ON = frozenset({"app_spec", "processes", "name", "url"})
+"""Parameters the parent gives its worker processes itself, rather than as it received them."""
+
+
+def _worker_options(ctx: click.Context) -> list[str]:
+    """The options of this command line as a child ``keyqueue worker`` takes them, but for the
+    parent's own (--processes; --name and --url, which the parent sets per child)."""
+    args: list[str] = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name or "")
+        if not isinstance(param, click.Option) or param.name in _NOT_PASSED_ON or value is None:
+            continue
+        flag = max(param.opts, key=len)
+        for item in value if param.multiple else (value,):
+            args += [flag, str(item)]
+    return args
+
+
+async def _supervise(app: App, ctx: click.Context, processes: int, name: str | None, *, json_lines: bool) -> None:
+    """Run ``processes`` worker processes on the app's server until a signal."""
+
+    async def command() -> WorkerCommand:
+        # Resolved once, here: with no URL configured this starts (or finds) the app's embedded
+        # server, which this parent then owns and keeps up until its children have stopped.
+        url = await app.url()
+        return WorkerCommand([sys.executable, "-m", "keyqueue", "worker", ctx.params["app_spec"],
+                              *_worker_options(ctx)], {**os.environ, _URL_ENV: url})
+
+    supervisor = Supervisor(processes, name or f"{socket.gethostname()}:{os.getpid()}", json_lines=json_lines)
+    try:
+        await supervisor.run(command())
+    finally:
+        await app.close()
