@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keyqueue
 
-app = keyqueue.App("userpath")
+app = keyqueue.App("userpath", set_as_default=False)  # a library of the bench: not the process's default app
 
 
 @app.task(key="{k}")
