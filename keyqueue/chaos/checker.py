@@ -34,8 +34,12 @@ An intersection is *fenced* (a zombie, reported but not a failure) when X's work
 after X started and before (or when) Y started, for at least ``handover_after`` seconds, and Y
 started at least ``handover_after`` seconds after that pause began. X then lost its hold while
 stopped, and anything it does after resuming is a zombie's, which the fenced store must refuse
-(checked by the fencing rule below). Every other intersection is an *overlap* and fails the
-run: Y acquired the key while X's process was running, or too soon after it stopped.
+(checked by the fencing rule below). It is fenced too when X's worker was paused when Y started,
+the two never ran at the same moment (no shared active time), and X did not finish its work
+after resuming (its ``end`` says ``"ok": false``, or never came): a holder whose renewals failed
+before the pause (the server was down) loses its hold sooner than ``handover_after``, and gave
+its work up. Every other intersection is an *overlap* and fails the run: Y acquired the key while
+X's process was running, or too soon after it stopped and X then went on as if it held it.
 ``handover_after`` should be the shortest time in which a stopped holder can lose a key
 (``ack_wait`` minus the keepalive interval); the default 0 excuses every handover after a pause
 began, so a short pause that should not have cost the hold is only caught with a real value.
@@ -82,6 +86,8 @@ class Run:
     start: float
     end: float
     open: bool = False
+    completed: bool = True
+    """False when its end says ``"ok": false`` or was never logged: the run did not finish its work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +182,7 @@ def check(records: Iterable[Record], expected: Mapping[str, Sequence[str]], *,
     """The verdict on a run log, given each key's request tags in enqueue order."""
     ordered = sorted(records, key=lambda r: float(r["t"]))
     runs = build_runs(ordered)
-    overlaps, fenced = _overlaps(runs, _pauses(ordered), handover_after)
+    overlaps, fenced = _overlaps(runs, _pauses(ordered), handover_after, _renewal_faults(ordered))
     completions = _completions(ordered)
     writes = [r for r in ordered if r.get("kind") == "write"]
     stale = _stale_in_log(writes)
@@ -215,7 +221,7 @@ def build_runs(records: Iterable[Record]) -> list[Run]:
 
     def end_open(w: str, t: float) -> None:
         for (key, tag), starts in open_.pop(w, {}).items():
-            runs.extend(Run(w, key, tag, start, t, open=True) for start in starts)
+            runs.extend(Run(w, key, tag, start, t, open=True, completed=False) for start in starts)
 
     for r in ordered:
         kind, w, t = r.get("kind"), str(r.get("w")), float(r["t"])
@@ -224,7 +230,7 @@ def build_runs(records: Iterable[Record]) -> list[Run]:
         elif kind == "end":
             starts = open_[w].get((r["key"], r["tag"]))
             if starts:
-                runs.append(Run(w, r["key"], r["tag"], starts.pop(0), t))
+                runs.append(Run(w, r["key"], r["tag"], starts.pop(0), t, completed=r.get("ok", True) is not False))
         elif kind in ("killed", "ready"):
             end_open(w, t)
     for w in list(open_):
@@ -247,8 +253,9 @@ def _pauses(ordered: Sequence[Record]) -> dict[str, list[Interval]]:
     return pauses
 
 
-def _overlaps(runs: Sequence[Run], pauses: Mapping[str, Sequence[Interval]],
-              handover_after: float) -> tuple[list[Overlap], list[Overlap]]:
+def _overlaps(runs: Sequence[Run], pauses: Mapping[str, Sequence[Interval]], handover_after: float,
+              renewal_faults: Mapping[str, Sequence[float]] | None = None) -> tuple[list[Overlap], list[Overlap]]:
+    renewal_faults = renewal_faults or {}
     by_key: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
         by_key[run.key].append(run)
@@ -262,7 +269,8 @@ def _overlaps(runs: Sequence[Run], pauses: Mapping[str, Sequence[Interval]],
                     break
                 shared = _length(_intersect(_active(x, pauses.get(x.w, ())), _active(y, pauses.get(y.w, ()))))
                 found = Overlap(key, x, y, shared)
-                if _handed_over(x, y, pauses.get(x.w, ()), handover_after):
+                if _handed_over(x, y, pauses.get(x.w, ()), handover_after) or _gave_up(
+                        x, y, shared, pauses.get(x.w, ()), renewal_faults.get(x.w, ())):
                     fenced.append(found)
                 else:
                     overlaps.append(found)
@@ -273,6 +281,32 @@ def _handed_over(x: Run, y: Run, pauses: Sequence[Interval], handover_after: flo
     """Whether x's worker stopped long enough, before y started, for x's hold to have passed to y."""
     return any(x.start <= p0 <= y.start and p1 - p0 >= handover_after and y.start >= p0 + handover_after
                for p0, p1 in pauses)
+
+
+def _gave_up(x: Run, y: Run, shared: float, pauses: Sequence[Interval], faults: Sequence[float]) -> bool:
+    """Whether x's hold may have lapsed early and x gave its work up: a fault that can fail its
+    renewals (the server down, its own connection cut or slowed) began while x ran and before y
+    started, x's worker was stopped when y started, the two never ran at the same moment, and x did
+    not finish after it resumed. (Anything it wrote after resuming is judged by the fencing rule.)"""
+    return (shared == 0 and not x.completed and any(p0 <= y.start < p1 for p0, p1 in pauses)
+            and any(x.start <= f <= y.start for f in faults))
+
+
+def _renewal_faults(ordered: Sequence[Record]) -> dict[str, list[float]]:
+    """Per worker, when a fault began that can fail its lease renewals: every server fault (all
+    workers) and network faults on its own connection. Keyed ``"*"`` for every worker."""
+    faults: dict[str, list[float]] = defaultdict(list)
+    for r in ordered:
+        if r.get("kind") != "fault":
+            continue
+        name, t = str(r.get("fault", "")), float(r["t"])
+        if name.startswith(("server-", "leader-")):
+            faults["*"].append(t)
+        elif name.startswith("net-") and r.get("target"):
+            faults[str(r["target"])].append(t)
+    shared = faults.pop("*", [])
+    workers = {str(r.get("w")) for r in ordered if r.get("kind") == "start"}
+    return {w: sorted([*shared, *faults.get(w, [])]) for w in workers | set(faults)}
 
 
 def _active(run: Run, pauses: Sequence[Interval]) -> list[Interval]:

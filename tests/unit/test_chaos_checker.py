@@ -255,3 +255,20 @@ def test_read_log_skips_a_half_written_last_line(tmp_path: Path) -> None:
     lines = [json.dumps(r) for r in clean_log()]
     path.write_text("\n".join(lines) + '\n{"kind": "sta')
     assert read_log(path) == clean_log()
+
+
+def test_a_holder_whose_renewals_a_fault_cut_gives_up_during_its_pause_and_is_fenced() -> None:
+    # The server went down while w1 ran a (its renewals failed), then w1 stalled; w2 took the key
+    # sooner than handover_after after the stall began, and w1 gave a up on resuming.
+    server_down = rec("fault", "soak", 1.5, fault="server-kill-9")
+    log = [*paused_log(resume=8.0, b_start=2.5, b_end=6.0), server_down]
+    verdict = check(log, EXPECTED, handover_after=1.0)
+    assert verdict.ok and len(verdict.fenced_overlaps) == 1, verdict.summary()
+    # Without the fault, or with w1 finishing a after it resumed, it is still an overlap.
+    assert len(check(paused_log(resume=8.0, b_start=2.5, b_end=6.0), EXPECTED, handover_after=1.0).overlaps) == 1
+    finished = [r if r.get("kind") != "end" or r["w"] != "w1" else {**r, "ok": True} for r in log]
+    assert len(check(finished, EXPECTED, handover_after=1.0).overlaps) == 1
+    # A network fault on another worker's connection excuses nothing.
+    elsewhere = [*paused_log(resume=8.0, b_start=2.5, b_end=6.0), rec("fault", "soak", 1.5, fault="net-reset",
+                                                                       target="w3")]
+    assert len(check(elsewhere, EXPECTED, handover_after=1.0).overlaps) == 1
