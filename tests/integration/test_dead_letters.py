@@ -237,9 +237,9 @@ async def dead(app: keyqueue.App, *requests: tuple[str, int]) -> list[int]:
     await fail.options(request_id="warm-up").enqueue(k="warm-up", n=0)  # creates the queue's streams
     arrivals = await nc.subscribe(NAMES.dlq_prefix + ">")
     async with app.worker():
-        for k, n in requests:
+        await arrivals.next_msg(timeout=10)  # the warm-up's
+        for k, n in requests:  # one at a time: keys run in parallel, and the DLQ order is the point
             await fail.options(request_id=f"{k}-{n}").enqueue(k=k, n=n)
-        for _ in range(len(requests) + 1):
             await arrivals.next_msg(timeout=10)
     await arrivals.unsubscribe()
     letters = await dead_letters(JetStreamApi(nc), "shop")
