@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import nats
 import pytest
 from click.testing import CliRunner
+from command_output import Command
 
 import keyqueue
 from keyqueue.cli import main
@@ -31,44 +31,12 @@ def environment(**values: str | None) -> dict[str, str]:
     return env
 
 
-class Process:
-    """A subprocess whose stderr is read continuously, so waiting for a line needs no sleeps."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-        self._changed = asyncio.Condition()
-        self._reader = asyncio.create_task(self._read())
+class Process(Command):
+    """``keyqueue ARGS`` run from the repository root."""
 
     @classmethod
-    async def start(cls, *args: str, env: dict[str, str]) -> Process:
-        proc = await asyncio.create_subprocess_exec(KEYQUEUE, *args, cwd=ROOT, env=env,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        return cls(proc)
-
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            async with self._changed:
-                self.lines.append(raw.decode())
-                self._changed.notify_all()
-
-    async def wait_for(self, pattern: str, timeout: float = 30) -> re.Match[str]:
-        async with asyncio.timeout(timeout), self._changed:
-            while True:
-                for line in self.lines:
-                    if match := re.search(pattern, line):
-                        return match
-                if self._reader.done():
-                    raise AssertionError(f"process ended without {pattern!r}:\n{''.join(self.lines)}")
-                await self._changed.wait()
-
-    async def stop(self) -> int:
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-        code = await asyncio.wait_for(self.proc.wait(), 30)
-        await self._reader
-        return code
+    async def start(cls, *args: str, env: dict[str, str], cwd: Path | None = ROOT) -> Process:  # type: ignore[override]
+        return await super().start(str(KEYQUEUE), *args, env=env, cwd=cwd)
 
 
 async def run(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
@@ -124,9 +92,8 @@ async def test_the_quickstart_end_to_end(quickstart_worker: Process, nats_url: s
     code, out, _ = await run("enqueue", "examples.quickstart.app:app", "charge", '{"order_id": "o9", "amount": 9}',
                              env=env)
     assert code == 0 and json.loads(out)["key"] == "o9"
-    assert await asyncio.wait_for(watcher.proc.wait(), 30) == 0  # --count 1: it ends by itself
-    assert watcher.proc.stdout is not None
-    assert '{"step": "charging", "amount": 9}' in (await watcher.proc.stdout.read()).decode()
+    assert await watcher.wait() == 0  # --count 1: it ends by itself
+    assert '{"step": "charging", "amount": 9}' in watcher.output
 
     code, out, _ = await run("inspect", "shop", env=env)
     assert code == 0 and "DLQ 1" in out
@@ -137,7 +104,7 @@ async def test_the_quickstart_end_to_end(quickstart_worker: Process, nats_url: s
     code, out, _ = await run("dlq", "replay", "shop", "--key", "o2", env=env)
     assert (code, out) == (0, "replayed 1 request(s)\n")
 
-    assert await quickstart_worker.stop() == 0, "".join(quickstart_worker.lines)
+    assert await quickstart_worker.stop() == 0, quickstart_worker.output
     assert any("SIGTERM: draining" in line for line in quickstart_worker.lines)
 
 
@@ -145,7 +112,7 @@ async def test_without_a_url_the_worker_runs_the_embedded_server_and_producers_f
     env = environment(KEYQUEUE_DATA_DIR=str(tmp_path))
     worker = await Process.start("worker", "examples.quickstart.app:app", env=env)
     try:
-        started = await worker.wait_for(r"started an embedded nats-server for app 'shop' at (nats://[\d.:]+)")
+        [started] = await worker.wait_for(r"started an embedded nats-server for app 'shop' at (nats://[\d.:]+)")
         await worker.wait_for(r"queue shop: charge, refund")
         code, out, err = await run("enqueue", "examples.quickstart.app:app", "charge",
                                    '{"order_id": "e1", "amount": 2}', "--wait", env=env)
@@ -372,7 +339,7 @@ async def test_the_lease_is_the_queues_set_by_a_worker_or_configure_and_kept_by_
         code, out, err = await run("enqueue", "examples.quickstart.app:app", "charge", order, "--wait", env=env)
         assert (code, json.loads(out)["charged"]) == (0, 1), err  # a producer afterwards never checks the lease
     finally:
-        assert await worker.stop() == 0, "".join(worker.lines)
+        assert await worker.stop() == 0, worker.output
     assert not any("never retrieved" in line or "Traceback" in line for line in worker.lines)
 
     assert await run("configure", "shop", "--ack-wait", "7", env=env) == (0, "queue shop: ack_wait 5s → 7s\n", "")
@@ -392,7 +359,7 @@ async def test_the_lease_is_the_queues_set_by_a_worker_or_configure_and_kept_by_
         code, out, err = await run("enqueue", "examples.quickstart.app:app", "charge", order, "--wait", env=env)
         assert (code, json.loads(out)["charged"]) == (0, 1), err
     finally:
-        assert await follower.stop() == 0, "".join(follower.lines)
+        assert await follower.stop() == 0, follower.output
     assert (await token_consumer(nats_url))["ack_wait"] == 9_000_000_000
 
 

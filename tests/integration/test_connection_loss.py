@@ -4,15 +4,14 @@ logged, and a worker outlives the outage."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
 
 import nats.errors
 import pytest
 from nats.aio.client import Client
+from queue_workers import running
 
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.session import SessionSettings
@@ -87,21 +86,6 @@ class Recorder(BaseProcessor):
         self.seen.append(request.data)
         self.arrived.set()
         return None
-
-
-@contextlib.asynccontextmanager
-async def running(worker: QueueWorker) -> AsyncIterator[asyncio.Task[None]]:
-    task = asyncio.create_task(worker.run())
-    started = asyncio.create_task(worker.started())
-    await asyncio.wait([task, started], return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        started.cancel()
-        task.result()
-    try:
-        yield task
-    finally:
-        worker.stop()
-        await task
 
 
 async def seen_or_died(arrived: asyncio.Event, task: asyncio.Task[None], timeout: float = 20.0) -> None:

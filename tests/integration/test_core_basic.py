@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client
+from queue_workers import running as running_worker
 
 from keyqueue.core.observer import KeyHold, NullObserver, RequestAttempt, SessionEnd
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
@@ -44,17 +45,8 @@ class Recorder(BaseProcessor):
 @contextlib.asynccontextmanager
 async def running(nc: Client, config: QueueConfig, factory, **kw) -> AsyncIterator[QueueWorker]:  # type: ignore[no-untyped-def]
     worker = QueueWorker(nc, config, factory, **kw)
-    task = asyncio.create_task(worker.run())
-    started = asyncio.create_task(worker.started())
-    await asyncio.wait([task, started], return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        started.cancel()
-        task.result()
-    try:
+    async with running_worker(worker):
         yield worker
-    finally:
-        worker.stop()
-        await task
 
 
 async def wait_until(pred, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]

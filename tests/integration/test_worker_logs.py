@@ -7,13 +7,11 @@ stderr; the rest run ``app.worker()`` in this process with caplog.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import json
 import logging
 import os
 import re
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from command_output import Command
 from ulid import ULID
 
 import keyqueue
@@ -52,43 +51,15 @@ async def send(to: str) -> None:
 '''
 
 
-class Worker:
-    """``keyqueue worker`` in a subprocess whose stderr is read continuously, so waiting for a line needs no sleeps."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-        self._changed = asyncio.Condition()
-        self._reader = asyncio.create_task(self._read())
+class Worker(Command):
+    """``keyqueue worker logs_app:app`` run from the app's folder."""
 
     @classmethod
-    async def start(cls, cwd: Path, url: str, *options: str, env: dict[str, str] | None = None) -> Worker:
+    async def start(cls, cwd: Path, url: str, *options: str,  # type: ignore[override]
+                    env: dict[str, str] | None = None) -> Worker:
         environment = {k: v for k, v in os.environ.items() if not k.startswith("KEYQUEUE_")}
         environment.update(KEYQUEUE_URL=url, KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONUNBUFFERED="1", **(env or {}))
-        proc = await asyncio.create_subprocess_exec(KEYQUEUE, "worker", "logs_app:app", *options, cwd=cwd,
-                                                    env=environment, stderr=asyncio.subprocess.PIPE)
-        return cls(proc)
-
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            async with self._changed:
-                self.lines.append(raw.decode().rstrip("\n"))
-                self._changed.notify_all()
-
-    async def wait_for(self, pattern: str, timeout: float = 30) -> None:
-        async with asyncio.timeout(timeout), self._changed:
-            while not any(re.search(pattern, line) for line in self.lines):
-                if self._reader.done():
-                    raise AssertionError(f"the worker ended without {pattern!r}:\n" + "\n".join(self.lines))
-                await self._changed.wait()
-
-    async def stop(self) -> int:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGTERM)
-        code = await asyncio.wait_for(self.proc.wait(), 30)
-        await self._reader
-        return code
+        return await super().start(str(KEYQUEUE), "worker", "logs_app:app", *options, env=environment, cwd=cwd)
 
 
 def load_app(path: Path, url: str) -> ModuleType:
@@ -123,7 +94,7 @@ async def serve_a_bad_day(tmp_path: Path, url: str, *options: str, env: dict[str
         await worker.wait_for("no such address: g")
     finally:
         code = await worker.stop()
-    assert code == 0, "\n".join(worker.lines)
+    assert code == 0, worker.output
     return worker.lines
 
 

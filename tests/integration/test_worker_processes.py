@@ -22,6 +22,7 @@ from types import ModuleType
 
 import click
 import pytest
+from command_output import Command
 
 from keyqueue.chaos.checker import check, read_log
 from keyqueue.cli.supervisor import describe_exit
@@ -63,52 +64,12 @@ async def step(key: str, tag: str, sleep: float = 0.02) -> str:
 '''
 
 
-class Parent:
-    """The ``keyqueue worker --processes`` parent; its stdout and stderr lines, read as they come."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-        self._changed = asyncio.Condition()
-        assert proc.stdout is not None and proc.stderr is not None
-        self._readers = [asyncio.create_task(self._read(proc.stdout)), asyncio.create_task(self._read(proc.stderr))]
+class Parent(Command):
+    """The ``keyqueue worker procs_app:app --processes`` parent; its stdout and stderr lines, read as they come."""
 
     @classmethod
-    async def start(cls, *args: str, cwd: Path, env: dict[str, str]) -> Parent:
-        proc = await asyncio.create_subprocess_exec(KEYQUEUE, "worker", "procs_app:app", *args, cwd=cwd, env=env,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        return cls(proc)
-
-    async def _read(self, stream: asyncio.StreamReader) -> None:
-        async for raw in stream:
-            async with self._changed:
-                self.lines.append(raw.decode())
-                self._changed.notify_all()
-
-    def matches(self, pattern: str) -> list[re.Match[str]]:
-        return [m for line in self.lines if (m := re.search(pattern, line))]
-
-    async def wait_for(self, pattern: str, count: int = 1, timeout: float = 30) -> list[re.Match[str]]:
-        async with asyncio.timeout(timeout), self._changed:
-            while len(found := self.matches(pattern)) < count:
-                if all(reader.done() for reader in self._readers):
-                    raise AssertionError(f"parent ended without {count} x {pattern!r}:\n{self.output}")
-                await self._changed.wait()
-            return found
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    async def stop(self) -> int:
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return await self.wait()
-
-    async def wait(self, timeout: float = 30) -> int:
-        code = await asyncio.wait_for(self.proc.wait(), timeout)
-        await asyncio.gather(*self._readers)
-        return code
+    async def start(cls, *args: str, cwd: Path, env: dict[str, str]) -> Parent:  # type: ignore[override]
+        return await super().start(str(KEYQUEUE), "worker", "procs_app:app", *args, env=env, cwd=cwd)
 
     def child_pids(self) -> dict[str, int]:
         """Each child's name -> the pid of its latest process."""
