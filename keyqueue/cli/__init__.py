@@ -3,7 +3,8 @@
 - ``group``: the top-level group, its one-line errors and the commands plugins add
   (``keyqueue_add_commands``).
 - ``common``: what commands share: ``--url``, loading an app, a connection, output, logging.
-- ``worker``: serve an app's queues.                ``enqueue``: enqueue a task by name.
+- ``worker``: serve an app's queues (``supervisor``: ``--processes N``, a parent of N workers).
+- ``enqueue``: enqueue a task by name.
 - ``queues``: ``inspect``, ``configure``, ``unpin``, ``recreate-consumer``.
 - ``dlq``: list, show, replay, delete, purge.       ``watch``: follow a key's progress.
 - ``plugins``: loaded plugins and their hooks.      ``server``: ``dev-server``, a local nats-server.
