@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.js.errors
 import psutil  # type: ignore[import-untyped]  # no stubs in the dev extra
 import pytest
 from nats.aio.client import Client as NATS
@@ -203,10 +204,12 @@ async def test_cluster_forms_and_replicates_a_stream(tmp_path: Path) -> None:
         try:
             js = nc.jetstream()
             await js.add_stream(StreamConfig(name="R3", subjects=["r3.>"], num_replicas=3))
-            # A new R3 stream answers publishes once its own leader is elected, a moment after
-            # it is created: until then a publish gets "no responders".
+            # A new R3 stream answers publishes once its leader is elected and the servers have
+            # told each other who listens on its subjects, a moment after it is created: until
+            # then a publish gets "no responders" (and stores nothing, so it may be sent again).
             await _until_stream_leader(js, "R3")
-            for n in range(10):
+            await _publish_once_answered(js, "r3.x", b"0")
+            for n in range(1, 10):
                 await js.publish("r3.x", str(n).encode())
             info = await js.stream_info("R3")
             assert info.config.num_replicas == 3
@@ -229,6 +232,17 @@ async def test_cluster_forms_and_replicates_a_stream(tmp_path: Path) -> None:
             assert await _stored_messages(cluster.urls[follower], "R3") == 11
         finally:
             await nc.close()
+
+
+async def _publish_once_answered(js: Any, subject: str, data: bytes, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            await js.publish(subject, data)
+            return
+        except nats.js.errors.NoStreamResponseError:
+            assert asyncio.get_running_loop().time() < deadline, f"no stream answered on {subject}"
+            await asyncio.sleep(0.05)
 
 
 async def _until_stream_leader(js: Any, stream: str, timeout: float = 20.0) -> None:
