@@ -19,6 +19,8 @@ from keyqueue.errors import LeaseLost
 class Lease:
     """Deadline bookkeeping for one held token. Pure logic; the clock is injectable."""
 
+    __slots__ = ("ack_wait", "clock", "deadline", "lost_reason", "margin")
+
     def __init__(self, ack_wait: float, received_at: float, *, margin: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ack_wait = ack_wait

@@ -54,6 +54,8 @@ class RecordStore(Protocol):
 class KeyLock:
     """One worker's claim on one key (or on a fleet role such as the reconciler's)."""
 
+    __slots__ = ("ack_wait", "clock", "fence", "holder", "lease", "nonce", "seq", "since", "store", "subject", "ttl")
+
     def __init__(self, store: RecordStore, subject: str, ack_wait: float, *, holder: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store

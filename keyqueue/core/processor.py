@@ -53,7 +53,10 @@ class SessionContext(Protocol):
     queue: str
     key: str
     fencing: tuple[int, int]
-    log: logging.LoggerAdapter[logging.Logger]
+
+    @property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger whose records carry the queue and the key."""
 
     def lease_valid(self) -> bool:
         """True while this worker still owns the key."""

@@ -11,8 +11,8 @@
                                                                          ─► re-publish token?
 
 The token only says the key has work; the lease record (core/lock.py) says who may do it. A
-lost lease ends the session at once: no ack, no nak, no delete, no reply. The keepalive task
-and the work run in one TaskGroup, so a keepalive that finds the lease lost cancels the work.
+lost lease ends the session at once: no ack, no nak, no delete, no reply. Renewals run beside
+the work, from a timer, and a renewal that finds the lease lost cancels the work.
 
 Each step is told to the worker's :class:`~keyqueue.core.observer.SessionObserver` as it
 happens, with what the session knows of it (the message type, each attempt's exception, a
@@ -22,9 +22,9 @@ superseded reply).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -40,6 +40,7 @@ from keyqueue.core.lock import KeyLock
 from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
+from keyqueue.core.turns import Turns
 from keyqueue.errors import KeyqueueError, LeaseLost, Reject, WireError
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
@@ -90,8 +91,11 @@ class _Context:
         """``(lease record sequence, token delivery count)``; set when the key is acquired."""
         self.request_id = ""
         self.attempt = 0
-        self.log = logging.LoggerAdapter(logging.getLogger("keyqueue.task"),
-                                         {"queue": self.queue, "key": self.key})
+
+    @functools.cached_property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger whose records carry the queue and the key (built on first use)."""
+        return logging.LoggerAdapter(logging.getLogger("keyqueue.task"), {"queue": self.queue, "key": self.key})
 
     def lease_valid(self) -> bool:
         return self._session.lease.valid()
@@ -109,9 +113,15 @@ class _Context:
 class KeySession:
     """One held key: reads its requests in order and hands them to its processor."""
 
+    # A worker may hold ten thousand keys: no per-instance dict.
+    __slots__ = ("_cut_by_renewal", "_giving_back", "_hurrying", "_in_hand", "_renewal", "_renewal_timer",
+                 "_waiter", "_work_task", "buffer", "counted_head", "ctx", "cursor", "deletes", "draining",
+                 "ending", "factory", "io", "key", "lease", "lock", "more", "observer", "processed", "republished",
+                 "settings", "should_yield", "token", "turns", "worker")
+
     def __init__(self, io: QueueIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
                  observer: SessionObserver, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
-                 worker: str = "") -> None:
+                 worker: str = "", turns: Turns | None = None) -> None:
         self.io = io
         self.token = token
         self.key = token.key
@@ -121,6 +131,8 @@ class KeySession:
         self.draining = draining
         self.should_yield = should_yield
         self.worker = worker
+        self.turns = turns or Turns()
+        """Shared by the worker's sessions: how a busy session yields the loop between requests."""
         self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
                             holder={"worker": worker, "token": token.stream_seq, "delivered": token.delivered})
         self.lease = Lease(settings.ack_wait, token.received_at)
@@ -129,8 +141,9 @@ class KeySession:
         """The inbox sequence to read the next request from."""
         self.processed = 0
         self.republished = False
-        self.buffer: collections.deque[StoredMsg] = collections.deque()
-        """Requests read ahead and not yet processed, in stream order."""
+        self.buffer: list[StoredMsg] = []
+        """Requests read ahead and not yet processed, in stream order (a list: an empty deque
+        costs 600 bytes, for each of thousands of held keys)."""
         self.more = True
         """Whether the inbox may hold requests past the read-ahead buffer (until a read says no;
         after that, an arrival on the key's subject says yes again)."""
@@ -144,6 +157,27 @@ class KeySession:
         self.ending: SessionEnd | None = None
         """How the session ends, once that is decided (the counts are filled in when it is told)."""
         self._giving_back: asyncio.Task[None] | None = None
+        self._hurrying = False
+        self._waiter: asyncio.Future[None] | None = None
+        """What the session awaits while it waits for a request (see :meth:`wake`)."""
+        self._work_task: asyncio.Task[Any] | None = None
+        """The task running the work while the lease is renewed beside it."""
+        self._renewal_timer: asyncio.TimerHandle | None = None
+        self._renewal: asyncio.Future[None] | None = None
+        self._cut_by_renewal = False
+        """A renewal found the lease lost and cancelled the work."""
+
+    def _hurry(self, on: bool) -> None:
+        """Whether this session is on its way to its first request: busy sessions let it go first
+        (core/turns.py). Not while it waits for another worker's record or for a request."""
+        if on != self._hurrying:
+            self._hurrying = on
+            self.turns.hurry(on)
+
+    def wake(self) -> None:
+        """Cut short the wait for a request (the worker calls this when it starts draining)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     @property
     def acquired(self) -> bool:
@@ -172,6 +206,7 @@ class KeySession:
 
         The observer hears ``key_released`` exactly once for a session that acquired its key
         (however it ends, cancellation included) and for one that gave up waiting for it."""
+        self._hurry(True)
         try:
             try:
                 if not await self._acquire():
@@ -202,6 +237,7 @@ class KeySession:
                     await asyncio.shield(self.io.nak(self.token))
             raise
         finally:
+            self._hurry(False)
             if self.acquired:
                 ending = self.ending or SessionEnd(Outcome.FAILED, reason="the session ended unexpectedly")
                 self.observer.key_released(self.hold(), dataclasses.replace(
@@ -252,7 +288,9 @@ class KeySession:
                 first_read.add_done_callback(lambda f: f.cancelled() or f.exception())
             # Another worker's record is live: it is working on the key, or it is a former holder's
             # record that the server will expire. Either way, it is not ours to start.
+            self._hurry(False)
             await asyncio.sleep(delay)
+            self._hurry(True)
             delay = min(longest, delay * 2)
             if delay >= longest and time.monotonic() >= next_expiry_check:
                 next_expiry_check = time.monotonic() + self.settings.ack_wait / 2
@@ -262,46 +300,85 @@ class KeySession:
                                     self.io.names.queue, self.key)
 
     async def _run(self) -> Outcome:
-        """Work until the key is given back; sets :attr:`ending` before giving it back."""
+        """Work until the key is given back; sets :attr:`ending` before giving it back.
+
+        The lease is renewed beside the work by a timer (a renewal runs as a task only while its
+        reply is awaited: thousands of held keys keep no task each for it); a renewal that finds
+        the lease lost cancels the work, as a task group would."""
+        work = asyncio.current_task()
+        assert work is not None
+        self._work_task = work
+        self._schedule_renewal()
+        error: Exception | None = None
+        outcome: Outcome | None = None
         try:
-            async with asyncio.TaskGroup() as tg:
-                keepalive = tg.create_task(self._keepalive(), name=f"keepalive:{self.key}")
-                try:
-                    outcome = await self._work()
-                finally:
-                    keepalive.cancel()
-        except BaseExceptionGroup as group:
-            lost = group.subgroup(LeaseLost)
-            if lost is not None:
-                reason = self.lease.lost_reason or str(lost.exceptions[0]) or "lease lost"
-                self.ending = SessionEnd(Outcome.LEASE_LOST, reason=reason)
-                return Outcome.LEASE_LOST
-            failed = group.subgroup(Exception)
-            if failed is None:
-                raise
+            outcome = await self._work()
+        except asyncio.CancelledError:
+            if not self._cut_by_renewal or work.uncancel() > 0:
+                raise  # cancelled from outside (the drain deadline, a second signal)
+        except LeaseLost:
+            if self._cut_by_renewal:
+                work.uncancel()  # the renewal's cancel was turned into this on the way
+        except Exception as e:
+            error = e
+            if self._cut_by_renewal:
+                work.uncancel()
+        else:
+            if self._cut_by_renewal:
+                work.uncancel()  # the renewal's cancel was swallowed on the way
+        finally:
+            await self._stop_renewals()
+        if self._cut_by_renewal or (outcome is None and error is None):
+            # A renewal found the lease lost (and cancelled the work), or the work found it lost.
+            self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self.lease.lost_reason or "lease lost")
+            return Outcome.LEASE_LOST
+        if error is not None:
             # A processor or NATS failure: give the key back now, not after ack_wait, with a short
             # delay so a failure that repeats cannot spin through the fleet.
-            first = failed.exceptions[0]
-            self.ending = SessionEnd(Outcome.FAILED, reason=repr(first), error=first)  # the observer logs it
+            self.ending = SessionEnd(Outcome.FAILED, reason=repr(error), error=error)  # the observer logs it
             await self._give_back_shielded(Outcome.FAILED)
             return Outcome.FAILED
+        assert outcome is not None
         self.ending = SessionEnd(outcome)
         await self._give_back_shielded(outcome)
         return outcome
 
-    async def _keepalive(self) -> None:
-        while True:
-            await asyncio.sleep(min(self.lease.interval, max(0.0, self.lease.remaining())))
-            try:
-                await self.lock.renew()
-            except LeaseLost:
-                raise
-            except Exception as e:
-                log.debug("lease renewal for %s failed: %r", self.key, e)
-            if not self.lease.valid():
-                raise LeaseLost(self.lease.lost_reason)
-            with contextlib.suppress(Exception):
-                await self.io.keepalive(self.token)
+    def _schedule_renewal(self) -> None:
+        delay = min(self.lease.interval, max(0.0, self.lease.remaining()))
+        self._renewal_timer = asyncio.get_running_loop().call_later(delay, self._start_renewal)
+
+    def _start_renewal(self) -> None:
+        self._renewal_timer = None
+        self._renewal = asyncio.ensure_future(self._renew())
+
+    async def _renew(self) -> None:
+        """One renewal of the lease record (and a ``+WPI`` for the token); the next is scheduled
+        after it. A lost lease cancels the work."""
+        try:
+            await self.lock.renew()
+        except LeaseLost:
+            pass
+        except Exception as e:
+            log.debug("lease renewal for %s failed: %r", self.key, e)
+        if not self.lease.valid():
+            self._cut_by_renewal = True
+            if self._work_task is not None:
+                self._work_task.cancel()
+            return
+        with contextlib.suppress(Exception):
+            await self.io.keepalive(self.token)
+        if self._work_task is not None:
+            self._schedule_renewal()
+
+    async def _stop_renewals(self) -> None:
+        self._work_task = None  # no renewal is scheduled after this
+        renewal, self._renewal = self._renewal, None
+        if renewal is not None and not renewal.done():
+            renewal.cancel()
+            await asyncio.wait([renewal])
+        if self._renewal_timer is not None:
+            self._renewal_timer.cancel()
+            self._renewal_timer = None
 
     async def _work(self) -> Outcome:
         await self.observer.wait_for_room()
@@ -319,10 +396,14 @@ class KeySession:
                     reason = "shutdown"
                     break
                 self.lease.check()
-                if self.buffer or self.more or (watch is not None and watch.event.is_set()):
-                    woken = watch is not None and watch.event.is_set() and not self.buffer and not self.more
-                    if watch is not None:
-                        watch.event.clear()
+                if self.buffer or self.more or (watch is not None and watch.arrived):
+                    woken = watch is not None and watch.arrived and not self.buffer and not self.more
+                    if watch is not None and watch.arrived:
+                        # A watch wakes once. While the key is busy it has none (the worker is
+                        # not sent a copy of each of its requests); the next is opened, followed
+                        # by one more read, when the session must wait again.
+                        spent, watch = watch, None
+                        await spent.close()
                     batch = await self._read(processor)
                     if not batch and woken:
                         batch = await self._read_after_arrival(processor)
@@ -330,15 +411,20 @@ class KeySession:
                         await self._process(processor, batch)
                         # With requests read ahead and deletes pipelined, a session can go many
                         # requests without awaiting I/O: yield, so other keys, keepalives and the
-                        # connection's flusher run between requests.
-                        await asyncio.sleep(0)
+                        # connection's flusher run between requests, and a few busy sessions per
+                        # loop iteration only, so a key that just arrived is not kept waiting.
+                        await self.turns.take()
                         continue
                 if self.should_yield():
                     break
+                self._hurry(False)
                 if watch is None:
                     watch = await self.io.watch(self.key)
                     self.more = True
                     continue
+                # A key waiting for requests keeps no replies: drop the deletes confirmed by now
+                # (the read just above was answered after them); the release settles the rest.
+                self.deletes = [d for d in self.deletes if not self.io.confirmed(d)]
                 if not await self._await_arrival(watch):
                     break
             return await self._release(processor, reason)
@@ -354,15 +440,31 @@ class KeySession:
         return await built if inspect.isawaitable(built) else built
 
     async def _await_arrival(self, watch: Watch) -> bool:
-        """Wait for a new request; False once ``linger`` passes (or a drain starts) with none."""
-        waiters = {asyncio.ensure_future(watch.event.wait()), asyncio.ensure_future(self.draining.wait())}
+        """Wait for a new request; False once ``linger`` passes (or a drain starts) with none.
+
+        True also asks for one more read (``more``), once per watch, after ``ARRIVAL_GRACE``."""
+        # One future, woken by the watch or the drain (no helper tasks: thousands of held keys
+        # wait here at once).
+        if self.draining.is_set():
+            return False
+        if watch.arrived:  # it landed during the read that followed the subscribe
+            return True
+        # A request published just before the subscribe reached the server can be stored only
+        # after the read that followed it (the server stores asynchronously): the watch never sees
+        # it and that read missed it. So a long wait reads once more after ARRIVAL_GRACE.
+        recheck = not watch.rechecked and self.settings.linger > ARRIVAL_GRACE
+        self._waiter = watch.waiter = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait(waiters, timeout=self.settings.linger,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            async with asyncio.timeout(ARRIVAL_GRACE if recheck else self.settings.linger):
+                await self._waiter
+        except TimeoutError:
+            if recheck and not self.draining.is_set():
+                watch.rechecked = True
+                self.more = True
+                return True
         finally:
-            for w in waiters:
-                w.cancel()
-        return watch.event.is_set() and not self.draining.is_set()
+            self._waiter = watch.waiter = None
+        return watch.arrived and not self.draining.is_set()
 
     async def _read_after_arrival(self, processor: KeyProcessor) -> list[StoredMsg]:
         """Read again, briefly, after an arrival found nothing: core subscribers can see a
@@ -389,7 +491,9 @@ class KeySession:
             self.buffer.extend(msgs)
             if not self.more:
                 break
-        return [self.buffer.popleft() for _ in range(min(want, len(self.buffer)))]
+        batch = self.buffer[:want]
+        del self.buffer[:want]
+        return batch
 
     # --- processing with retries -----------------------------------------------------------------
 
@@ -399,11 +503,12 @@ class KeySession:
             self.counted_head = True
             runs = await self._count_head_run(batch[0])
             if runs > self.settings.crash_loop_limit:
-                self.buffer.extendleft(reversed(batch[1:]))
+                self.buffer[0:0] = batch[1:]
                 error = KeyqueueError(f"this request was at the head of {runs} sessions of redelivered tokens: "
                                       "workers keep dying or losing the lease on it")
                 await self._dead_letter([batch[0]], error, runs, reason="crash-loop")
                 return
+        self._hurry(False)
         requests = [Request(self.key, m.seq, m.subject, m.headers, m.data) for m in batch]
         head = requests[0]
         self._in_hand = head.seq
@@ -444,7 +549,7 @@ class KeySession:
             # A batch processor may handle a prefix of the batch (the rest stays at the head, in
             # order) and may reject single requests by returning the exception in their place.
             handled = len(outcomes)
-            self.buffer.extendleft(reversed(batch[handled:]))
+            self.buffer[0:0] = batch[handled:]
             batch, requests = batch[:handled], requests[:handled]
             for msg, outcome in zip(batch, outcomes, strict=True):
                 if isinstance(outcome, BaseException):

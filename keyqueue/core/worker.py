@@ -48,6 +48,7 @@ from keyqueue.core.observer import (
 from keyqueue.core.processor import ProcessorFactory, Request, RequestContext
 from keyqueue.core.reconciler import Reconciler
 from keyqueue.core.session import KeySession, SessionSettings
+from keyqueue.core.turns import Turns
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import LogThrottle
@@ -119,6 +120,8 @@ class QueueWorker:
         self._started = asyncio.Event()
         self._start_error: BaseException | None = None
         self._held: dict[str, KeySession] = {}
+        self.turns = Turns()
+        """Loop iterations shared between busy sessions (core/turns.py)."""
         self._last_tick = time.monotonic()
         self._stale_after = self.settings.ack_wait - Lease.default_margin(self.settings.ack_wait)
         """A stall this long may have outlived every lease this worker held."""
@@ -170,7 +173,8 @@ class QueueWorker:
                 await self.io.nak(token)
             return
         session = KeySession(self.io, token, self.factory, self.settings, observer=self.report,
-                             draining=self.draining, should_yield=self._should_yield, worker=self.name)
+                             draining=self.draining, should_yield=self._should_yield, worker=self.name,
+                             turns=self.turns)
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session
@@ -280,6 +284,8 @@ class QueueWorker:
         """Begin a graceful drain; ``now`` cuts running requests off (they run again elsewhere)."""
         self._stop_now = self._stop_now or now
         self.draining.set()
+        for session in list(self._held.values()):
+            session.wake()  # a session waiting for a request notices the drain at once
         if now:
             for task in list(self.sessions.values()):
                 task.cancel()

@@ -16,7 +16,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from keyqueue.errors import ConnectionFailed, JetStreamError, KeyqueueTimeout, from_api_error
+from keyqueue.errors import ConnectionFailed, JetStreamError, KeyqueueError, KeyqueueTimeout, from_api_error
 from keyqueue.jetstream.api import (
     DESCRIPTION,
     STATUS,
@@ -49,11 +49,33 @@ HEAD_TTL: Final = 24 * 3600
 
 
 class Watch:
-    """A core subscription on one key's inbox subject: wakes the session when a request lands."""
+    """A core subscription on one key's inbox subject that wakes once, when a request lands: it
+    says so (:attr:`arrived`) and wakes the session waiting for one (:attr:`waiter`).
+
+    A held key that waits for requests keeps one open, so it is made small: a nats-py subscription
+    with a future rather than a callback (a callback subscription runs a task and a queue per key;
+    this is how nats-py's own old-style requests subscribe), and one wake-up, after which the
+    session opens a fresh watch before it reads again."""
+
+    __slots__ = ("arrived", "rechecked", "sub", "waiter")
 
     def __init__(self) -> None:
-        self.event = asyncio.Event()
+        self.arrived = False
+        """A request landed on the key's subject (the session clears it before it reads)."""
+        self.waiter: asyncio.Future[None] | None = None
+        """Set while the session waits for a request: resolved when one lands."""
         self.sub: Any = None
+        self.rechecked = False
+        """The session read once more while it waited (a store can lag behind the subscribe)."""
+
+    def notify(self) -> None:
+        self.arrived = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def _landed(self, landed: asyncio.Future[Msg]) -> None:
+        if not landed.cancelled():
+            self.notify()
 
     async def close(self) -> None:
         if self.sub is not None:
@@ -81,6 +103,9 @@ class QueueIO:
         self.read_mux = RequestMux(nc)
         """Reads (latency-critical)."""
         self.timeout = self.api.timeout
+        self._no_messages: asyncio.Queue[Msg] = asyncio.Queue()
+        """The message queue every arrival watch's subscription shares (see :meth:`watch`)."""
+        self._subscribing = asyncio.Lock()
 
     # --- the key's requests ----------------------------------------------------------------------
 
@@ -129,7 +154,7 @@ class QueueIO:
 
     async def delete_soon(self, seq: int) -> asyncio.Future[list[Msg]]:
         """Send a delete without waiting for its reply; settle the futures with :meth:`settle`."""
-        body = json.dumps({"seq": seq, "no_erase": True}).encode()
+        body = b'{"seq":%d,"no_erase":true}' % seq  # once per request: no JSON encoder
         return await self.mux.send(f"{self.api.prefix}.STREAM.MSG.DELETE.{self.names.inbox_stream}", body)
 
     async def settle(self, futures: list[asyncio.Future[list[Msg]]]) -> None:
@@ -149,17 +174,39 @@ class QueueIO:
                 if e.err_code != NO_MESSAGE_FOUND:
                     raise
 
+    def confirmed(self, future: asyncio.Future[list[Msg]]) -> bool:
+        """Whether a pipelined delete is done and succeeded (its message is gone), without waiting."""
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            return False
+        try:
+            raise_for_reply(json.loads(future.result()[0].data))
+        except JetStreamError as e:
+            return e.err_code == NO_MESSAGE_FOUND
+        except (KeyqueueError, ValueError, IndexError):
+            return False
+        return True
+
     async def purge_through(self, key: str, seq: int) -> int:
         """Remove the key's requests up to and including ``seq``."""
         return await self.api.purge(self.names.inbox_stream, subject=self.names.inbox(key), up_to_seq=seq + 1)
 
     async def watch(self, key: str) -> Watch:
+        """Watch the key's inbox subject for the next request that lands (once)."""
         watch = Watch()
-
-        async def arrived(_: Msg) -> None:
-            watch.event.set()
-
-        watch.sub = await self.nc.subscribe(self.names.inbox(key), cb=arrived)
+        landed: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        landed.add_done_callback(watch._landed)
+        # One subscribe at a time: nats-py's subscribe waits for room in its flusher's queue
+        # (1,024 entries), so a thousand keys that all start waiting at once would each hold a
+        # half-built subscription meanwhile.
+        async with self._subscribing:
+            # max_msgs=1: nats-py forgets the subscription at its first message (later ones,
+            # until the unsubscribe reaches the server, are dropped): the future is set at most once.
+            sub = await self.nc.subscribe(self.names.inbox(key), future=landed, max_msgs=1)
+            # A future subscription never uses its message queue (an asyncio.Queue: four deques,
+            # 3 KB) but nats-py builds one for each: share one empty queue instead, so that ten
+            # thousand waiting keys do not hold 30 MB of empty queues.
+            sub._pending_queue = self._no_messages
+        watch.sub = sub
         return watch
 
     # --- outputs ---------------------------------------------------------------------------------

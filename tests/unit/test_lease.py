@@ -175,7 +175,7 @@ def test_keepalives_go_out_every_third_of_ack_wait() -> None:
 
 
 def keep_alive(lease: Lease, clock: Clock, round_trip: float, renewals: int) -> bool:
-    """The session's keepalive loop (core/session.py ``KeySession._keepalive`` with
+    """The session's keepalive loop (core/session.py ``KeySession._renew`` with
     ``KeyLock.renew``): sleep ``min(interval, remaining)``, check, send, confirm on reply. True if
     the lease survived ``renewals`` rounds."""
     for _ in range(renewals):

@@ -70,6 +70,9 @@ class FakeIO:
     async def settle(self, futures: Sequence[asyncio.Future[None]]) -> None:
         return None
 
+    def confirmed(self, future: asyncio.Future[None]) -> bool:
+        return future.done()
+
     async def purge_through(self, key: str, seq: int) -> int:
         self.writes.append(("purge", seq))
         gone = [s for s in self.inbox if s <= seq]
@@ -322,6 +325,52 @@ async def test_a_lost_lease_ends_the_session_without_a_word_to_the_key() -> None
     assert "another worker" in steps.ends[0].reason
     assert sent(io, "ack", "nak", "delete", "purge", "reply", "dead_letter", "schedule") == []
     assert 1 in io.inbox and 2 in io.inbox
+
+
+async def test_a_lease_lost_while_waiting_for_requests_ends_the_wait_and_the_session() -> None:
+    io = FakeIO(stored(1, b"x"))
+    steps = Steps()
+    closed: list[str] = []
+
+    class Steals(Handles):
+        async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+            io.steal()  # another worker takes the key while this one waits for its next request
+            return None
+
+        async def close(self, ctx: SessionContext, reason: str) -> None:
+            closed.append(reason)
+
+    settings = SessionSettings(ack_wait=0.3, linger=60.0)  # the renewal, not the linger, ends it
+    s = KeySession(cast(QueueIO, io), token(), lambda key: Steals(steps), settings, observer=steps,
+                   draining=asyncio.Event(), worker="w1")
+    async with asyncio.timeout(5):
+        assert await s.run() is Outcome.LEASE_LOST
+    assert closed == ["lease-lost"]
+    assert steps.ends[0].outcome is Outcome.LEASE_LOST
+    assert sent(io, "ack", "nak", "reply", "schedule") == []
+
+
+async def test_a_drain_ends_a_session_waiting_for_requests_at_once() -> None:
+    watching = asyncio.Event()
+
+    class Watched(FakeIO):
+        async def watch(self, key: str) -> Watch:
+            watching.set()
+            return await super().watch(key)
+
+    io = Watched(stored(1, b"x"))
+    steps = Steps()
+    draining = asyncio.Event()
+    settings = SessionSettings(ack_wait=30.0, linger=60.0)  # the drain, not the linger, ends it
+    s = KeySession(cast(QueueIO, io), token(), lambda key: Handles(steps), settings, observer=steps,
+                   draining=draining, worker="w1")
+    task = asyncio.ensure_future(s.run())
+    await watching.wait()  # the request ran; the session waits for the next one, or is about to
+    draining.set()
+    s.wake()  # what QueueWorker.stop() does for every session it holds
+    async with asyncio.timeout(5):
+        assert await task is Outcome.RELEASED
+    assert sent(io, "delete", "ack") == [("delete", 1), ("ack", "$JS.ACK.token.1")]
 
 
 async def test_a_key_held_elsewhere_until_the_drain_is_contended() -> None:

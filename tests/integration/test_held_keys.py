@@ -1,0 +1,80 @@
+"""Keys held while they wait for requests: what each costs, and that each still wakes on every
+arrival (the arrival watch wakes once and is opened again; issue 14, memory per held key)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client
+from queue_workers import running
+from ulid import ULID
+
+from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
+from keyqueue.core.session import SessionSettings
+from keyqueue.core.worker import QueueWorker
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.publish import OutgoingRequest, Publisher
+from keyqueue.jetstream.topology import QueueConfig, Topology
+from keyqueue.wire import headers as H
+
+KEYS = 20
+
+
+def request(key: str, body: bytes) -> OutgoingRequest:
+    rid = str(ULID())
+    return OutgoingRequest(key, {H.MSG_ID: rid}, body, rid)
+
+
+class Counting(BaseProcessor):
+    """Records what ran, and wakes whoever waits for the n-th request."""
+
+    def __init__(self) -> None:
+        self.ran: list[tuple[str, bytes]] = []
+        self.changed = asyncio.Event()
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        self.ran.append((request.key, request.data))
+        self.changed.set()
+        return None
+
+    async def ran_at_least(self, count: int) -> None:
+        async with asyncio.timeout(30):
+            while len(self.ran) < count:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def others() -> set[str]:
+    """The running tasks other than key sessions, by name and coroutine."""
+    return {f"{t.get_name()} {t.get_coro()!r}" for t in asyncio.all_tasks() if not t.get_name().startswith("session:")}
+
+
+async def test_a_key_waiting_for_requests_costs_one_task_and_wakes_on_each_arrival(nc: Client) -> None:
+    config = QueueConfig("held", ack_wait=30.0)
+    await Topology(JetStreamApi(nc), config).ensure()
+    publisher = Publisher(nc, config.names)
+    processor = Counting()
+    # A long linger: every session stays, waiting for its key's next request.
+    worker = QueueWorker(nc, config, lambda key: processor, concurrency=1 + KEYS,
+                         settings=SessionSettings(ack_wait=30.0, linger=120.0))
+    async with running(worker):
+        # A first key warms up what the worker shares between keys (its request muxes).
+        await publisher.enqueue(request("warm", b"first"))
+        await processor.ran_at_least(1)
+        before = others()
+        await publisher.enqueue_many([request(f"k{i}", b"first") for i in range(KEYS)])
+        await processor.ran_at_least(1 + KEYS)
+        assert len(worker.sessions) == 1 + KEYS
+        # One task per held key (its session): no keepalive task, no subscription task, no
+        # helper tasks around the wait. (A few shared ones may start meanwhile: a renewal in
+        # flight, the producer's reply subscription.)
+        assert sum(t.get_name().startswith("session:") for t in asyncio.all_tasks()) == 1 + KEYS
+        extra = others() - before
+        assert len(extra) <= 3, sorted(extra)
+
+        # The same sessions run each later request: a watch that woke is opened again.
+        for n in range(3):
+            await publisher.enqueue(request("k0", b"again%d" % n))
+            await processor.ran_at_least(1 + KEYS + n + 1)
+        assert worker.counts.get("acquired") == 1 + KEYS
+    assert [data for key, data in processor.ran if key == "k0"] == [b"first", b"again0", b"again1", b"again2"]
