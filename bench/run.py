@@ -103,10 +103,12 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
         product = await measure(server.url, sizes.hot_keys, sizes.hot_per_key, sizes.cold_keys)
         _ratio(report.add(Row(PRODUCT_HOT, KQ, product.hot, "req/s",
                               f"{sizes.hot_total:,} requests; one `keyqueue worker` process (128 slots), "
-                              "default processor, hooks and the events plugin; producer on Task.enqueue_many")),
+                              "default processor, hooks and the events plugin; producer on Task.enqueue_many; "
+                              f"worker CPU {product.hot_cpu_us:.0f} us/request")),
                rates.fetch_ack, RAW_FETCH, 0.5)
         _ratio(report.add(Row(PRODUCT_COLD, KQ, product.cold, "req/s",
-                              f"{sizes.cold_keys:,} keys; the same worker")), rates.fetch_ack, RAW_FETCH, 0.25)
+                              f"{sizes.cold_keys:,} keys; the same worker; worker CPU {product.cold_cpu_us:.0f} "
+                              "us/request")), rates.fetch_ack, RAW_FETCH, 0.25)
 
         per_change_set = 40 if sizes.mode == "full" else 10
         say(f"7. Rebaser: 50 change sets x {per_change_set} updates ...")

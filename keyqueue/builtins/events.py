@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import os
 import time
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
 
     from keyqueue.app.application import App
     from keyqueue.app.worker import Worker
-    from keyqueue.core.processor import Request, RequestContext
     from keyqueue.tasks.task import TaskRequest
 
 __all__ = ["ENABLE_ENV", "SAMPLE_ENV", "enabled", "publish", "sample_rate", "sampled"]
@@ -90,7 +88,17 @@ def sampled(identity: str | None, rate: float) -> bool:
     return rate >= 1.0 or zlib.crc32((identity or "").encode()) % 10_000 < rate * 10_000
 
 
-_CROCKFORD: Final = {c: i for i, c in enumerate("0123456789ABCDEFGHJKMNPQRSTVWXYZ")}
+class _CrockfordDigits(dict[int, str]):
+    """A ``str.translate`` table: each Crockford base-32 symbol to the digit ``int(..., 32)`` reads
+    for its value, anything else to ``!`` (which ``int`` refuses)."""
+
+    def __missing__(self, char: int) -> str:
+        return "!"
+
+
+_CROCKFORD: Final = _CrockfordDigits(
+    (ord(symbol), "0123456789abcdefghijklmnopqrstuv"[value])
+    for value, symbol in enumerate("0123456789ABCDEFGHJKMNPQRSTVWXYZ"))
 
 
 def _enqueued_at(request_id: str) -> float | None:
@@ -98,11 +106,9 @@ def _enqueued_at(request_id: str) -> float | None:
     milliseconds, then randomness), else None."""
     if len(request_id) != 26:
         return None
-    ms = 0
     try:
-        for c in request_id[:10].upper():
-            ms = ms * 32 + _CROCKFORD[c]
-    except KeyError:
+        ms = int(request_id[:10].upper().translate(_CROCKFORD), 32)
+    except ValueError:
         return None
     return ms / 1000.0 if ms < 1 << 48 else None
 
@@ -119,6 +125,8 @@ class _AppEvents:
         self.rate = sample_rate()
         self.ensured: set[str] = set()
         self._nc: tuple[asyncio.AbstractEventLoop, Client] | None = None
+        self._subjects: dict[tuple[str, str], str] = {}
+        """(queue, event name) -> the event's subject."""
 
     async def _connection(self) -> Client:
         loop = asyncio.get_running_loop()
@@ -140,6 +148,24 @@ class _AppEvents:
 
     async def publish(self, body: dict[str, Any]) -> None:
         await self.publish_many(body["queue"], [body])
+
+    async def publish_one(self, queue: str, body: dict[str, Any]) -> None:
+        """``publish_many(queue, [body])`` for an event already sampled, on the path every request takes."""
+        cached = self._nc
+        if cached is None or queue not in self.ensured or self.app._eager is not None:
+            await self.publish_many(queue, [body])
+            return
+        try:
+            loop, nc = cached
+            if loop is not asyncio.get_running_loop() or not nc.is_connected:
+                nc = await self._connection()
+            subject = self._subjects.get((queue, body["event"]))
+            if subject is None:
+                subject = self._subjects[queue, body["event"]] = f"kq.{queue}.events.{body['event']}"
+            # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
+            await publish_static(nc, subject, cbor2.dumps(body), _HEADERS)
+        except Exception as exc:  # telemetry must never fail the work
+            log.debug("events of queue %s not published: %r", queue, exc)
 
     async def publish_many(self, queue: str, bodies: Sequence[dict[str, Any]]) -> None:
         """Publish events of one queue, in order (core publishes: buffered, no ack awaited)."""
@@ -177,7 +203,7 @@ async def _emit(worker: Worker, name: str, queue: str, key: str | None, request_
     state = _APPS.get(worker.app) or _of(worker.app)
     if state.on and (state.rate >= 1.0 or sampled(request_id or key, state.rate)):
         # event() with its checks, spelt out: this runs several times per request.
-        await state.publish({"event": name, "ts": time.time(), "queue": queue, "key": key,
+        await state.publish_one(queue, {"event": name, "ts": time.time(), "queue": queue, "key": key,
                              "request_id": request_id, "task": task, "worker": worker.name, "attempt": attempt,
                              "wait": wait, "run": run, "reason": reason, "triggers": None, "run_id": None})
 
@@ -240,24 +266,6 @@ def keyqueue_wrap_enqueue(app: App, request: TaskRequest) -> _Enqueue | None:
 # --- processing ------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _timed(request_id: str) -> Any:
-    started = time.monotonic()
-    try:
-        yield
-    finally:
-        _RUNS[request_id] = time.monotonic() - started
-        _RUNS.move_to_end(request_id)
-        while len(_RUNS) > _RUNS_KEPT:
-            _RUNS.popitem(last=False)
-
-
-@hookimpl(trylast=True)
-def keyqueue_wrap_process(queue: str, key: str, requests: Sequence[Request], context: RequestContext) -> Any:
-    request_id = getattr(requests[0], "request_id", None) if requests else None
-    return _timed(request_id) if isinstance(request_id, str) and request_id else None
-
-
 @hookimpl(trylast=True)
 def keyqueue_worker_started(worker: Worker) -> Any:
     state = _of(worker.app)
@@ -289,6 +297,15 @@ async def keyqueue_request_started(worker: Worker, queue: str, key: str, request
     wait = max(0.0, time.time() - enqueued_at) if enqueued_at is not None else None
     await _emit(worker, "started", queue, key, request_id=request_id, task=message_type, attempt=attempt,
                 wait=wait)
+
+
+@hookimpl(trylast=True)
+def keyqueue_request_failed(request_id: str, elapsed: float) -> None:
+    # Remembered for the run of a dead_lettered event, which follows the last failed attempt.
+    _RUNS[request_id] = elapsed
+    _RUNS.move_to_end(request_id)
+    while len(_RUNS) > _RUNS_KEPT:
+        _RUNS.popitem(last=False)
 
 
 @hookimpl(trylast=True)

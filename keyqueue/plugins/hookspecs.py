@@ -196,11 +196,12 @@ def keyqueue_request_started(
 
 @hookspec
 def keyqueue_request_failed(
-    worker: Worker, queue: str, key: str, request_id: str, message_type: str, attempt: int, error: BaseException
+    worker: Worker, queue: str, key: str, request_id: str, message_type: str, attempt: int, error: BaseException,
+    elapsed: float,
 ) -> Awaitable[None] | None:
     """An attempt raised ``error``; a ``retried`` or ``dead_lettered`` event follows.
 
-    Closing hook (reverse order). May be async.
+    ``elapsed`` is the failed attempt's duration in seconds. Closing hook (reverse order). May be async.
     """
 
 

@@ -19,7 +19,7 @@ import importlib.metadata
 import inspect
 import logging
 import os
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -91,6 +91,8 @@ class PluginManager(pluggy.PluginManager):
 
     def __init__(self, *, autoload: bool = True, plugins: Iterable[object] = ()) -> None:
         super().__init__(PROJECT)
+        self._implementations: dict[str, tuple[pluggy.HookImpl, ...]] = {}
+        """Hook name -> its implementations, until a plugin is registered or unregistered."""
         self.add_hookspecs(hookspecs)
         self.distributions: dict[str, str] = {}
         """Plugin name -> ``distribution version`` for entry-point plugins."""
@@ -111,6 +113,33 @@ class PluginManager(pluggy.PluginManager):
             shown = name or getattr(plugin, "__name__", None) or type(plugin).__qualname__
             detail = " ".join(str(exc).split())  # pluggy's message spans lines
             raise ConfigError(f"plugin {shown} cannot be registered: {detail}") from exc
+        finally:
+            self._implementations.clear()
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> Any | None:
+        try:
+            return super().unregister(plugin, name)
+        finally:
+            self._implementations.clear()  # set_blocked unregisters too
+
+    def implementations(self, hook_name: str) -> tuple[pluggy.HookImpl, ...]:
+        """The implementations of a hook, in registration order (pluggy calls them last first).
+
+        Looked up once until a plugin is registered or unregistered, so the worker can skip, per
+        request, what no plugin implements.
+        """
+        impls = self._implementations.get(hook_name)
+        if impls is None:
+            caller = getattr(self.hook, hook_name, None)
+            impls = tuple(caller.get_hookimpls()) if isinstance(caller, pluggy.HookCaller) else ()
+            self._implementations[hook_name] = impls
+        return impls
+
+    def implemented_only_by(self, hook_name: str, function: Callable[..., Any]) -> bool:
+        """Whether ``function`` is the one implementation of a hook (a built-in one, say, whose
+        answer the caller can then compute without calling the hook)."""
+        impls = self.implementations(hook_name)
+        return len(impls) == 1 and impls[0].function is function
 
     def _load_entry_points(self) -> None:
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -159,12 +188,13 @@ class PluginManager(pluggy.PluginManager):
         ``reverse`` runs the implementations in the opposite of pluggy's order (closing hooks).
         A failing implementation is logged with its plugin's name and the rest still run.
         """
-        impls = getattr(self.hook, hook_name).get_hookimpls()
-        # get_hookimpls() lists implementations in registration order; pluggy calls them last first.
+        impls = self.implementations(hook_name)
+        # Listed in registration order; pluggy calls them last first.
         for impl in impls if reverse else reversed(impls):
             try:
-                args = [kwargs[name] for name in impl.argnames]
-                await maybe_await(impl.function(*args))
+                result = impl.function(*[kwargs[name] for name in impl.argnames])
+                if inspect.isawaitable(result):
+                    await result
             except Exception:
                 log.exception("plugin %s failed in %s; carrying on", impl.plugin_name, hook_name)
 
@@ -174,7 +204,12 @@ class PluginManager(pluggy.PluginManager):
 
     async def enter_wrappers(self, stack: AsyncExitStack, hook_name: str, **kwargs: Any) -> None:
         """Enter every context manager of an around-style hook on ``stack`` (exited in reverse)."""
-        for wrapper in self.wrappers(hook_name, **kwargs):
+        await self.enter_each(stack, hook_name, self.wrappers(hook_name, **kwargs))
+
+    @staticmethod
+    async def enter_each(stack: AsyncExitStack, hook_name: str, wrappers: Iterable[Any]) -> None:
+        """Enter ``wrappers`` (what an around-style hook returned) on ``stack``, in order."""
+        for wrapper in wrappers:
             if hasattr(wrapper, "__aenter__"):
                 await stack.enter_async_context(wrapper)
             elif hasattr(wrapper, "__enter__"):
@@ -239,9 +274,10 @@ class LifecycleHooks:
                            message_type=message_type, attempt=attempt)
 
     async def request_failed(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                             attempt: int, error: BaseException) -> None:
+                             attempt: int, error: BaseException, elapsed: float) -> None:
         await self._notify("keyqueue_request_failed", reverse=True, worker=worker, queue=queue, key=key,
-                           request_id=request_id, message_type=message_type, attempt=attempt, error=error)
+                           request_id=request_id, message_type=message_type, attempt=attempt, error=error,
+                           elapsed=elapsed)
 
     async def request_retried(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
                               attempt: int, delay: float, error: str) -> None:

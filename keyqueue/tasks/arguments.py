@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from keyqueue.errors import (
+    Cancelled,
     ConfigError,
     DeadLettered,
     MalformedBody,
@@ -35,6 +36,7 @@ from keyqueue.wire import CBOR, check_plain, decode_envelope_fields, dumps, from
 from keyqueue.wire import headers as H
 
 __all__ = [
+    "CANCELLED_BY",
     "ArgumentCodec",
     "KeyMaker",
     "Upgrade",
@@ -44,12 +46,17 @@ __all__ = [
     "encode_result",
     "result_headers",
     "takes_context",
+    "upgrade_arguments",
 ]
 
 Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
 """Turns the arguments of version ``v`` of a task into those of version ``v + 1``."""
 
 _CONTEXT_NAME: Final = "ctx"
+
+CANCELLED_BY: Final = "(cancelled)"
+"""``X-KQ-Superseded-By`` of the reply to a request cancelled before it started (status ``superseded``,
+so the key session removes it like a superseded request); no request id has a space, so none is confused with it."""
 
 
 def takes_context(fn: Callable[..., Any]) -> bool:
@@ -103,6 +110,14 @@ class ArgumentCodec:
         }
         self.result_dataclass = _dataclass_type(hints.get("return"))
         self.types = ArgumentTypes(task, self.signature.parameters, hints)
+        # to_call's fast path, for functions whose parameters all take plain values by name (most):
+        # the names in order (True for keyword-only ones), which are required, and all of them.
+        simple = not self.dataclass_params and all(
+            p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+        self._plan: tuple[tuple[str, bool], ...] | None = (
+            tuple((p.name, p.kind is p.KEYWORD_ONLY) for p in params) if simple else None)
+        self._names = frozenset(p.name for p in params)
+        self._required = frozenset(p.name for p in params if p.default is p.empty)
 
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> inspect.BoundArguments:
         """Bind call arguments like a call to the function would, and check them against the annotations.
@@ -131,7 +146,28 @@ class ArgumentCodec:
         return dumps(dict(fields), CBOR)
 
     def to_call(self, fields: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-        """Positional and keyword arguments for the function from a decoded field map."""
+        """Positional and keyword arguments for the function from a decoded field map.
+
+        ``MalformedBody`` if the fields do not fit the function's signature.
+        """
+        plan = self._plan
+        if plan is not None and self._required <= fields.keys() <= self._names:
+            # Every field names a parameter and every required one is there, so the call binds:
+            # the same arguments as below, without building and checking a BoundArguments.
+            args: list[Any] = []
+            kwargs: dict[str, Any] = {}
+            positional = True  # as below: positional until the first parameter left out
+            for name, keyword_only in plan:
+                if name not in fields:
+                    positional = positional and keyword_only
+                elif positional and not keyword_only:
+                    args.append(fields[name])
+                else:
+                    kwargs[name] = fields[name]
+            return args, kwargs
+        return self._to_call(fields)
+
+    def _to_call(self, fields: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         remaining = dict(fields)
         args: list[Any] = []
         kwargs: dict[str, Any] = {}
@@ -169,9 +205,20 @@ def decode_arguments(
 ) -> dict[str, Any]:
     """The arguments of a request of ``task``, upgraded to ``version``; ``WireError`` if unreadable."""
     envelope, fields = decode_envelope_fields(headers, body)
-    if envelope.version > version:
-        raise UnsupportedVersion(task, envelope.version, version)
-    for step in range(envelope.version, version):
+    return upgrade_arguments(task, version, upgrades, envelope.version, fields)
+
+
+def upgrade_arguments(
+    task: str, version: int, upgrades: Mapping[int, Upgrade], received: int, fields: dict[str, Any]
+) -> dict[str, Any]:
+    """``fields``, the arguments of version ``received`` of ``task``, upgraded to ``version``.
+
+    ``UnsupportedVersion`` if ``received`` is newer than ``version``, ``MalformedBody`` if an
+    upgrade fails.
+    """
+    if received > version:
+        raise UnsupportedVersion(task, received, version)
+    for step in range(received, version):
         try:
             upgraded = upgrades[step](dict(fields))
         except Exception as exc:
@@ -267,8 +314,8 @@ def result_headers(task: str, version: int) -> dict[str, str]:
 def decode_result(headers: Mapping[str, str], body: bytes, request_id: str, result_type: type | None = None) -> Any:
     """The result a reply carries, or the typed error it reports.
 
-    ``Superseded`` (policy ``latest``), ``DeadLettered`` (with the remote error's type name and
-    message), ``RemoteError`` for any other failure status.
+    ``Superseded`` (policy ``latest``), ``Cancelled`` (cancelled before it started), ``DeadLettered``
+    (with the remote error's type name and message), ``RemoteError`` for any other failure status.
     """
     status = headers.get(H.STATUS, "")
     error_type = headers.get(H.ERROR_TYPE, "")
@@ -281,6 +328,8 @@ def decode_result(headers: Mapping[str, str], body: bytes, request_id: str, resu
             return from_fields(result_type, value)
         return value
     if status == H.STATUS_SUPERSEDED:
+        if headers.get(H.SUPERSEDED_BY) == CANCELLED_BY:
+            raise Cancelled(request_id)
         raise Superseded(request_id, headers.get(H.SUPERSEDED_BY, "unknown"))
     if status == H.STATUS_DEAD_LETTERED:
         reason = headers.get(H.DLQ_REASON, "")

@@ -64,6 +64,8 @@ async def invoke(task: str, fn: Callable[..., Any], args: Sequence[Any], kwargs:
     ``timeout`` (seconds, or None) bounds the run; past it the run fails with ``KeyqueueTimeout``.
     """
     if inspect.iscoroutinefunction(fn):
+        if timeout is None:
+            return await fn(*args, **kwargs)  # no deadline to keep: no timeout context to enter
         deadline = asyncio.timeout(timeout)
         try:
             async with deadline:

@@ -55,6 +55,12 @@ _CORE_HEADERS: Final = frozenset(
     name.lower() for name in (CONTENT_TYPE, MESSAGE_TYPE, MESSAGE_VERSION, MSG_ID, REPLY_INBOX, TRACEPARENT)
 )
 _NATS_HEADER_LINE: Final = len(b"NATS/1.0\r\n")
+_CONTENT_TYPE_FOLDED: Final = CONTENT_TYPE.lower()
+_MESSAGE_TYPE_FOLDED: Final = MESSAGE_TYPE.lower()
+_MESSAGE_VERSION_FOLDED: Final = MESSAGE_VERSION.lower()
+_MSG_ID_FOLDED: Final = MSG_ID.lower()
+_REPLY_INBOX_FOLDED: Final = REPLY_INBOX.lower()
+_TRACEPARENT_FOLDED: Final = TRACEPARENT.lower()
 
 
 @dataclass(frozen=True)
@@ -140,26 +146,51 @@ def peek(headers: Mapping[str, str] | None) -> Envelope:
     and ``UnsupportedVersion`` (a version that is not a positive integer).
     """
     headers = headers or {}
-    raw_content_type = _required(headers, CONTENT_TYPE)
-    content_type = raw_content_type.split(";", 1)[0].strip().lower()
+    # Runs for every request a worker takes: look each name up exactly, and fold the names'
+    # letter case (one pass over the headers) only for those not found that way.
+    get = headers.get
+    raw_content_type = get(CONTENT_TYPE)
+    message_type = get(MESSAGE_TYPE)
+    raw_version = get(MESSAGE_VERSION)
+    request_id = get(MSG_ID)
+    reply_inbox = get(REPLY_INBOX)
+    traceparent = get(TRACEPARENT)
+    if None in (raw_content_type, message_type, raw_version, request_id, reply_inbox, traceparent):
+        folded: dict[str, str] = {}
+        for name, value in headers.items():
+            folded.setdefault(name.lower(), value)
+        if raw_content_type is None:
+            raw_content_type = folded.get(_CONTENT_TYPE_FOLDED)
+        if message_type is None:
+            message_type = folded.get(_MESSAGE_TYPE_FOLDED)
+        if raw_version is None:
+            raw_version = folded.get(_MESSAGE_VERSION_FOLDED)
+        if request_id is None:
+            request_id = folded.get(_MSG_ID_FOLDED)
+        if reply_inbox is None:
+            reply_inbox = folded.get(_REPLY_INBOX_FOLDED)
+        if traceparent is None:
+            traceparent = folded.get(_TRACEPARENT_FOLDED)
+    if not raw_content_type:
+        raise MissingHeader(CONTENT_TYPE)
+    content_type = raw_content_type if raw_content_type in CONTENT_TYPES else (
+        raw_content_type.split(";", 1)[0].strip().lower())
     if content_type not in CONTENT_TYPES:
         raise UnsupportedContentType(raw_content_type, CONTENT_TYPES)
-    message_type = _required(headers, MESSAGE_TYPE)
-    raw_version = _required(headers, MESSAGE_VERSION)
-    if not _VERSION.fullmatch(raw_version):
+    if not message_type:
+        raise MissingHeader(MESSAGE_TYPE)
+    if not raw_version:
+        raise MissingHeader(MESSAGE_VERSION)
+    if raw_version != "1" and not _VERSION.fullmatch(raw_version):
         error = UnsupportedVersion(message_type, raw_version, 0)
         # UnsupportedVersion's own message names a supported range, which the headers alone
         # cannot know; for a value that is no version at all, say exactly that.
         error.args = (f"{message_type}: {MESSAGE_VERSION} {raw_version!r} is not a positive integer",)
         raise error
-    return Envelope(
-        content_type=content_type,
-        message_type=message_type,
-        version=int(raw_version),
-        request_id=_required(headers, MSG_ID),
-        reply_inbox=_header(headers, REPLY_INBOX),
-        traceparent=_header(headers, TRACEPARENT),
-    )
+    if not request_id:
+        raise MissingHeader(MSG_ID)
+    return Envelope(content_type, message_type, 1 if raw_version == "1" else int(raw_version), request_id,
+                    reply_inbox or None, traceparent or None)
 
 
 def decode(headers: Mapping[str, str] | None, body: bytes, registry: Registry) -> Message:
@@ -195,21 +226,6 @@ def header_block_size(headers: Mapping[str, str]) -> int:
         return 0
     lines = sum(len(name.encode()) + len(value.encode()) + 4 for name, value in headers.items())
     return _NATS_HEADER_LINE + lines + 2
-
-
-def _header(headers: Mapping[str, str], name: str) -> str | None:
-    value = headers.get(name)
-    if value is None:
-        wanted = name.lower()
-        value = next((v for k, v in headers.items() if k.lower() == wanted), None)
-    return value or None
-
-
-def _required(headers: Mapping[str, str], name: str) -> str:
-    value = _header(headers, name)
-    if value is None:
-        raise MissingHeader(name)
-    return value
 
 
 def _check_header(name: str, value: str) -> None:

@@ -1,0 +1,272 @@
+"""The per-request fast paths of the product path (issue 14) give what the general paths give.
+
+Each fast path (reading the headers, binding arguments, the retry policy, which lifecycle hooks
+are queued, the events' ULID clock) is checked against the general code it shortcuts, on input
+chosen to reach every branch, so an optimisation that changes behaviour fails here.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import cbor2
+import pytest
+
+import keyqueue
+from keyqueue.app.worker import Worker
+from keyqueue.builtins import events, processor
+from keyqueue.builtins.processor import TaskProcessor
+from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd
+from keyqueue.core.processor import Request
+from keyqueue.core.retry import RetryPolicy
+from keyqueue.errors import MalformedBody, MissingHeader, UnsupportedVersion
+from keyqueue.plugins.manager import PluginManager
+from keyqueue.tasks.arguments import ArgumentCodec
+from keyqueue.wire import CONTENT_TYPES, Envelope, peek
+from keyqueue.wire import headers as H
+
+# --- peek ------------------------------------------------------------------------------------------
+
+
+def reference_peek(headers: Mapping[str, str] | None) -> Envelope:
+    """``peek`` as it was written before its fast path: each header looked up on its own."""
+
+    def header(name: str) -> str | None:
+        value = headers.get(name) if headers else None
+        if value is None and headers:
+            value = next((v for k, v in headers.items() if k.lower() == name.lower()), None)
+        return value or None
+
+    def required(name: str) -> str:
+        value = header(name)
+        if value is None:
+            raise MissingHeader(name)
+        return value
+
+    raw_content_type = required(H.CONTENT_TYPE)
+    content_type = raw_content_type.split(";", 1)[0].strip().lower()
+    if content_type not in CONTENT_TYPES:
+        raise keyqueue.UnsupportedContentType(raw_content_type, CONTENT_TYPES)
+    message_type = required(H.MESSAGE_TYPE)
+    raw_version = required(H.MESSAGE_VERSION)
+    if not re.fullmatch(r"[1-9][0-9]{0,17}", raw_version):
+        error = UnsupportedVersion(message_type, raw_version, 0)
+        error.args = (f"{message_type}: {H.MESSAGE_VERSION} {raw_version!r} is not a positive integer",)
+        raise error
+    return Envelope(content_type, message_type, int(raw_version), required(H.MSG_ID),
+                    header(H.REPLY_INBOX), header(H.TRACEPARENT))
+
+
+def outcome(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return type(exc), str(exc)
+
+
+def header_maps() -> list[dict[str, str] | None]:
+    base = {H.CONTENT_TYPE: H.CBOR, H.MESSAGE_TYPE: "charge", H.MESSAGE_VERSION: "1", H.MSG_ID: "01J"}
+    maps: list[dict[str, str] | None] = [None, {}, base, {**base, H.REPLY_INBOX: "_INBOX.x", H.TRACEPARENT: "00-a"}]
+    rng = random.Random(14)
+    names = [H.CONTENT_TYPE, H.MESSAGE_TYPE, H.MESSAGE_VERSION, H.MSG_ID, H.REPLY_INBOX, H.TRACEPARENT]
+    values = {H.CONTENT_TYPE: [H.CBOR, H.JSON, "Application/JSON; charset=utf-8", " application/cbor ", "text/plain",
+                               ""],
+              H.MESSAGE_VERSION: ["1", "2", "17", "0", "01", "-1", "1.0", "", "x", "1" * 19],
+              H.MSG_ID: ["01J", ""], H.MESSAGE_TYPE: ["charge", ""], H.REPLY_INBOX: ["_INBOX.y", ""],
+              H.TRACEPARENT: ["00-b", ""]}
+    for _ in range(3000):
+        headers: dict[str, str] = {"Nats-Stream": "KQ_shop_INBOX"}
+        for name in names:
+            choice = rng.random()
+            if choice < 0.15:
+                continue  # absent
+            spelt = name if choice < 0.6 else rng.choice([name.lower(), name.upper(), name.swapcase()])
+            headers[spelt] = rng.choice(values[name])
+            if rng.random() < 0.1:  # the same name twice, in another letter case
+                headers[name.swapcase()] = rng.choice(values[name])
+        maps.append(headers)
+    return maps
+
+
+def test_peek_reads_headers_as_the_reference_does() -> None:
+    for headers in header_maps():
+        assert outcome(peek, headers) == outcome(reference_peek, headers), headers
+
+
+# --- binding arguments -----------------------------------------------------------------------------
+
+
+async def plain(a: int, b: str = "b", *, c: int, d: int = 4) -> None: ...
+async def keywords(*, x: int, y: int = 2) -> None: ...
+async def nothing() -> None: ...
+async def star(a: int, *rest: int, **more: int) -> None: ...
+async def positional_only(a: int, /, b: int = 2) -> None: ...
+
+
+@pytest.mark.parametrize("fn", [plain, keywords, nothing, star, positional_only])
+def test_to_call_binds_as_the_general_path_does(fn: Any) -> None:
+    codec = ArgumentCodec(fn, fn.__name__)
+    names = ["a", "b", "c", "d", "x", "y", "rest", "more", "other"]
+    rng = random.Random(fn.__name__)
+    for _ in range(500):
+        fields = {name: rng.choice([1, [1, 2], {"k": 1}]) for name in names if rng.random() < 0.5}
+        assert outcome(codec.to_call, fields) == outcome(codec._to_call, fields), fields
+
+
+def test_to_call_refuses_what_does_not_fit_with_the_general_message() -> None:
+    codec = ArgumentCodec(plain, "plain")
+    with pytest.raises(MalformedBody, match="unexpected argument"):
+        codec.to_call({"a": 1, "c": 2, "zzz": 3})
+    with pytest.raises(MalformedBody, match="do not fit its signature"):
+        codec.to_call({"a": 1})  # c is required
+    assert codec.to_call({"a": 1, "c": 3}) == ([1], {"c": 3})
+    assert codec.to_call({"c": 3, "a": 1, "d": 5}) == ([1], {"c": 3, "d": 5})
+    assert codec.to_call({"b": "x", "c": 3, "a": 1}) == ([1, "x"], {"c": 3})
+
+
+# --- the default processor -------------------------------------------------------------------------
+
+
+def make_app() -> tuple[keyqueue.App, Any]:
+    app = keyqueue.App("shop", set_as_default=False, autoload_plugins=False)
+
+    @app.task(key="{k}", max_attempts=7)
+    async def note(k: str, i: int) -> int:
+        return i * 2
+
+    return app, note
+
+
+def request(seq: int = 1, **extra: str) -> Request:
+    headers = {H.CONTENT_TYPE: H.CBOR, H.MESSAGE_TYPE: "note", H.MESSAGE_VERSION: "1", H.MSG_ID: f"01J{seq}",
+               "Nats-Stream": "KQ_shop_INBOX", **extra}
+    return Request("k1", seq, "kq.shop.in.k1", headers, cbor2.dumps({"k": "k1", "i": seq}))
+
+
+class Ctx:
+    queue, key, fencing, attempt = "shop", "k1", (1, 1), 1
+    request_id = "01J1"
+    log: Any = None
+
+    def lease_valid(self) -> bool:
+        return True
+
+    def check_lease(self) -> None:
+        return None
+
+    async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
+        return None
+
+
+async def test_a_request_s_headers_are_read_once_for_its_policy_and_its_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    app, _ = make_app()
+    reads: list[object] = []
+    monkeypatch.setattr(processor, "peek", lambda headers: reads.append(headers) or peek(headers))
+    proc = TaskProcessor(app, "shop", "k1", app.queue_tasks("shop"))
+    for seq in (1, 2):
+        req = request(seq, **{H.REPLY_INBOX: "_INBOX.r"})
+        assert proc.retry_policy(req) == RetryPolicy(max_attempts=7)
+        reply = await proc.handle(Ctx(), req)
+        assert reply is not None and cbor2.loads(reply.data) == seq * 2
+    assert len(reads) == 2
+
+
+async def test_the_retry_policy_hook_is_asked_whenever_a_plugin_implements_it() -> None:
+    app, _ = make_app()
+    proc = TaskProcessor(app, "shop", "k1", app.queue_tasks("shop"))
+    assert proc.retry_policy(request()) is proc.retry_policy(request(2))  # built once per task
+
+    asked: list[str] = []
+
+    class Patient:
+        @keyqueue.hookimpl
+        def keyqueue_retry_policy(self, request: Request) -> RetryPolicy:
+            asked.append(request.request_id)
+            return RetryPolicy(max_attempts=99)
+
+    plugin = Patient()
+    app.plugins.register(plugin)  # after the processor was built: it is asked from now on
+    assert proc.retry_policy(request(3)) == RetryPolicy(max_attempts=99)
+    assert asked == ["01J3"]
+    app.plugins.unregister(plugin)
+    assert proc.retry_policy(request(4)) == RetryPolicy(max_attempts=7)
+
+
+def test_the_implementations_of_a_hook_follow_registration() -> None:
+    manager = PluginManager(autoload=False)
+    assert [i.plugin_name for i in manager.implementations("keyqueue_request_failed")] == [
+        "keyqueue.builtins.events"]
+
+    class Watcher:
+        @keyqueue.hookimpl
+        def keyqueue_request_failed(self) -> None: ...
+
+    name = manager.register(Watcher())
+    assert len(manager.implementations("keyqueue_request_failed")) == 2
+    manager.set_blocked("keyqueue.builtins.events")
+    assert [i.plugin_name for i in manager.implementations("keyqueue_request_failed")] == [name]
+    manager.unregister(name=name)
+    assert manager.implementations("keyqueue_request_failed") == ()
+    assert manager.implementations("keyqueue_no_such_hook") == ()
+
+
+# --- the worker's lifecycle plumbing ---------------------------------------------------------------
+
+
+async def test_the_worker_queues_only_the_hooks_some_plugin_implements() -> None:
+    app, _ = make_app()
+    app.plugins.set_blocked("keyqueue.builtins.events")
+    failures: list[tuple[str, float]] = []
+
+    class Failures:
+        @keyqueue.hookimpl
+        def keyqueue_request_failed(self, request_id: str, elapsed: float) -> None:
+            failures.append((request_id, elapsed))
+
+    app.plugins.register(Failures())
+    worker = Worker(app)
+    attempt = RequestAttempt("shop", "k1", "01J1", "note", 1, 1)
+    worker.key_acquired(KeyHold("shop", "k1", (1, 1), 1))
+    worker.request_started(attempt)
+    assert worker.around_attempt(attempt, Ctx(), [request()]) is worker.around_attempt(attempt, Ctx(), [request()])
+    worker.attempt_failed(attempt, RuntimeError("no"))
+    worker.request_retried(attempt, 0.5, RuntimeError("no"))
+    worker.request_succeeded(attempt, 0.01, None)
+    worker.key_released(KeyHold("shop", "k1", (1, 1), 1), SessionEnd(Outcome.RELEASED))
+    assert worker.events_waiting == 1  # only keyqueue_request_failed has an implementation
+    call = worker._events.get_nowait()
+    assert call is not None
+    await call()
+    [(request_id, elapsed)] = failures
+    assert request_id == "01J1" and elapsed >= 0
+
+
+# --- the events plugin -----------------------------------------------------------------------------
+
+
+def reference_enqueued_at(request_id: str) -> float | None:
+    crockford = {c: i for i, c in enumerate("0123456789ABCDEFGHJKMNPQRSTVWXYZ")}
+    if len(request_id) != 26:
+        return None
+    ms = 0
+    try:
+        for c in request_id[:10].upper():
+            ms = ms * 32 + crockford[c]
+    except KeyError:
+        return None
+    return ms / 1000.0 if ms < 1 << 48 else None
+
+
+def test_the_enqueue_time_of_a_request_id_is_read_as_the_reference_does() -> None:
+    ids = [str(keyqueue.wire.new_request_id()) for _ in range(100)]
+    ids += ["01ARZ3NDEKTSV4RRFFQ69G5FAV", "7ZZZZZZZZZZZZZZZZZZZZZZZZZ", "80000000000000000000000000", "short",
+            "01arz3ndektsv4rrffq69g5fav", "01ARZ3NDEIIIIIIIIIIIIIIIII", "01ARZ3NDE_TSV4RRFFQ69G5FAV",
+            " 1ARZ3NDEKTSV4RRFFQ69G5FAV", "+1ARZ3NDEKTSV4RRFFQ69G5FAV", "01ARZ3NDEULSV4RRFFQ69G5FAV",
+            "ß1ARZ3NDEKTSV4RRFFQ69G5FA", "\uff101ARZ3NDEKTSV4RRFFQ69G5FAV", "01ARZ3NDE-TSV4RRFFQ69G5FAV"]
+    rng = random.Random(14)
+    ids += ["".join(rng.choice("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabc_ +-ß") for _ in range(26)) for _ in range(2000)]
+    for request_id in ids:
+        assert events._enqueued_at(request_id) == reference_enqueued_at(request_id), request_id
