@@ -1,0 +1,222 @@
+"""Delayed requests (``options(countdown=...)`` / ``options(eta=...)``) against a real nats-server,
+with several workers: not before due, in the documented order, across worker and server restarts,
+and never stranded without a token."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from command_output import Command
+from schedule_fleet import QUEUE, Runs, fleet, make_app, worker
+
+import keyqueue
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.schedules import ScheduleNames
+from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.jetstream.topology import QueueConfig
+from keyqueue.server.embedded import EmbeddedServer
+
+ROOT = Path(__file__).parents[2]
+KEYQUEUE = str(Path(sys.executable).with_name("keyqueue"))
+
+
+def started_not_before_due(runs: Runs, dues: dict[str, dt.datetime]) -> None:
+    for run in runs.done:
+        if run.tag in dues:
+            assert run.started >= dues[run.tag], f"{run.tag} started {run.started}, before its due {dues[run.tag]}"
+
+
+async def test_delays_start_not_before_due_and_join_their_key_at_due_time(nats_url: str) -> None:
+    runs = Runs()
+    producer = make_app(nats_url, runs)
+    work = producer.tasks["work"]
+    try:
+        async with fleet(nats_url, runs, 3):
+            now = dt.datetime.now(dt.UTC)
+            late = await work.options(countdown=1.5).enqueue(key="k", tag="late")
+            at = await work.options(eta=now + dt.timedelta(seconds=1)).enqueue(key="k", tag="at")
+            await work.enqueue(key="k", tag="now")  # enqueued after both, due before them
+            many = await work.options(countdown=1).enqueue_many([{"key": "m", "tag": f"m{i}"} for i in range(5)])
+            assert late.due is not None and at.due is not None and all(r.due is not None for r in many)
+            assert await work.options(countdown=0.5).call(key="c", tag="called", timeout=20) == "called"
+            await runs.count(9)
+        dues = {"late": late.due, "at": at.due, **{f"m{i}": r.due for i, r in enumerate(many) if r.due}}
+        started_not_before_due(runs, dues)
+        assert runs.tags("k") == ["now", "at", "late"], "a delayed request joins its key's order at its due time"
+        assert runs.tags("m") == [f"m{i}" for i in range(5)], "requests due together keep their enqueue order"
+        assert not runs.overlaps
+    finally:
+        await producer.close()
+
+
+async def test_a_repeated_request_id_is_stored_once(nats_url: str) -> None:
+    runs = Runs()
+    producer = make_app(nats_url, runs)
+    work = producer.tasks["work"]
+    try:
+        first = await work.options(countdown=0.5, request_id="once").enqueue(key="k", tag="a")
+        again = await work.options(countdown=0.5, request_id="once").enqueue(key="k", tag="a")
+        assert (first.duplicate, again.duplicate, first.seq) == (False, True, again.seq)
+        async with worker(nats_url, runs, "w0"):
+            [run] = await runs.count(1)
+        assert run.request_id == "once" and runs.tags() == ["a"]
+        api = JetStreamApi(await producer.connection())
+        state = (await api.stream_info(ScheduleNames(QUEUE).stream))["state"]
+        assert (state["messages"], state["last_seq"]) == (0, 2), "one schedule stored, fired and moved"
+    finally:
+        await producer.close()
+
+
+async def test_pending_delays_survive_a_worker_restart(nats_url: str) -> None:
+    runs = Runs()
+    producer = make_app(nats_url, runs)
+    work = producer.tasks["work"]
+    try:
+        async with worker(nats_url, runs, "first"):
+            receipt = await work.options(countdown=1).enqueue(key="k", tag="delayed")
+        assert runs.done == [], "the worker was stopped before the request fell due"
+        async with worker(nats_url, runs, "second"):
+            [run] = await runs.count(1)
+        assert run.worker == "second" and receipt.due is not None and run.started >= receipt.due
+    finally:
+        await producer.close()
+
+
+async def test_pending_delays_survive_a_server_restart(nats_server: EmbeddedServer) -> None:
+    runs = Runs()
+    producer = make_app(nats_server.url, runs)
+    work = producer.tasks["work"]
+    try:
+        receipt = await work.options(countdown=2).enqueue(key="k", tag="delayed")
+        await producer.close()
+        await nats_server.restart()  # nothing in any process holds the request meanwhile
+        async with worker(nats_server.url, runs, "w0"):
+            [run] = await runs.count(1)
+        assert receipt.due is not None and run.started >= receipt.due
+    finally:
+        await producer.close()
+
+
+async def test_a_server_restart_while_workers_wait(nats_server: EmbeddedServer) -> None:
+    runs = Runs()
+    producer = make_app(nats_server.url, runs)
+    work = producer.tasks["work"]
+    try:
+        async with fleet(nats_server.url, runs, 2):
+            receipt = await work.options(countdown=2).enqueue(key="k", tag="delayed")
+            await nats_server.restart()
+            [run] = await runs.count(1, timeout=60)
+        assert receipt.due is not None and run.started >= receipt.due
+    finally:
+        await producer.close()
+
+
+async def test_due_requests_are_never_stranded_without_a_token(nats_url: str) -> None:
+    """The quiescence race, with due requests: keys released after a near-zero linger while
+    delayed and immediate requests keep landing on them. Everything must run well inside the
+    reconciler's 30 s interval, so a request stranded without a token fails the test."""
+    runs = Runs()
+    producer = make_app(nats_url, runs)
+    work = producer.tasks["work"]
+    keys = [f"hot{i}" for i in range(5)]
+    expected = 0
+    try:
+        async with fleet(nats_url, runs, 3, linger=0.001):
+
+            async def produce(p: int) -> None:
+                nonlocal expected
+                rng = random.Random(p)
+                for j in range(60):
+                    key, tag = rng.choice(keys), f"p{p}-{j}"
+                    expected += 1
+                    if rng.random() < 0.5:
+                        await work.options(countdown=rng.random() * 1.5).enqueue(key=key, tag=tag)
+                    else:
+                        await work.enqueue(key=key, tag=tag)
+                    await asyncio.sleep(rng.random() * 0.01)
+
+            await asyncio.gather(*(produce(p) for p in range(4)))
+            await runs.count(expected, timeout=20)
+        assert sorted(runs.tags()) == sorted(set(runs.tags())), "a due request ran twice"
+        assert not runs.overlaps
+    finally:
+        await producer.close()
+
+
+async def test_bad_delays_are_refused_at_the_call(nats_url: str) -> None:
+    runs = Runs()
+    producer = make_app(nats_url, runs)
+    work = producer.tasks["work"]
+    try:
+        with pytest.raises(keyqueue.InvalidSchedule, match="naive"):
+            await work.options(eta=dt.datetime(2030, 1, 1)).enqueue(key="k", tag="x")
+        with pytest.raises(keyqueue.InvalidSchedule, match=">= 0"):
+            await work.options(countdown=-1).enqueue(key="k", tag="x")
+        with pytest.raises(keyqueue.InvalidSchedule, match="not both"):
+            work.options(countdown=1, eta=dt.datetime.now(dt.UTC))
+        # An inbox an operator limited to five minutes drops a request due in ten.
+        await work.options(countdown=0).enqueue(key="k", tag="creates the streams")
+        api = JetStreamApi(await producer.connection())
+        inbox = (await api.stream_info(QueueNames(QUEUE).inbox_stream))["config"]
+        await api.request(f"STREAM.UPDATE.{inbox['name']}", {**inbox, "max_age": 300 * 10**9})
+        await producer.close()  # a new connection reads the streams' limits again
+        with pytest.raises(keyqueue.InvalidSchedule, match="keep messages for 300s"):
+            await work.options(countdown=600).enqueue(key="k", tag="x")
+        api = JetStreamApi(await producer.connection())
+        assert (await api.stream_info(ScheduleNames(QUEUE).stream))["state"]["messages"] == 1
+    finally:
+        await producer.close()
+
+
+async def test_enqueue_command_with_countdown_and_eta(nats_url: str) -> None:
+    """As a user runs it: a subprocess (importing the example's app here would make it this process's default app)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYQUEUE_")}
+
+    async def enqueue(*args: str) -> tuple[int, str]:
+        body = json.dumps({"user": "u1", "text": "t", "due": "2030-01-01T00:00:00+00:00"})
+        command = await Command.start(KEYQUEUE, "enqueue", "examples.reminders.app:app", "remind", body, *args,
+                                      "--url", nats_url, env=env, cwd=ROOT)
+        return await command.wait(timeout=60), command.output
+
+    code, out = await enqueue("--countdown", "30")
+    assert code == 0, out
+    receipt = json.loads(out)
+    assert dt.datetime.fromisoformat(receipt["due"]) > dt.datetime.now(dt.UTC) + dt.timedelta(seconds=20)
+    code, out = await enqueue("--eta", "2030-01-01T09:00:00+01:00")
+    assert json.loads(out)["due"] == "2030-01-01T08:00:00+00:00"
+    code, out = await enqueue("--eta", "2030-01-01T09:00:00")
+    assert code == 1 and "is naive" in out
+    code, out = await enqueue("--countdown", "-1")
+    assert code == 1 and "countdown must be >= 0" in out
+
+
+async def test_a_full_backlog_holds_up_no_other_key(nats_url: str) -> None:
+    """A due request its key's backlog cap refuses is due again a little later; the fleet moves the
+    others meanwhile (it moves one due request at a time, so waiting for the full key would stop all)."""
+
+    def capped(app: keyqueue.App) -> None:
+        app.configure_queue(QueueConfig(QUEUE, max_backlog_per_key=1))
+
+    runs = Runs()
+    producer = make_app(nats_url, runs, extra=capped)
+    work = producer.tasks["work"]
+    try:
+        async with fleet(nats_url, runs, 2, extra=capped):
+            await work.enqueue(key="full", tag="wait-holding")  # the key's one slot, until the gate opens
+            refused = await work.options(countdown=0.2).enqueue(key="full", tag="refused-first")
+            await work.options(countdown=0.5).enqueue(key="other", tag="other")
+            await runs.wait(lambda done: "other" in [r.tag for r in done], what="the other key's due request")
+            assert "refused-first" not in runs.tags()
+            runs.gate.set()
+            await runs.count(3, timeout=30)
+        assert runs.tags("full") == ["wait-holding", "refused-first"]
+        assert refused.due is not None and runs.done[-1].started >= refused.due
+    finally:
+        await producer.close()
