@@ -1,0 +1,221 @@
+"""Cancelling a pending request: the canceller's side (``request_cancel``) and the workers' (``CancelWatch``).
+
+The protocol (docs/decisions.md, "Cancelling a request"):
+
+1. The canceller subscribes to the request's cancel subject, then writes a ``requested`` record
+   there (``KQ_Q_RECORDS``, ``kq.Q.cancel.<id>``; created only if there is none).
+2. Every worker of the queue follows the queue's cancel subjects (one subscription per worker and
+   queue, loaded with the records already stored when it starts). The holder of the request's key
+   checks, on the event loop and just before the request starts, whether it is cancelled: if so it
+   never runs, the holder answers ``cancelled`` on the record, replies ``Cancelled`` to a waiting
+   caller, and the session removes the request as it removes any finished one (so the key's
+   order and exclusivity stay with the holder). A request that started first is not interrupted:
+   the worker answers ``running`` (and ``ctx.cancel_requested`` turns true), or ``done`` if it
+   finished lately.
+3. A delayed request not yet due has its schedule removed by the canceller (it is in no key's
+   order yet): ``cancelled``.
+4. The canceller waits a little for that answer. Without one, the request is not running on any
+   live worker: if the caller knows its inbox sequence (a receipt does) it looks there: still
+   stored means ``pending`` (it will be removed before it starts), gone means ``done``. Without the
+   sequence the answer is ``requested``: it will not start from now on, but whether it already ran
+   is unknown.
+
+Both checks run on one event loop, the registration of a starting request before the look-up of
+its cancel, and the registration of a cancel before the look-up of a running request, so a
+cancel that arrives just as its request starts is either seen by the start (``cancelled``) or
+sees the start (``running``): never neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Final, Literal
+
+from keyqueue.errors import KeyqueueError, StreamNotFound, WrongLastSequence
+from keyqueue.jetstream.records import CANCEL_STATE, RequestRecords
+from keyqueue.jetstream.schedules import ScheduleNames
+from keyqueue.jetstream.subjects import request_id_token
+from keyqueue.wire import headers as H
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+
+    from keyqueue.jetstream.api import JetStreamApi
+
+__all__ = ["CANCEL_ANSWER_WAIT", "CancelState", "CancelWatch", "RunFlag", "request_cancel"]
+
+log = logging.getLogger("keyqueue.cancel")
+
+CancelState = Literal["cancelled", "pending", "running", "done", "requested"]
+"""What ``cancel`` found: ``cancelled`` (removed by its key's holder, it never ran), ``pending`` (it has
+not started and never will: its key's holder removes it when it gets there), ``running`` (it had
+started; not interrupted, ``ctx.cancel_requested`` is true), ``done`` (it had finished), ``requested``
+(it will not start from now on; whether it already ran is not known without its inbox sequence)."""
+
+CANCEL_ANSWER_WAIT: Final = 1.0
+"""Seconds ``cancel`` waits for a worker's answer before looking at the inbox itself."""
+
+_CLOSE_WAIT: Final = 5.0
+"""Seconds ``CancelWatch.close`` lets answers in flight finish."""
+
+_RECENT: Final = 10_000
+"""Finished request ids a worker remembers, to answer ``done`` to a late cancel."""
+
+
+class RunFlag:
+    """Whether a cancel was asked for a running request (``ctx.cancel_requested`` reads it)."""
+
+    __slots__ = ("requested",)
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+class CancelWatch:
+    """One worker's view of a queue's cancel requests, and its answers to them.
+
+    Owns one subscription and the answer writes in flight; ``close`` ends both.
+    """
+
+    def __init__(self, records: RequestRecords) -> None:
+        self.records = records
+        self.cancelled: set[str] = set()
+        """Request ids with a cancel record (``requested`` or ``cancelled``): they must never start."""
+        self.running: dict[str, RunFlag] = {}
+        self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._answers: set[asyncio.Task[None]] = set()
+        self._sub: object | None = None
+        self._reconnects = 0
+
+    async def start(self) -> None:
+        """Follow the queue's cancel subjects, then load the records stored so far (no gap between)."""
+        self._sub = await self.records.nc.subscribe(self.records.cancel_wildcard, cb=self._on_record)
+        await self.reload()
+
+    async def reload(self) -> None:
+        self._reconnects = self._reconnect_count()
+        self.cancelled.update(await self.records.pending_cancels())
+
+    async def refresh(self) -> None:
+        """Load the stored records again if the connection was lost since (records sent meanwhile were missed)."""
+        if self._reconnect_count() != self._reconnects:
+            await self.reload()
+
+    def _reconnect_count(self) -> int:
+        return int(self.records.nc.stats.get("reconnects", 0))
+
+    async def close(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()  # type: ignore[attr-defined]
+        # Let answers in flight land (each is one API call, bounded by its timeout): a canceller waits for them.
+        if self._answers:
+            await asyncio.wait(list(self._answers), timeout=_CLOSE_WAIT)
+        for task in list(self._answers):
+            task.cancel()
+        await asyncio.gather(*self._answers, return_exceptions=True)
+
+    # --- the holder's side ---
+
+    def start_run(self, request_id: str) -> RunFlag | None:
+        """Register ``request_id`` as starting; None if it is cancelled (then it must not run)."""
+        flag = self.running[request_id] = RunFlag()
+        if request_id in self.cancelled:
+            del self.running[request_id]
+            return None
+        return flag
+
+    def end_run(self, request_id: str) -> None:
+        if self.running.pop(request_id, None) is not None:
+            self.recent[request_id] = None
+            if len(self.recent) > _RECENT:
+                self.recent.popitem(last=False)
+
+    async def answer(self, request_id: str, state: str) -> None:
+        """Write ``state`` over a ``requested`` record of ``request_id`` (no record, or another answer: nothing)."""
+        try:
+            current = await self.records.cancel_state(request_id)
+            if current is not None and current[0] == "requested":
+                await self.records.answer_cancel(request_id, state, current[1])
+        except WrongLastSequence:
+            pass  # answered meanwhile (another worker finished it, or it was cancelled there)
+        except KeyqueueError as exc:
+            log.warning("could not answer the cancel of request %s (%s): %s", request_id, state, exc)
+
+    # --- the subscription ---
+
+    async def _on_record(self, msg: Msg) -> None:
+        headers = msg.headers or {}
+        state = headers.get(CANCEL_STATE)
+        request_id = headers.get(H.REQUEST_ID)
+        if not request_id or state not in ("requested", "cancelled"):
+            return
+        self.cancelled.add(request_id)
+        if state != "requested":
+            return
+        flag = self.running.get(request_id)
+        if flag is not None:
+            flag.requested = True
+            self._spawn(request_id, "running")
+        elif request_id in self.recent:
+            self._spawn(request_id, "done")
+
+    def _spawn(self, request_id: str, state: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.answer(request_id, state))
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+
+
+async def _unschedule(api: JetStreamApi, queue: str, request_id: str) -> bool:
+    """Remove a delayed request's schedule before it is due; False if it has none (not delayed, or due already).
+
+    The canceller may remove it itself: a delayed request joins no key's order before it is due.
+    Once the server has fired it, it is in the inbox (or on its way there), where the key's holder
+    finds the cancel record.
+    """
+    names = ScheduleNames(queue)
+    try:
+        return await api.purge(names.stream, subject=names.at_prefix + request_id_token(request_id)) > 0
+    except StreamNotFound:
+        return False
+
+
+async def request_cancel(records: RequestRecords, api: JetStreamApi, inbox_stream: str, request_id: str,
+                         seq: int | None, wait: float = CANCEL_ANSWER_WAIT) -> CancelState:
+    """Ask for ``request_id`` to be cancelled and say what became of it (see the module docstring)."""
+    answered: asyncio.Future[CancelState] = asyncio.get_running_loop().create_future()
+
+    async def on_answer(msg: Msg) -> None:
+        state = (msg.headers or {}).get(CANCEL_STATE)
+        if state in ("cancelled", "running", "done") and not answered.done():
+            answered.set_result(state)  # type: ignore[arg-type]
+
+    sub = await records.nc.subscribe(records.cancel_subject(request_id), cb=on_answer)
+    try:
+        state, seq_of_record = await records.request_cancel(request_id)
+        if state in ("cancelled", "running", "done"):
+            return state  # type: ignore[return-value]
+        if await _unschedule(api, records.queue, request_id):
+            with contextlib.suppress(WrongLastSequence):
+                await records.answer_cancel(request_id, "cancelled", seq_of_record)
+            return "cancelled"
+        try:
+            async with asyncio.timeout(wait):
+                return await answered
+        except TimeoutError:
+            pass
+        if seq is None:
+            return "requested"
+        stored = await api.get_msg(inbox_stream, seq=seq, direct=records.replicas == 1)
+        if stored is not None and stored.headers.get(H.MSG_ID) == request_id:
+            return "pending"
+        return "done"
+    finally:
+        await sub.unsubscribe()

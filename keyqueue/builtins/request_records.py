@@ -1,0 +1,296 @@
+"""The default processor with per-request records: cancelled requests skipped, results kept.
+
+``RecordingTaskProcessor`` is the ``TaskProcessor`` a worker builds for a queue of tasks. Around
+each request it
+
+- checks, just before the request starts, whether it was cancelled (``keyqueue.app.cancel``): a
+  cancelled request never runs; its reply says ``Cancelled`` (status ``superseded`` by
+  :data:`~keyqueue.tasks.arguments.CANCELLED_BY`, so the key session removes it like any superseded
+  request, in order, by the key's holder), the cancel record is answered ``cancelled`` and a
+  ``cancelled`` event is published;
+- exposes a cancel asked while it runs as ``ctx.cancel_requested``;
+- keeps the reply (the result, or the final error) in the queue's records stream for the task's
+  ``result_ttl`` (or the app's), before the session removes the request, so a result is kept
+  whenever the request is done;
+- holds a rate-limited task's request (``rate_limit=``) until the key's window has room, keeping
+  the key (and the lease, which the session renews meanwhile) so the key's later requests stay
+  behind it in order, and records the run's start where the key's next holder reads it
+  (``kq.Q.runs.<task>.<key>``, written by compare-and-set). Other keys run on meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any, Protocol
+
+from keyqueue.app.transport import NatsTransport
+from keyqueue.builtins.processor import TaskProcessor
+from keyqueue.core.processor import BatchOutcome, Reply, Request, RequestContext, SessionContext
+from keyqueue.core.retry import RetryPolicy
+from keyqueue.errors import LeaseLost, Reject, WireError, WrongLastSequence
+from keyqueue.events import publish_event
+from keyqueue.tasks.arguments import CANCELLED_BY, result_headers
+from keyqueue.tasks.context import CANCEL_CHECK
+from keyqueue.tasks.task import Task
+from keyqueue.wire import headers as H
+
+if TYPE_CHECKING:
+    from keyqueue.app.application import App
+    from keyqueue.app.cancel import CancelWatch
+    from keyqueue.jetstream.records import RequestRecords
+    from keyqueue.tasks.task import AnyTask
+
+__all__ = ["RecordingTaskProcessor", "RunStore"]
+
+log = logging.getLogger("keyqueue.task")
+
+
+class RunStore(Protocol):
+    """Where the start times of a key's recent runs of a rate-limited task live (``RequestRecords``)."""
+
+    async def get_runs(self, task: str, key: str) -> tuple[list[float], int]:
+        """The start times (Unix seconds) and the record's revision (0: none)."""
+
+    async def put_runs(self, task: str, key: str, starts: list[float], expected_last: int, ttl: float) -> int:
+        """Store them over revision ``expected_last`` (``WrongLastSequence`` if it changed); the new revision."""
+
+
+class RecordingTaskProcessor(TaskProcessor):
+    """``TaskProcessor`` plus cancels and kept results (see the module docstring)."""
+
+    def __init__(self, app: App, queue: str, key: str, tasks: Mapping[str, AnyTask],
+                 executor: Executor | None = None, *, runs: RunStore | None = None,
+                 clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        """``runs``, ``clock`` and ``sleep`` serve rate limits (default: the queue's records, wall
+        time, real sleeps; the eager test mode passes its own)."""
+        super().__init__(app, queue, key, tasks, executor)
+        self.watch: CancelWatch | None = None
+        self.records: RequestRecords | None = None
+        self.runs = runs
+        self.clock = clock
+        self.sleep = sleep
+        self._run_logs: dict[str, tuple[list[float], int]] = {}
+
+    async def open(self, ctx: SessionContext) -> None:
+        transport = self.app.transport()
+        if isinstance(transport, NatsTransport):
+            self.watch = await transport.cancel_watch(self.queue)
+            await self.watch.refresh()
+            self.records = self.watch.records
+            if self.runs is None:
+                self.runs = self.records
+        await super().open(ctx)
+
+    # --- results ---
+
+    def result_ttl(self, task: AnyTask | None) -> float | None:
+        """Seconds ``task``'s results are kept (its own ``result_ttl``, else the app's), or None."""
+        ttl = task.spec.result_ttl if task is not None else None
+        return ttl if ttl is not None else self.app.result_ttl
+
+    def encodes_result(self, task: AnyTask, request: Request) -> bool:
+        return request.reply_inbox is not None or self.result_ttl(task) is not None
+
+    def _task_or_none(self, request: Request) -> AnyTask | None:
+        try:
+            return self.task_of(request)
+        except WireError:
+            return None
+
+    async def _keep(self, ctx: RequestContext, requests: Sequence[Request], outcomes: Sequence[BatchOutcome]) -> None:
+        if self.records is None:
+            return
+        kept: list[tuple[str, dict[str, str], bytes, float]] = []
+        for request, outcome in zip(requests, outcomes, strict=False):
+            ttl = self.result_ttl(self._task_or_none(request))
+            if ttl is None:
+                continue
+            if isinstance(outcome, BaseException):
+                headers, body = self._failure(request, outcome, "rejected"), b""
+            else:
+                headers = {H.STATUS: H.STATUS_OK, H.REQUEST_ID: request.request_id,
+                           **(outcome.headers if outcome is not None else {})}
+                body = outcome.data if outcome is not None else b""
+            kept.append((request.request_id, headers, body, ttl))
+        if not kept:
+            return
+        ctx.check_lease()
+        records = self.records
+        if len(kept) == 1:
+            await records.put_result(*kept[0])  # no task for one write: most runs answer one request
+        else:
+            await asyncio.gather(*(records.put_result(*entry) for entry in kept))
+
+    async def _keep_failure(self, ctx: RequestContext, requests: Sequence[Request], error: Exception) -> None:
+        """Keep the error of requests whose failure is final (rejected, or their last attempt)."""
+        if self.records is None or not requests or isinstance(error, LeaseLost):
+            return
+        if isinstance(error, WireError | Reject):
+            reason = "rejected"
+        elif (self.retry_policy(requests[0]) or RetryPolicy()).exhausted(ctx.attempt):
+            reason = "max-attempts"
+        else:
+            return
+        await self._keep(ctx, requests, [_Failure(error, reason)] * len(requests))
+
+    def _failure(self, request: Request, error: BaseException, reason: str) -> dict[str, str]:
+        if isinstance(error, _Failure):
+            reason = error.reason
+            error = error.error
+        task = self._task_or_none(request)
+        headers = result_headers(task.name, task.spec.version) if task is not None else {}
+        return {**headers, H.STATUS: H.STATUS_DEAD_LETTERED, H.REQUEST_ID: request.request_id,
+                H.ERROR_TYPE: type(error).__name__, H.ERROR_MESSAGE: H.header_safe(str(error)),
+                H.DLQ_REASON: reason}
+
+    # --- cancels ---
+
+    def _cancelled_reply(self, request: Request) -> Reply:
+        task = self._task_or_none(request)
+        headers = result_headers(task.name, task.spec.version) if task is not None else {}
+        return Reply(b"", {**headers, H.STATUS: H.STATUS_SUPERSEDED, H.SUPERSEDED_BY: CANCELLED_BY})
+
+    async def _skip(self, ctx: RequestContext, requests: Sequence[Request]) -> list[BatchOutcome]:
+        """The cancelled requests' replies, once their cancels are answered and recorded."""
+        assert self.watch is not None
+        ctx.check_lease()
+        replies: list[BatchOutcome] = [self._cancelled_reply(r) for r in requests]
+        await asyncio.gather(*(self.watch.answer(r.request_id, "cancelled") for r in requests))
+        await self._keep(ctx, requests, replies)
+        for request in requests:
+            log.info("request %s (key %s) was cancelled before it started; it does not run", request.request_id,
+                     self.key)
+            await publish_event(self.app, "cancelled", self.queue, self.key, request_id=request.request_id,
+                                task=request.headers.get(H.MESSAGE_TYPE), reason="cancelled before it started")
+        return replies
+
+    # --- rate limits ---
+
+    async def _take_slot(self, ctx: RequestContext, requests: Sequence[Request]) -> None:
+        """Wait until the task of ``requests`` (one run) may start on this key, then record the start.
+
+        Nothing is recorded for a run whose requests were all cancelled meanwhile.
+        """
+        task = self._task_or_none(requests[0])
+        limit = task.spec.rate_limit if task is not None else None
+        if task is None or limit is None or self.runs is None:
+            return
+        state = self._run_logs.get(task.name)
+        if state is None:
+            state = await self.runs.get_runs(task.name, self.key)
+        while True:
+            if self.watch is not None and all(r.request_id in self.watch.cancelled for r in requests):
+                return  # it will not run: no wait, no slot
+            starts, revision = state
+            delay = limit.wait(starts, self.clock())
+            if delay > 0:
+                log.debug("task %s on key %s waits %.3fs for its rate limit %s", task.name, self.key, delay, limit)
+                await self.sleep(delay)
+                continue
+            now = self.clock()
+            window = [*limit.window(starts, now), now][-limit.count:]
+            ctx.check_lease()
+            try:
+                revision = await self.runs.put_runs(task.name, self.key, window, revision, limit.period + 1)
+            except WrongLastSequence:
+                state = await self.runs.get_runs(task.name, self.key)  # another holder ran it meanwhile
+                continue
+            self._run_logs[task.name] = (window, revision)
+            return
+
+    # --- handling ---
+
+    def _serial(self, request: Request) -> bool:
+        task = self._task_or_none(request)
+        return isinstance(task, Task) and task.spec.policy == "serial"
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        if self._serial(request):  # other policies run (and count) as one batch, in handle_batch
+            await self._take_slot(ctx, [request])
+        watch = self.watch
+        if watch is None:
+            return await self._handle_keeping(ctx, request)
+        flag = watch.start_run(request.request_id)
+        if flag is None:
+            [reply] = await self._skip(ctx, [request])
+            assert isinstance(reply, Reply)
+            return reply
+        token = CANCEL_CHECK.set(flag)
+        try:
+            return await self._handle_keeping(ctx, request)
+        finally:
+            CANCEL_CHECK.reset(token)
+            watch.end_run(request.request_id)
+
+    async def _handle_keeping(self, ctx: RequestContext, request: Request) -> Reply | None:
+        try:
+            reply = await super().handle(ctx, request)
+        except Exception as exc:
+            await self._keep_failure(ctx, [request], exc)
+            raise
+        if self._serial(request):  # other policies keep in handle_batch
+            await self._keep(ctx, [request], [reply])
+        return reply
+
+    async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
+        if requests and not self._serial(requests[0]):
+            await self._take_slot(ctx, requests)
+        watch = self.watch
+        if watch is None:
+            return await self._batch_keeping(ctx, requests)
+        flags = [watch.start_run(r.request_id) for r in requests]
+        try:
+            skipped = [i for i, flag in enumerate(flags) if flag is None]
+            runnable = [i for i, flag in enumerate(flags) if flag is not None]
+            outcomes: dict[int, BatchOutcome] = {}
+            if skipped:
+                outcomes.update(zip(skipped, await self._skip(ctx, [requests[i] for i in skipped]), strict=True))
+            if runnable:
+                token = CANCEL_CHECK.set(_AnyFlag([f for f in flags if f is not None]))
+                try:
+                    ran = await self._batch_keeping(ctx, [requests[i] for i in runnable])
+                finally:
+                    CANCEL_CHECK.reset(token)
+                outcomes.update(zip(runnable, ran, strict=False))
+        finally:
+            for request in requests:
+                watch.end_run(request.request_id)
+        # The processor may answer only a prefix of the requests (the rest stay at the head): keep it a prefix.
+        answered: list[BatchOutcome] = []
+        for i in range(len(requests)):
+            if i not in outcomes:
+                break
+            answered.append(outcomes[i])
+        return answered
+
+    async def _batch_keeping(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
+        try:
+            outcomes = await super().handle_batch(ctx, requests)
+        except Exception as exc:
+            await self._keep_failure(ctx, requests, exc)
+            raise
+        await self._keep(ctx, requests[: len(outcomes)], outcomes)
+        return outcomes
+
+
+class _Failure(Exception):
+    """A final failure on its way to the records, with its dead-letter reason."""
+
+    def __init__(self, error: BaseException, reason: str) -> None:
+        super().__init__(str(error))
+        self.error, self.reason = error, reason
+
+
+class _AnyFlag:
+    """``ctx.cancel_requested`` for a run answering several requests: true once any of them is cancelled."""
+
+    def __init__(self, flags: Sequence[Any]) -> None:
+        self.flags = flags
+
+    def __call__(self) -> bool:
+        return any(flag() for flag in self.flags)

@@ -1,0 +1,207 @@
+"""Per-request records of a queue: kept results and cancel requests, found by request id alone.
+
+One stream per queue ``Q``, ``KQ_Q_RECORDS``, holds at most one message per subject:
+
+- ``kq.Q.result.<id>``: a finished request's reply (its ``X-KQ-Status`` headers and body), written
+  by the worker that ran it when its task keeps results, with a per-message TTL (``Nats-TTL``) of
+  the task's ``result_ttl``. When that TTL passes the server replaces it with a *subject delete
+  marker* (a message without ``X-KQ-Status``) that lives for :data:`EXPIRED_MARKER_TTL`, so a
+  reader can tell "expired" from "not there yet".
+- ``kq.Q.cancel.<id>``: a cancel request and its answer (``X-KQ-Cancel``: ``requested``, then
+  ``cancelled``, ``running`` or ``done`` from the worker that holds the request's key), kept for
+  :data:`CANCEL_TTL`.
+- ``kq.Q.runs.<task>.<key>``: the start times of a rate-limited task's recent runs on a key (a JSON
+  list of Unix seconds), written by the key's holder by compare-and-set before each run, kept for
+  the limit's period.
+
+``<id>`` is :func:`~keyqueue.jetstream.subjects.request_id_token` of the request id. The stream
+is created by whoever first needs it (a writer or a reader), like the other streams of a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, Final
+
+from keyqueue.errors import StreamNotFound, TopologyMismatch
+from keyqueue.jetstream.api import JetStreamApi, StoredMsg, parse_pub_ack
+from keyqueue.jetstream.kv import EXPECTED_LAST_SUBJECT_SEQUENCE
+from keyqueue.jetstream.subjects import request_id_token, validate_queue_name
+from keyqueue.jetstream.topology import NS
+from keyqueue.wire import headers as H
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+
+__all__ = ["CANCEL_STATE", "CANCEL_TTL", "EXPIRED_MARKER_TTL", "RequestRecords"]
+
+EXPIRED_MARKER_TTL: Final = 24 * 3600
+"""Seconds the server keeps the marker it leaves where a kept result expired ("expired", not "missing")."""
+
+CANCEL_TTL: Final = 7 * 24 * 3600
+"""Seconds a cancel record is kept: longer than any request should wait for its key."""
+
+CANCEL_STATE: Final = "X-KQ-Cancel"
+"""Header of a cancel record: ``requested``, ``cancelled``, ``running`` or ``done``."""
+
+TTL: Final = "Nats-TTL"
+"""Publish header: this message's time to live (nats-server >= 2.11, at least one second)."""
+
+
+class RequestRecords:
+    """The records stream of one queue on one connection: ``ensure`` once, then read and write."""
+
+    def __init__(self, nc: Client, queue: str, *, replicas: int = 1) -> None:
+        self.nc = nc
+        self.queue = validate_queue_name(queue)
+        self.replicas = replicas
+        self.api = JetStreamApi(nc)
+        self.stream = f"KQ_{queue}_RECORDS"
+
+    def result_subject(self, request_id: str) -> str:
+        return f"kq.{self.queue}.result.{request_id_token(request_id)}"
+
+    def cancel_subject(self, request_id: str) -> str:
+        return f"kq.{self.queue}.cancel.{request_id_token(request_id)}"
+
+    @property
+    def cancel_wildcard(self) -> str:
+        return f"kq.{self.queue}.cancel.>"
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "name": self.stream,
+            "subjects": [f"kq.{self.queue}.result.>", self.cancel_wildcard, f"kq.{self.queue}.runs.>"],
+            "retention": "limits",
+            "storage": "file",
+            "num_replicas": self.replicas,
+            "max_msgs_per_subject": 1,
+            "discard": "old",
+            "allow_msg_ttl": True,
+            "subject_delete_marker_ttl": EXPIRED_MARKER_TTL * NS,
+            "allow_direct": self.replicas == 1,
+        }
+
+    async def ensure(self) -> None:
+        """Create the stream if it is missing, else check what its readers rely on."""
+        wanted = self.config()
+        try:
+            info = await self.api.stream_info(self.stream)
+        except StreamNotFound:
+            await self.api.add_stream(wanted)
+            return
+        for field in ("subjects", "max_msgs_per_subject", "allow_msg_ttl"):
+            if info["config"].get(field) != wanted[field]:
+                raise TopologyMismatch(f"stream {self.stream}", field, info["config"].get(field), wanted[field],
+                                       f"delete it (nats stream rm {self.stream}); it holds only results and cancels")
+
+    async def _publish(self, subject: str, headers: Mapping[str, str], body: bytes, ttl: float,
+                       expected_last: int | None = None) -> int:
+        sent = {**headers, TTL: f"{max(1, math.ceil(ttl))}s"}
+        if expected_last is not None:
+            sent[EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected_last)
+        return parse_pub_ack(await self.api._request(subject, body, None, sent)).seq
+
+    async def _last(self, subject: str) -> StoredMsg | None:
+        return await self.api.get_msg(self.stream, last_by_subject=subject, direct=self.replicas == 1)
+
+    # --- results ---
+
+    async def put_result(self, request_id: str, headers: Mapping[str, str], body: bytes, ttl: float) -> int:
+        """Keep a finished request's reply for ``ttl`` seconds (rounded up to whole seconds)."""
+        return await self._publish(self.result_subject(request_id), headers, body, ttl)
+
+    async def get_result(self, request_id: str) -> StoredMsg | None:
+        """The kept reply, the marker of an expired one (no ``X-KQ-Status``), or None."""
+        return await self._last(self.result_subject(request_id))
+
+    async def wait_result(self, request_id: str, timeout: float) -> tuple[dict[str, str], bytes] | None:
+        """The kept reply (or an expiry marker's empty headers), waiting up to ``timeout`` seconds; None if none came.
+
+        Subscribes before reading, so a result stored between the read and the wait is seen.
+        """
+        subject = self.result_subject(request_id)
+        async with self._watch(subject) as arrived:
+            stored = await self._last(subject)
+            if stored is not None:
+                return stored.headers, stored.data
+            try:
+                async with asyncio.timeout(timeout):
+                    msg = await arrived
+            except TimeoutError:
+                return None
+            return dict(msg.headers or {}), msg.data
+
+    @asynccontextmanager
+    async def _watch(self, subject: str) -> AsyncIterator[asyncio.Future[Msg]]:
+        future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+
+        async def on_msg(msg: Msg) -> None:
+            if not future.done():
+                future.set_result(msg)
+
+        sub = await self.nc.subscribe(subject, cb=on_msg)
+        try:
+            yield future
+        finally:
+            await sub.unsubscribe()
+
+    # --- rate limits ---
+
+    def runs_subject(self, task: str, key: str) -> str:
+        return f"kq.{self.queue}.runs.{request_id_token(task)}.{key}"
+
+    async def get_runs(self, task: str, key: str) -> tuple[list[float], int]:
+        """The recent run start times of ``task`` on ``key`` and the record's sequence (0: none)."""
+        stored = await self._last(self.runs_subject(task, key))
+        if stored is None or not stored.data:
+            return [], stored.seq if stored is not None else 0
+        return [float(t) for t in json.loads(stored.data)], stored.seq
+
+    async def put_runs(self, task: str, key: str, starts: list[float], expected_last: int, ttl: float) -> int:
+        """Store the run start times over the record read at ``expected_last`` (``WrongLastSequence`` if it changed)."""
+        return await self._publish(self.runs_subject(task, key), {}, json.dumps(starts).encode(), ttl,
+                                   expected_last=expected_last)
+
+    # --- cancels ---
+
+    async def request_cancel(self, request_id: str) -> tuple[str, int]:
+        """Record a cancel request unless one exists: ``(state, seq)`` of the record now stored."""
+        subject = self.cancel_subject(request_id)
+        existing = await self._last(subject)
+        if existing is not None and existing.headers.get(CANCEL_STATE):
+            return existing.headers[CANCEL_STATE], existing.seq
+        seq = await self._publish(subject, {CANCEL_STATE: "requested", H.REQUEST_ID: request_id}, b"",
+                                  CANCEL_TTL, expected_last=existing.seq if existing is not None else 0)
+        return "requested", seq
+
+    async def answer_cancel(self, request_id: str, state: str, expected_last: int) -> int:
+        """The holder's answer to a cancel request, written only over the record it read
+        (``WrongLastSequence`` if it changed since)."""
+        return await self._publish(self.cancel_subject(request_id), {CANCEL_STATE: state, H.REQUEST_ID: request_id},
+                                   b"", CANCEL_TTL, expected_last=expected_last)
+
+    async def cancel_state(self, request_id: str) -> tuple[str, int] | None:
+        """``(state, seq)`` of the request's cancel record, or None."""
+        stored = await self._last(self.cancel_subject(request_id))
+        if stored is None or not stored.headers.get(CANCEL_STATE):
+            return None
+        return stored.headers[CANCEL_STATE], stored.seq
+
+    async def pending_cancels(self) -> set[str]:
+        """Request ids whose cancel record says ``requested`` or ``cancelled``: they must not start."""
+        try:
+            subjects = await self.api.subjects(self.stream, self.cancel_wildcard)
+        except StreamNotFound:
+            return set()
+        found: set[str] = set()
+        for subject in subjects:
+            stored = await self._last(subject)
+            if stored is not None and stored.headers.get(CANCEL_STATE) in ("requested", "cancelled"):
+                found.add(stored.headers.get(H.REQUEST_ID, ""))
+        return found
