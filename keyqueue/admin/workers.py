@@ -1,0 +1,70 @@
+"""The live worker registry: who serves a queue, from the workers' heartbeat records.
+
+Each running worker writes a record per queue every few seconds (``keyqueue.app.heartbeat``) to
+the queue's lease stream; the server drops a record ``RECORD_TTL`` seconds after its last write.
+A worker is *live* while its last record is younger than ``STALE_AFTER`` of its intervals and
+does not say ``stopped``; otherwise it is *gone* (stopped cleanly, or silent: killed, cut off, or
+its machine down), listed until its record expires. ``keyqueue inspect`` and the dashboard
+both read the registry through :func:`queue_workers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from keyqueue.admin.inspection import parse_time
+from keyqueue.app.heartbeat import STALE_AFTER, WorkerRecord, record_subject_prefix
+from keyqueue.errors import StreamNotFound
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.subjects import QueueNames
+
+__all__ = ["WorkerState", "queue_workers"]
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One worker of a queue as its last heartbeat record says, and whether it is still live."""
+
+    record: WorkerRecord
+    received: float
+    """When the server stored the record (Unix seconds, the server's clock)."""
+    live: bool
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    @property
+    def gone_because(self) -> str | None:
+        """Why the worker is not live: ``stopped`` or ``silent``; None while it is."""
+        if self.live:
+            return None
+        return "stopped" if self.record.state == "stopped" else "silent"
+
+
+async def queue_workers(api: JetStreamApi, queue: str, *, now: float | None = None) -> list[WorkerState]:
+    """The workers of ``queue`` with a heartbeat record: live ones first, then by name."""
+    names = QueueNames(queue)
+    try:
+        subjects = await api.subjects(names.lease_stream, record_subject_prefix(queue) + "*")
+    except StreamNotFound:
+        return []
+    messages = await asyncio.gather(*(api.get_msg(names.lease_stream, last_by_subject=subject, direct=False)
+                                      for subject in subjects))
+    now = time.time() if now is None else now
+    found: list[WorkerState] = []
+    for msg in messages:
+        if msg is None or (record := WorkerRecord.decode(msg.data)) is None:
+            continue
+        received = _timestamp(msg.timestamp) or record.heartbeat
+        # Judged by when the server stored the record, so a worker with a skewed clock is not taken for gone.
+        fresh = now - received <= STALE_AFTER * max(record.interval, 1.0)
+        found.append(WorkerState(record, received, live=fresh and record.state != "stopped"))
+    return sorted(found, key=lambda w: (not w.live, w.name))
+
+
+def _timestamp(text: str) -> float | None:
+    moment = parse_time(text)
+    return None if moment is None else moment.timestamp()

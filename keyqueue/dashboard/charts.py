@@ -1,0 +1,58 @@
+"""The dashboard's charts: small inline SVG drawn on the server (no script, no library)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["duration", "latency_chart", "sparkline"]
+
+
+def sparkline(values: list[float], width: int = 120, height: int = 24) -> str:
+    """An inline SVG polyline of ``values`` (oldest first), scaled to its maximum."""
+    if len(values) < 2:
+        return ""
+    top = max(values) or 1.0
+    step = width / (len(values) - 1)
+    points = " ".join(f"{i * step:.1f},{height - 2 - v / top * (height - 4):.1f}" for i, v in enumerate(values))
+    return (f'<svg class="spark" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+            f'aria-label="requests per second, last {len(values)} samples"><polyline fill="none" '
+            f'stroke="currentColor" stroke-width="1.5" points="{points}"/></svg>')
+
+
+def duration(seconds: float | None) -> str:
+    """``seconds`` for people: ``850 µs``, ``12.4 ms``, ``1.25 s``, ``3m05s``; ``-`` for None."""
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 60.0:
+        return f"{seconds:.3g} s"
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def latency_chart(p50: Sequence[float | None], p99: Sequence[float | None], *, what: str, span: str,
+                  width: int = 150, height: int = 32) -> str:
+    """Two lines, p50 (solid) and p99 (dashed), one point per slot (oldest first), on one scale
+    from zero to the highest p99 (written in the corner); a slot without a time breaks the lines."""
+    if len(p50) < 2 or all(v is None for v in p99):
+        return ""
+    top = max(v for v in (*p50, *p99) if v is not None) or 1.0
+    step = width / (len(p50) - 1)
+
+    def lines(values: Sequence[float | None], css: str) -> str:
+        runs: list[list[str]] = [[]]
+        for i, v in enumerate(values):
+            if v is None:
+                runs.append([])
+            else:
+                runs[-1].append(f"{i * step:.1f},{height - 2 - v / top * (height - 10):.1f}")
+        # A lone point is drawn as a dot: a polyline of one point shows nothing.
+        return "".join(f'<polyline class="{css}" points="{" ".join(r)}"/>' if len(r) > 1 else
+                       f'<circle class="{css}" cx="{r[0].split(",")[0]}" cy="{r[0].split(",")[1]}" r="1.5"/>'
+                       for r in runs if r)
+
+    return (f'<svg class="latency" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+            f'aria-label="{what} p50 and p99, {span}"><text x="0" y="7">'
+            f'{duration(top)}</text>{lines(p99, "p99")}{lines(p50, "p50")}</svg>')

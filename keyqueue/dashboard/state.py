@@ -1,0 +1,285 @@
+"""What the dashboard shows: a snapshot of every queue, refreshed once a second, and recent events.
+
+``Monitor`` polls the server (inspection, the worker registry) and keeps, per queue, a short
+history of the inbox stream's counters, from which it derives requests per second without any
+help from the workers: *enqueued/s* from the growth of the inbox's last sequence, *done/s* from
+requests that left the inbox (processed or dead-lettered). It also subscribes to the queues'
+lifecycle events (``kq.*.events.>``) and keeps the last few per key (what a key's page shows)
+and a count per event and queue since it started (the ``/metrics`` counters), the queues' wait
+and run times over the last minutes (``latency``), and, for the keys whose page is open, their
+progress messages (``progress``). Events may be sampled or turned off (docs/observability.md):
+the rates do not depend on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from keyqueue.admin.inspection import KeyState, QueueReport, inspect_queue, list_queues
+from keyqueue.admin.workers import WorkerState, queue_workers
+from keyqueue.dashboard.latency import Latencies
+from keyqueue.dashboard.progress import ProgressFeed
+from keyqueue.dashboard.schedules import Delays
+from keyqueue.errors import KeyqueueError, StreamNotFound, WireError
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.wire import CBOR, loads
+from keyqueue.wire import headers as H
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+
+__all__ = ["HISTORY", "KEY_EVENTS", "HeadAttempt", "KeyEvent", "Monitor", "QueueView", "Snapshot"]
+
+log = logging.getLogger("keyqueue.dashboard")
+
+HISTORY: Final = 120
+"""Samples of each queue's counters kept (one per refresh: two minutes at the default)."""
+
+KEY_EVENTS: Final = 50
+"""Recent events kept per key."""
+
+TRACKED_KEYS: Final = 10_000
+"""Keys whose recent events are kept (the least recently active are forgotten first)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float
+    last_seq: int
+    messages: int
+
+
+@dataclass
+class QueueView:
+    """One queue as the pages show it."""
+
+    report: QueueReport
+    workers: list[WorkerState]
+    history: deque[Sample] = field(default_factory=lambda: deque(maxlen=HISTORY))
+
+    def rate(self, kind: str, window: float = 5.0) -> float:
+        """``enqueued`` or ``done`` per second over the last ``window`` seconds."""
+        return _rate(list(self.history), kind, window)
+
+    def series(self, kind: str) -> list[float]:
+        """Per-sample rates, oldest first (the sparklines)."""
+        samples = list(self.history)
+        return [_rate(samples[: i + 1], kind, 0.0) for i in range(1, len(samples))]
+
+    @property
+    def live_workers(self) -> list[WorkerState]:
+        return [w for w in self.workers if w.live]
+
+
+def _rate(samples: list[Sample], kind: str, window: float) -> float:
+    if len(samples) < 2:
+        return 0.0
+    last = samples[-1]
+    first = next((s for s in samples if last.at - s.at <= window), samples[-2]) if window else samples[-2]
+    if first is last:
+        first = samples[-2]
+    elapsed = last.at - first.at
+    if elapsed <= 0:
+        return 0.0
+    enqueued = last.last_seq - first.last_seq
+    done = enqueued - (last.messages - first.messages)
+    return max(0, enqueued if kind == "enqueued" else done) / elapsed
+
+
+@dataclass
+class Snapshot:
+    """Every queue, as of ``taken`` (Unix seconds); ``version`` grows with each refresh."""
+
+    queues: dict[str, QueueView] = field(default_factory=dict)
+    taken: float = 0.0
+    version: int = 0
+    error: str | None = None
+    """Why the last refresh failed (the server away, ...), shown on every page; else None."""
+
+
+@dataclass(frozen=True)
+class KeyEvent:
+    ts: float
+    event: str
+    request_id: str | None
+    task: str | None
+    worker: str | None
+    detail: str
+    attempt: int | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class HeadAttempt:
+    """The attempts of the request a key is running or retrying, as its lifecycle events tell."""
+
+    request_id: str | None
+    attempt: int
+    """Attempts so far (the one under way included)."""
+    failing: bool
+    """An attempt of it failed and it is being retried."""
+    error: str | None
+    """The last failed attempt's error, when one failed."""
+
+
+_FINISHED: Final = frozenset({"succeeded", "dead_lettered", "superseded", "cancelled"})
+"""Events after which a request is no longer under way."""
+
+
+class Monitor:
+    """Refreshes the ``Snapshot`` every ``refresh`` seconds and follows the lifecycle events.
+
+    ``queues`` limits what is shown (``--app``: that app's queues); None shows every queue on the
+    server. ``changed`` is set after each refresh and cleared by the next one's start: the
+    server-sent events wait on it.
+    """
+
+    def __init__(self, nc: Client, *, queues: list[str] | None = None, refresh: float = 1.0) -> None:
+        self.nc = nc
+        self.api = JetStreamApi(nc)
+        self.only = queues
+        self.refresh = refresh
+        self.snapshot = Snapshot()
+        self.events: dict[tuple[str, str], deque[KeyEvent]] = {}
+        self.event_counts: dict[tuple[str, str, str], int] = defaultdict(int)
+        """(queue, event, task) -> events seen since the dashboard started."""
+        self.waits: dict[str, Latencies] = defaultdict(Latencies)
+        """Queue -> its requests' waits (enqueue to start) over the last minutes."""
+        self.runs: dict[str, Latencies] = defaultdict(Latencies)
+        """Queue -> its requests' run times (start to finish) over the last minutes."""
+        self.progress = ProgressFeed(nc)
+        self.delays = Delays(nc, max_age=max(2.0, 2 * refresh))
+        """The queues' delayed requests, read when a page shows them."""
+        self._version = asyncio.Condition()
+        self._subscription: Any = None
+        self.listeners: list[Callable[[Snapshot], None]] = []
+
+    async def run(self) -> None:
+        """Refresh until cancelled."""
+        self._subscription = await self.nc.subscribe("kq.*.events.>", cb=self._on_event)
+        try:
+            while True:
+                await self.poll()
+                await asyncio.sleep(self.refresh)
+        finally:
+            await self.progress.close()
+            with contextlib.suppress(Exception):
+                await self._subscription.unsubscribe()
+
+    async def poll(self) -> None:
+        """One refresh of every queue."""
+        previous = self.snapshot
+        snapshot = Snapshot(version=previous.version + 1, taken=time.time())
+        try:
+            names = self.only if self.only is not None else await list_queues(self.api)
+            for queue in names:
+                view = await self._queue(queue, previous.queues.get(queue))
+                if view is not None:
+                    snapshot.queues[queue] = view
+        except (KeyqueueError, TimeoutError, OSError) as exc:
+            snapshot.queues = previous.queues
+            snapshot.error = f"{type(exc).__name__}: {exc}"
+            log.warning("dashboard: refresh failed: %s", snapshot.error)
+        self.snapshot = snapshot
+        await self.progress.expire()
+        for listener in self.listeners:
+            listener(snapshot)
+        async with self._version:
+            self._version.notify_all()
+
+    async def _queue(self, queue: str, before: QueueView | None) -> QueueView | None:
+        try:
+            report = await inspect_queue(self.api, queue)
+            info = await self.api.stream_info(QueueNames(queue).inbox_stream)
+        except StreamNotFound:
+            return None
+        view = QueueView(report, await queue_workers(self.api, queue))
+        if before is not None:
+            view.history.extend(before.history)
+        state = info.get("state") or {}
+        view.history.append(Sample(time.monotonic(), int(state.get("last_seq", 0)), int(state.get("messages", 0))))
+        return view
+
+    async def changed(self, version: int, timeout: float) -> int:
+        """Wait until the snapshot's version passes ``version`` (at most ``timeout``); the version."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout), self._version:
+                await self._version.wait_for(lambda: self.snapshot.version > version)
+        return self.snapshot.version
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            fields = loads(msg.data, (msg.headers or {}).get(H.CONTENT_TYPE, CBOR))
+        except WireError:
+            return
+        if not isinstance(fields, dict):
+            return
+        queue, key, name = fields.get("queue"), fields.get("key"), fields.get("event")
+        if not isinstance(queue, str) or not isinstance(name, str):
+            return
+        self.event_counts[(queue, name, str(fields.get("task") or ""))] += 1
+        if self.only is None or queue in self.only:
+            self._timings(queue, name, fields)
+        if not isinstance(key, str):
+            return
+        detail = " ".join(f"{k}={_short(fields[k])}" for k in ("attempt", "reason", "wait", "run")
+                          if fields.get(k) is not None)
+        recent = self.events.pop((queue, key), None) or deque(maxlen=KEY_EVENTS)
+        attempt, reason = fields.get("attempt"), fields.get("reason")
+        recent.append(KeyEvent(float(fields.get("ts") or time.time()), name, fields.get("request_id"),
+                               fields.get("task"), fields.get("worker"), detail,
+                               attempt if isinstance(attempt, int) else None,
+                               reason if isinstance(reason, str) else None))
+        self.events[(queue, key)] = recent  # most recently active last
+        while len(self.events) > TRACKED_KEYS:
+            del self.events[next(iter(self.events))]
+
+    def _timings(self, queue: str, name: str, fields: dict[str, Any]) -> None:
+        if name == "started" and isinstance(wait := fields.get("wait"), int | float):
+            self.waits[queue].add(float(wait))
+        elif name in ("succeeded", "dead_lettered") and isinstance(run := fields.get("run"), int | float):
+            self.runs[queue].add(float(run))
+
+    def head_attempt(self, queue: str, key: str) -> HeadAttempt | None:
+        """The attempts of the request the key is running or retrying; None when none is under way
+        (or no event of it was seen: the dashboard follows events from its start)."""
+        recent = self.events.get((queue, key), ())
+        for index in range(len(recent) - 1, -1, -1):
+            e = recent[index]
+            if e.event in _FINISHED:
+                return None
+            if e.event in ("started", "retried"):
+                attempt = e.attempt or 1
+                failing = e.event == "retried" or attempt > 1
+                error = e.reason if e.event == "retried" else next(
+                    (r.reason for r in reversed(list(recent)[:index]) if r.event == "retried"
+                     and r.request_id == e.request_id), None)
+                return HeadAttempt(e.request_id, attempt, failing, error)
+        return None
+
+    def key_events(self, queue: str, key: str) -> list[KeyEvent]:
+        """The key's recent events, newest first."""
+        return list(reversed(self.events.get((queue, key), ())))
+
+    def last_activity(self, queue: str, key: KeyState) -> float | None:
+        """When the key last did something: its last event, else its lease record's last renewal."""
+        recent = self.events.get((queue, key.key))
+        if recent:
+            return recent[-1].ts
+        if key.holder is not None:
+            moment = key.holder.since or key.holder.renewed
+            return None if moment is None else moment.timestamp()
+        return None
+
+
+def _short(value: object) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
