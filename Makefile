@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint java-check bench bench-quick chaos clean
+.PHONY: demo test lint java-check chromium-check bench bench-quick chaos clean
 
 # keyqueue's own plugins, each a distribution of its own (OpenTelemetry, Spark, the Rebaser).
 PLUGINS := plugins/keyqueue_otel plugins/keyqueue_spark contrib/rebaser
@@ -37,7 +37,7 @@ CHAOS_ARGS ?= --seed 7 --faults 500 --duration 1200
 chaos: $(STAMP)
 	$(PY) -m keyqueue.chaos $(CHAOS_ARGS)
 
-test: $(STAMP) java-check
+test: $(STAMP) java-check chromium-check
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
@@ -59,6 +59,20 @@ java-check:
 	else \
 	  echo "java-check: ERROR: could not install Java $(JAVA_MIN). Install a JRE $(JAVA_MIN)+ (e.g. apt-get install" \
 	       "openjdk-17-jre-headless) and put java on PATH, or set JAVA_HOME; then run make again." >&2; \
+	  exit 1; \
+	fi
+
+# The dashboard's browser tests (tests/browser, docs/dashboard.md) drive headless Chromium through
+# Selenium: Debian's chromium and chromium-driver (nothing is downloaded by Selenium itself).
+chromium-check:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then exit 0; fi; \
+	echo "chromium-check: the dashboard's browser tests need chromium and chromedriver; installing chromium chromium-driver (apt-get) ..."; \
+	if command -v apt-get >/dev/null 2>&1 && $(SUDO) apt-get update -qq \
+	   && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null; then \
+	  echo "chromium-check: installed $$(chromium --version 2>/dev/null | head -n 1)"; \
+	else \
+	  echo "chromium-check: ERROR: could not install Chromium. Install chromium and chromium-driver (e.g. apt-get install" \
+	       "chromium chromium-driver) so that chromium and chromedriver are on PATH; then run make again." >&2; \
 	  exit 1; \
 	fi
 

@@ -13,6 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from bench import delays
 from bench import report as output
 from bench.fleet import REPO, WorkerOptions
 from bench.results import MODES
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result = asyncio.run(run(MODES[mode_name], peers=peers, command=command.strip(), options=options))
     print(output.table(result))
+    for lateness in asyncio.run(delays.run(mode_name)):  # due-time lateness of delayed requests
+        print(lateness.line())
     if docs:
         md, png = REPO / "docs" / "benchmarks.md", REPO / "docs" / "benchmarks-latency.png"
     else:

@@ -19,6 +19,8 @@ the machinery under it.
 from __future__ import annotations
 
 from keyqueue.app.application import App, default_app, task
+from keyqueue.app.cancel import CancelState
+from keyqueue.app.schedules import Periodic
 from keyqueue.app.worker import Worker
 from keyqueue.core.processor import (
     BaseProcessor,
@@ -32,6 +34,7 @@ from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import (
     BacklogFull,
     CallOnOwnKey,
+    Cancelled,
     ConfigError,
     ConnectionFailed,
     ConsumerNotFound,
@@ -40,6 +43,8 @@ from keyqueue.errors import (
     EnqueueError,
     EnqueueTimeout,
     InvalidKey,
+    InvalidRequestId,
+    InvalidSchedule,
     JetStreamError,
     KeyAlreadyScheduled,
     KeyqueueError,
@@ -51,6 +56,9 @@ from keyqueue.errors import (
     PayloadTooLarge,
     Reject,
     RemoteError,
+    ResultExpired,
+    ResultNotKept,
+    ResultUnavailable,
     ServerNotFound,
     StreamNotFound,
     Superseded,
@@ -76,6 +84,8 @@ __all__ = [
     "BaseProcessor",
     "BatchTask",
     "CallOnOwnKey",
+    "CancelState",
+    "Cancelled",
     "ConfigError",
     "ConnectionFailed",
     "ConsumerNotFound",
@@ -86,6 +96,8 @@ __all__ = [
     "EnqueueError",
     "EnqueueTimeout",
     "InvalidKey",
+    "InvalidRequestId",
+    "InvalidSchedule",
     "JetStreamError",
     "KeyAlreadyScheduled",
     "KeyProcessor",
@@ -96,6 +108,7 @@ __all__ = [
     "MessageNotFound",
     "MissingHeader",
     "PayloadTooLarge",
+    "Periodic",
     "Policy",
     "QueueConfig",
     "Receipt",
@@ -104,6 +117,9 @@ __all__ = [
     "Reply",
     "Request",
     "RequestContext",
+    "ResultExpired",
+    "ResultNotKept",
+    "ResultUnavailable",
     "RetryPolicy",
     "ServerNotFound",
     "SessionContext",

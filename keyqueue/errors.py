@@ -3,6 +3,8 @@
     KeyqueueError
     ├── ConfigError                      bad settings, bad arguments, a missing binary
     │   ├── InvalidKey                   a key that is not a valid NATS subject token sequence (ValueError)
+    │   ├── InvalidSchedule              a bad countdown, eta, cron or every, or a server without schedules (ValueError)
+    │   ├── InvalidRequestId             a request id a Nats-Msg-Id header cannot carry (ValueError)
     │   ├── ServerNotFound               the nats-server binary is not installed
     │   └── TopologyMismatch             a stream/consumer's layout differs from what this process needs
     ├── ConnectionFailed                 the NATS server could not be reached
@@ -25,11 +27,15 @@
     │   ├── WrongLastSequence            10071 (an optimistic-concurrency write lost the race)
     │   └── KeyAlreadyScheduled          10077 on a token subject (callers treat it as success)
     ├── LeaseLost                        this worker no longer owns the key; stop without side effects
+    ├── ResultUnavailable                a request's result cannot be had
+    │   ├── ResultNotKept                its task keeps no results (no result_ttl)
+    │   └── ResultExpired                it was kept, but its result_ttl has passed
     └── TaskFailure                      the outcome of running a request
         ├── Reject                       raised by a handler: do not retry, dead-letter now
         │   └── CallOnOwnKey             a task called a task on the key its own run holds
         ├── RemoteError                  a request failed in a worker; re-raised to the caller
         ├── DeadLettered                 the request went to the DLQ (reply to a caller)
+        ├── Cancelled                    the request was cancelled before it started
         └── Superseded                   a newer request for the key replaced this one
 
 Timeouts subclass the built-in ``TimeoutError`` (which ``asyncio.TimeoutError`` aliases) so
@@ -44,6 +50,7 @@ from typing import Any, Final
 __all__ = [
     "BacklogFull",
     "CallOnOwnKey",
+    "Cancelled",
     "ConfigError",
     "ConnectionFailed",
     "ConsumerNotFound",
@@ -51,6 +58,8 @@ __all__ = [
     "Disconnected",
     "EnqueueError",
     "InvalidKey",
+    "InvalidRequestId",
+    "InvalidSchedule",
     "JetStreamError",
     "KeyAlreadyScheduled",
     "KeyqueueError",
@@ -62,6 +71,9 @@ __all__ = [
     "PayloadTooLarge",
     "Reject",
     "RemoteError",
+    "ResultExpired",
+    "ResultNotKept",
+    "ResultUnavailable",
     "ServerNotFound",
     "StreamNotFound",
     "Superseded",
@@ -90,6 +102,16 @@ class ConfigError(KeyqueueError):
 
 class InvalidKey(ConfigError, ValueError):
     """A key is not a sequence of valid NATS subject tokens."""
+
+
+class InvalidRequestId(ConfigError, ValueError):
+    """A request id a ``Nats-Msg-Id`` header cannot carry as it is (printable ASCII, no spaces, 1-256 long)."""
+
+
+class InvalidSchedule(ConfigError, ValueError):
+    """A delay or a periodic schedule that cannot be kept: a naive ``eta``, a negative ``countdown``, a due
+    time past what the queue's streams keep, a cron expression the server would refuse, ``every <= 0``,
+    or a server too old for message schedules (the message names the version needed)."""
 
 
 class ServerNotFound(ConfigError):
@@ -294,6 +316,22 @@ class LeaseLost(KeyqueueError):
     """
 
 
+class ResultUnavailable(KeyqueueError):
+    """A request's result cannot be had: not kept, or expired (see the subclasses)."""
+
+    def __init__(self, message: str, request_id: str, queue: str) -> None:
+        self.request_id, self.queue = request_id, queue
+        super().__init__(message)
+
+
+class ResultNotKept(ResultUnavailable):
+    """The request's task keeps no results: declare it with ``result_ttl=`` (or give the app a default)."""
+
+
+class ResultExpired(ResultUnavailable):
+    """The request's result was kept, but for ``result_ttl`` seconds, which have passed."""
+
+
 class TaskFailure(KeyqueueError):
     """The outcome of processing a request, when it was not success."""
 
@@ -337,6 +375,14 @@ class DeadLettered(RemoteError):
     def __init__(self, type_name: str, message: str, request_id: str = "", reason: str = "") -> None:
         super().__init__(type_name, message, request_id)
         self.reason = reason
+
+
+class Cancelled(TaskFailure):
+    """The request was cancelled (``receipt.cancel()``, ``App.cancel``) before it started: it never ran."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"request {request_id} was cancelled before it started; it did not run")
 
 
 class Superseded(TaskFailure):

@@ -67,6 +67,7 @@ class EventField(NamedTuple):
 
 EVENT_NAMES: Final = (
     "enqueued", "acquired", "started", "succeeded", "retried", "dead_lettered", "superseded", "released",
+    "cancelled",
 )
 """keyqueue's own values of the ``event`` field; plugins add theirs with :func:`register_event_names`."""
 
@@ -82,7 +83,7 @@ EVENT_FIELDS: Final = (
     EventField("wait", "double", "on started: seconds from enqueue to handler start; else null"),
     EventField("run", "double", "on succeeded/dead_lettered: handler seconds; on a plugin's step: its seconds; "
                                 "else null"),
-    EventField("reason", "string", "DLQ reason, retry error or superseded/merged reason; or null"),
+    EventField("reason", "string", "DLQ reason, retry error, superseded/merged or cancelled reason; or null"),
     EventField("triggers", "long", "on a plugin's step that serves several requests at once: how many; else null"),
     EventField("run_id", "string", "the id of a plugin's step, or null"),
 )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime as dt
 import itertools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,10 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keyqueue.app.application import App, default_app
+from keyqueue.app.eager_clock import EagerClock
 from keyqueue.builtins.processor import TaskProcessor
+from keyqueue.builtins.request_records import RecordingTaskProcessor
 from keyqueue.core.processor import Request
 from keyqueue.core.retry import RetryPolicy
-from keyqueue.errors import ConfigError, EnqueueError, Reject, WireError
+from keyqueue.errors import ConfigError, EnqueueError, InvalidSchedule, Reject, WireError
+from keyqueue.tasks.arguments import CANCELLED_BY
 from keyqueue.tasks.task import Receipt, TaskRequest
 from keyqueue.wire import CBOR, loads
 from keyqueue.wire import headers as H
@@ -67,6 +71,21 @@ class EagerProgress:
     key: str
     request_id: str
     value: Any
+
+
+class _EagerRuns:
+    """Rate-limit run logs in memory (the ``RunStore`` of eager mode)."""
+
+    def __init__(self) -> None:
+        self.logs: dict[tuple[str, str], tuple[list[float], int]] = {}
+
+    async def get_runs(self, task: str, key: str) -> tuple[list[float], int]:
+        return self.logs.get((task, key), ([], 0))
+
+    async def put_runs(self, task: str, key: str, starts: list[float], expected_last: int, ttl: float) -> int:
+        revision = self.logs.get((task, key), ([], 0))[1] + 1
+        self.logs[(task, key)] = (list(starts), revision)
+        return revision
 
 
 @dataclass
@@ -112,13 +131,28 @@ class EagerRunner:
     _running: set[tuple[str, str]] = field(default_factory=set)
     _seen: set[str] = field(default_factory=set)
     _replies: dict[str, tuple[dict[str, str], bytes]] = field(default_factory=dict)
+    _kept: dict[str, tuple[dict[str, str], bytes]] = field(default_factory=dict)
+    """Every finished request's reply, for ``App.result`` (which checks that its task keeps results)."""
+    cancelled: list[str] = field(default_factory=list)
+    """Request ids cancelled before they ran (``receipt.cancel()``), in order."""
+    rate_waits: list[float] = field(default_factory=list)
+    """Every wait for a key's rate limit (``rate_limit=``), in seconds, in order: the runner's clock
+    (``now``) jumps ahead by each instead of sleeping (what falls due meanwhile runs at the next ``advance``)."""
+    _runs: _EagerRuns = field(default_factory=_EagerRuns)
     _seq: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    now: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
+    """The runner's clock (UTC): a delayed request runs, and a periodic schedule ticks, when
+    ``advance`` / ``advance_to`` move it past their time; it starts at the real time."""
+    _clock: EagerClock | None = None
 
     # --- the Transport protocol ---
 
     async def enqueue(self, requests: Sequence[TaskRequest]) -> list[Receipt | EnqueueError]:
         receipts: list[Receipt | EnqueueError] = []
         for request in requests:
+            if request.delay is not None and (due := request.delay.due(self.now)) > self.now:
+                receipts.append(self.clock.hold(request, due))
+                continue
             duplicate = request.request_id in self._seen
             seq = next(self._seq)
             if not duplicate:
@@ -145,8 +179,39 @@ class EagerRunner:
         if isinstance(receipt, EnqueueError):
             raise receipt
         request.receipt = receipt
+        if receipt.due is not None:  # waiting for a delayed request's result is the clock passing its due time
+            await self.advance_to(receipt.due)
         await self._drain_key(queue_key)
         return self._replies.pop(request.request_id)
+
+    async def kept_result(self, queue: str, request_id: str, timeout: float) -> tuple[Mapping[str, str], bytes] | None:
+        """The reply of a finished request (results never expire in eager mode); None if it has not run."""
+        return self._kept.get(request_id)
+
+    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float) -> str:
+        """Remove a pending request (``autorun=False``): ``cancelled``; ``running`` or ``done`` if it is too late."""
+        if request_id in self.cancelled:
+            return "cancelled"
+        for (pending_queue, key), pending in self._pending.items():
+            for index, item in enumerate(pending):
+                if pending_queue != queue or item.request.request_id != request_id:
+                    continue
+                if index == 0 and (queue, key) in self._running:
+                    return "running"
+                del pending[index]
+                self.cancelled.append(request_id)
+                self._kept[request_id] = ({H.STATUS: H.STATUS_SUPERSEDED, H.REQUEST_ID: request_id,
+                                           H.SUPERSEDED_BY: CANCELLED_BY,
+                                           H.MESSAGE_TYPE: f"{item.request.message_type}.result"}, b"")
+                return "cancelled"
+        if self._clock is not None and self._clock.drop(queue, request_id):  # delayed, not due yet
+            self.cancelled.append(request_id)
+            return "cancelled"
+        return "done" if request_id in self._seen else "requested"
+
+    async def _rate_wait(self, seconds: float) -> None:
+        self.rate_waits.append(seconds)
+        self.now += dt.timedelta(seconds=seconds)
 
     # --- running ---
 
@@ -156,13 +221,44 @@ class EagerRunner:
             for queue_key in keys:
                 await self._drain_key(queue_key)
 
+    @property
+    def clock(self) -> EagerClock:
+        """The delayed requests and periodic ticks waiting for the runner's clock."""
+        if self._clock is None:
+            self._clock = EagerClock(self.now, list(self.app.periodics.values()))
+        return self._clock
+
+    async def advance(self, seconds: float) -> None:
+        """Move the clock ``seconds`` ahead, running what falls due on the way (see ``advance_to``)."""
+        if seconds < 0:
+            raise InvalidSchedule(f"the clock only moves forward, not by {seconds}s")
+        await self.advance_to(self.now + dt.timedelta(seconds=seconds))
+
+    async def advance_to(self, when: dt.datetime) -> None:
+        """Move the clock to ``when``: each delayed request and periodic tick due by then joins its
+        key's order at its own time, oldest first (run at once unless ``autorun=False``)."""
+        if when.tzinfo is None:
+            raise InvalidSchedule(f"advance_to needs an aware datetime, not the naive {when.isoformat()}")
+        while (event := self.clock.pop_due(when)) is not None:
+            self.now = max(self.now, event.due)
+            request = event.request
+            seq = next(self._seq)
+            if request.request_id not in self._seen:
+                self._seen.add(request.request_id)
+                self._pending.setdefault((request.queue, request.key), collections.deque()).append(
+                    _Pending(request, seq))
+                if self.autorun:
+                    await self._drain_key((request.queue, request.key))
+        self.now = max(self.now, when.astimezone(dt.UTC))
+
     async def _drain_key(self, queue_key: tuple[str, str]) -> None:
         if queue_key in self._running:
             return  # the run in progress picks it up when it is done
         self._running.add(queue_key)
         try:
             queue, key = queue_key
-            processor = TaskProcessor(self.app, queue, key, self.app.queue_tasks(queue))
+            processor = RecordingTaskProcessor(self.app, queue, key, self.app.queue_tasks(queue), runs=self._runs,
+                                               clock=lambda: self.now.timestamp(), sleep=self._rate_wait)
             pending = self._pending.get(queue_key)
             while pending:
                 take = max(1, processor.batch_size)
@@ -203,7 +299,8 @@ class EagerRunner:
                     self._dead_letter([pending_item], reply, attempt, "rejected")
                     continue
                 headers = {H.STATUS: H.STATUS_OK, H.REQUEST_ID: request.request_id, **(reply.headers if reply else {})}
-                self._replies[request.request_id] = (headers, reply.data if reply else b"")
+                self._replies[request.request_id] = self._kept[request.request_id] = (
+                    headers, reply.data if reply else b"")
                 self.succeeded.append(request.request_id)
             return
 
@@ -212,7 +309,7 @@ class EagerRunner:
             request = pending.request
             self.dead_letters.append(EagerDeadLetter(request.queue, request.key, request.request_id,
                                                      request.message_type, reason, error, attempts))
-            self._replies[request.request_id] = ({
+            self._replies[request.request_id] = self._kept[request.request_id] = ({
                 H.STATUS: H.STATUS_DEAD_LETTERED, H.REQUEST_ID: request.request_id,
                 H.ERROR_TYPE: type(error).__name__, H.ERROR_MESSAGE: H.header_safe(str(error)), H.DLQ_REASON: reason,
             }, b"")

@@ -6,6 +6,7 @@ that stops being an error fails the check, so the negative cases are tested too.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any, assert_type
 
@@ -69,6 +70,12 @@ async def producer() -> None:
     await ingest.enqueue_many([Reading("s", 1.0), Reading("s", 2.0)])
     receipts = await charge.enqueue_many([{"order_id": "o1", "amount": 1}])
     assert_type(receipts, list[keyqueue.Receipt])
+    delayed = await charge.options(countdown=60).enqueue(order_id="o1", amount=5)
+    assert_type(delayed.due, datetime.datetime | None)
+    assert_type(await charge.options(eta=delayed.due).enqueue_many([{"order_id": "o1", "amount": 1}]),
+                list[keyqueue.Receipt])
+    await ingest.options(countdown=1.5).enqueue_many([Reading("s", 1.0)])
+    await charge.options(countdown=60).enqueue(order_id="o1", amount="5")  # type: ignore[call-overload]
 
     await charge.enqueue(order_id="o1", amount="5")  # type: ignore[call-overload]
     await charge.enqueue(order_id="o1")  # type: ignore[call-overload]

@@ -4,9 +4,8 @@
 (a worker owns the key, or the token waits for redelivery after a lost lease) and *scheduled*
 when it waits for a free worker. Who holds a key comes from its lease record
 (``kq.<queue>.lease.<key>``, written by ``keyqueue.core.lock.KeyLock``): the worker's name, when
-it acquired the key, and when it last renewed the record. There is no registry of live workers:
-the workers a report names are those holding keys, and the consumer's waiting pull requests
-are what idle workers leave behind.
+it acquired the key, and when it last renewed the record. The live workers, idle ones included,
+come from their heartbeat records (``keyqueue.admin.workers``).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.subjects import QueueNames
 
-__all__ = ["KEY_LIMIT", "Holder", "KeyState", "QueueReport", "inspect_queue", "list_queues"]
+__all__ = ["KEY_LIMIT", "Holder", "KeyState", "QueueReport", "inspect_queue", "list_queues", "parse_time"]
 
 KEY_LIMIT: Final = 1000
 """Most keys a report lists (the counts cover every key)."""
@@ -165,13 +164,13 @@ def _holder(record: StoredMsg) -> Holder:
         fence = record.seq  # the record that acquired the key is written before its sequence is known
     return Holder(
         worker=worker if isinstance(worker, str) and worker else None,
-        since=_time(body.get("since")),
-        renewed=_time(record.timestamp),
+        since=parse_time(body.get("since")),
+        renewed=parse_time(record.timestamp),
         fence=fence if isinstance(fence, int) and fence > 0 else None,
     )
 
 
-def _time(text: object) -> datetime | None:
+def parse_time(text: object) -> datetime | None:
     """An RFC 3339 time (JetStream's have nanoseconds, cut to micro here) in UTC; None if it is not one."""
     if not isinstance(text, str) or not text:
         return None

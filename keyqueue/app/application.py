@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
+import datetime
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
+from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, CancelState
+from keyqueue.app.schedules import Periodic, make_periodic
 from keyqueue.app.transport import Connections, NatsTransport, Portal, Transport
 from keyqueue.core.processor import ProcessorFactory, Reply
 from keyqueue.errors import ConfigError, EnqueueError
-from keyqueue.jetstream.subjects import validate_key, validate_queue_name
+from keyqueue.jetstream.subjects import validate_key, validate_queue_name, validate_request_id
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.plugins.manager import PluginManager, autoload_disabled
 from keyqueue.server.local import LocalServer
@@ -97,22 +101,26 @@ def default_app() -> App:
 @overload
 def task(*, queue: str, key: KeySpec, policy: Literal["batch"], name: str | None = None, max_attempts: int = 5,
          backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
-         upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100) -> BatchTaskDecorator: ...
+         upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
+         result_ttl: float | None = None, rate_limit: str | None = None) -> BatchTaskDecorator: ...
 @overload
 def task(*, queue: str, key: KeySpec, policy: Literal["serial", "latest", "merge"] = "serial",
          name: str | None = None, max_attempts: int = 5, backoff: Backoff | float = ..., timeout: float | None = None,
          version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
-         merge: Merge | None = None) -> TaskDecorator: ...
+         merge: Merge | None = None, result_ttl: float | None = None,
+         rate_limit: str | None = None) -> TaskDecorator: ...
 
 
 def task(*, queue: str, key: KeySpec, policy: Policy = "serial", name: str | None = None, max_attempts: int = 5,
          backoff: Backoff | float = Backoff(), timeout: float | None = None, version: int = 1,  # noqa: B008
          upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
-         merge: Merge | None = None) -> TaskDecorator | BatchTaskDecorator:
+         merge: Merge | None = None, result_ttl: float | None = None,
+         rate_limit: str | None = None) -> TaskDecorator | BatchTaskDecorator:
     """Declare a task on the default app (see ``App.task`` for the options; ``queue`` is required)."""
     return declare(key=key, queue=queue, name=name, policy=policy, max_attempts=max_attempts, backoff=backoff,
                    timeout=timeout, version=version, upgrades=upgrades, max_batch=max_batch, merge=merge,
-                   register=_DEFAULTS.add_shared, dispatcher=default_app)
+                   register=_DEFAULTS.add_shared, dispatcher=default_app, result_ttl=result_ttl,
+                   rate_limit=rate_limit)
 
 
 # --- the app -------------------------------------------------------------------------------------
@@ -126,7 +134,8 @@ class App:
 
     def __init__(self, name: str, url: str | None = None, *, settings: Settings | None = None,
                  plugins: Sequence[object] = (), autoload_plugins: bool | None = None,
-                 data_dir: str | Path | None = None, set_as_default: bool = True) -> None:
+                 data_dir: str | Path | None = None, set_as_default: bool = True,
+                 result_ttl: float | None = None) -> None:
         """``name`` is the app's name and its tasks' default queue.
 
         The connection comes from ``settings`` (else ``Settings.from_env()``, i.e. ``KEYQUEUE_*``
@@ -134,9 +143,15 @@ class App:
         embedded server (``keyqueue.server.local``), kept under ``data_dir``. ``plugins`` are
         registered after the built-in and entry-point plugins; ``autoload_plugins=False`` skips
         the entry points (default: unless ``KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD`` is set).
+        ``result_ttl``: seconds the results of tasks without a ``result_ttl`` of their own are kept
+        (None: only tasks that ask keep theirs).
         """
         validate_queue_name(name)
+        if result_ttl is not None and not result_ttl >= 1:
+            raise ConfigError(f"app {name}: result_ttl must be at least 1 second, got {result_ttl}")
         self.name = name
+        self.result_ttl = result_ttl
+        """Default ``result_ttl`` of this app's tasks (seconds; None: keep no results by default)."""
         settings = settings if settings is not None else Settings.from_env()
         self.settings = settings.with_url(url) if url is not None else settings
         self._extra_plugins = list(plugins)
@@ -145,6 +160,7 @@ class App:
         self._tasks: dict[str, AnyTask] = {}
         self._processors: dict[str, ProcessorFactory] = {}
         self._queue_configs: dict[str, QueueConfig] = {}
+        self._periodic: dict[str, Periodic] = {}
         self._connections = Connections(f"keyqueue:{name}", self._settings_with_url, self._reconnected)
         self._local = LocalServer(name, Path(data_dir) if data_dir is not None else None)
         self._reconnect_listeners: list[Callable[[], None]] = []
@@ -162,18 +178,21 @@ class App:
     @overload
     def task(self, *, key: KeySpec, policy: Literal["batch"], queue: str | None = None, name: str | None = None,
              max_attempts: int = 5, backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
-             upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100) -> BatchTaskDecorator: ...
+             upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
+             result_ttl: float | None = None, rate_limit: str | None = None) -> BatchTaskDecorator: ...
     @overload
     def task(self, *, key: KeySpec, policy: Literal["serial", "latest", "merge"] = "serial",
              queue: str | None = None, name: str | None = None, max_attempts: int = 5,
              backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
              upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
-             merge: Merge | None = None) -> TaskDecorator: ...
+             merge: Merge | None = None, result_ttl: float | None = None,
+             rate_limit: str | None = None) -> TaskDecorator: ...
 
     def task(self, *, key: KeySpec, policy: Policy = "serial", queue: str | None = None, name: str | None = None,
              max_attempts: int = 5, backoff: Backoff | float = Backoff(), timeout: float | None = None,  # noqa: B008
              version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
-             merge: Merge | None = None) -> TaskDecorator | BatchTaskDecorator:
+             merge: Merge | None = None, result_ttl: float | None = None,
+             rate_limit: str | None = None) -> TaskDecorator | BatchTaskDecorator:
         """Declare a task of this app.
 
         ``key``: a template over the arguments (``"{order_id}"``, ``"{user}.{doc}"``) or a callable
@@ -184,10 +203,15 @@ class App:
         retries; ``timeout`` bounds one attempt. ``version`` is the message version; a task
         at version N > 1 declares ``upgrades={1: v1_to_v2, ..., N-1: ...}`` for older requests.
         ``max_batch`` caps the requests one run takes; ``merge`` folds them for ``merge``.
+        ``result_ttl``: seconds each request's result (or final error) is kept, for
+        ``receipt.result()`` / ``App.result`` (default: the app's ``result_ttl``; None keeps none).
+        ``rate_limit``: ``"N/s"``, ``"N/m"`` or ``"N/h"``, at most N runs per key per second, minute
+        or hour across the fleet (a key's later requests wait, in order; other keys do not).
         """
         return declare(key=key, queue=queue or self.name, name=name, policy=policy, max_attempts=max_attempts,
                        backoff=backoff, timeout=timeout, version=version, upgrades=upgrades,
-                       max_batch=max_batch, merge=merge, register=self._register, dispatcher=lambda: self)
+                       max_batch=max_batch, merge=merge, register=self._register, dispatcher=lambda: self,
+                       result_ttl=result_ttl, rate_limit=rate_limit)
 
     def _register(self, task: AnyTask) -> None:
         tasks = self._all_tasks()
@@ -273,6 +297,31 @@ class App:
         """The queue's configuration: as configured, else the defaults."""
         return self._queue_configs.get(queue) or QueueConfig(queue)
 
+    # --- periodic schedules ---
+
+    def periodic(self, name: str, task: AnyTask | str, *, cron: str | None = None,
+                 every: float | datetime.timedelta | None = None, timezone: str = "UTC",
+                 kwargs: Mapping[str, Any] | None = None) -> Periodic:
+        """Declare a periodic schedule: every tick enqueues one request of ``task`` with ``kwargs``.
+
+        ``cron``: a cron expression, five fields (``"0 9 * * mon-fri"``) or six with seconds first,
+        or a name such as ``"@daily"``, read in ``timezone`` (an IANA name). ``every``: seconds (or a
+        timedelta), at least 1. There is no beat process: the app's workers keep the server's
+        schedules matching these declarations, and the server fires each tick once, whatever the
+        number of workers (nats-server >= 2.14). ``InvalidSchedule`` for a bad schedule.
+        """
+        found = self.find_task(task) if isinstance(task, str) else task
+        if name in self._periodic:
+            raise ConfigError(f"app {self.name} already has a periodic schedule named {name!r}")
+        declared = make_periodic(name, found, cron=cron, every=every, timezone=timezone, kwargs=kwargs)
+        self._periodic[name] = declared
+        return declared
+
+    @property
+    def periodics(self) -> Mapping[str, Periodic]:
+        """The app's periodic schedules by name (``periodic``)."""
+        return MappingProxyType(self._periodic)
+
     @property
     def queues(self) -> list[str]:
         """Every queue with tasks or a processor, sorted."""
@@ -347,7 +396,7 @@ class App:
                     f"{len(errors)} of {len(requests)} {requests[0].message_type} requests were not stored; "
                     f"first: {errors[0]}"
                 ) from errors[0]
-        return [r for r in results if isinstance(r, Receipt)]
+        return [dataclasses.replace(r, source=self) for r in results if isinstance(r, Receipt)]
 
     async def ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
         """Store ``request`` and wait up to ``timeout`` seconds for its reply: ``(headers, body)``.
@@ -361,7 +410,7 @@ class App:
     def _message_request(self, queue: str, key: str, message: Message, request_id: str | None) -> TaskRequest:
         validate_queue_name(queue)
         validate_key(key)
-        encoded = encode(message, request_id=request_id)
+        encoded = encode(message, request_id=None if request_id is None else validate_request_id(request_id))
         return TaskRequest(queue, key, message.TYPE, encoded.request_id, to_fields(message), encoded.headers,
                            encoded.body)
 
@@ -386,6 +435,35 @@ class App:
         if headers.get(H.STATUS) != H.STATUS_OK:
             decode_result(headers, body, request.request_id)  # raises the typed error
         return Reply(body, headers)
+
+    # --- requests by id: kept results, cancels ---
+
+    async def result(self, request_id: str, *, queue: str | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,
+                     task: str | None = None) -> Any:
+        """The result of request ``request_id`` of ``queue`` (default: the app's name), from any process.
+
+        Waits up to ``timeout`` seconds for it to exist (``KeyqueueTimeout`` if it does not). A
+        failed request's error is raised as ``call`` raises it (``DeadLettered``, ``Cancelled``, ...).
+        ``ResultNotKept`` if the task (``task=``, or every task the app knows in ``queue``) keeps no
+        results, ``ResultExpired`` if it was kept and its ``result_ttl`` has passed.
+        """
+        from keyqueue.app.results import fetch_result
+
+        return await fetch_result(self, request_id, queue=queue, timeout=timeout, task=task)
+
+    async def cancel(self, queue: str, request_id: str, *, seq: int | None = None) -> CancelState:
+        """Cancel request ``request_id`` of ``queue`` unless it has started; what became of it.
+
+        ``cancelled``: it never ran (its caller gets ``Cancelled``); ``pending``: it has not started
+        and never will (its key's holder removes it when it gets there); ``running``: it had started
+        and is not interrupted (``ctx.cancel_requested`` is true); ``done``: it had finished;
+        ``requested``: it will not start from now on, but whether it already ran is unknown (give
+        ``seq``, the receipt's inbox sequence, to know). See docs/decisions.md.
+        """
+        validate_queue_name(queue)
+        validate_request_id(request_id)
+        state = await self.transport().cancel(queue, request_id, seq, CANCEL_ANSWER_WAIT)
+        return cast("CancelState", state)
 
     # --- the connection ---
 

@@ -13,16 +13,20 @@ ensured.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from keyqueue.app.cancel import CancelWatch, request_cancel
 from keyqueue.errors import ConnectionFailed, EnqueueError, KeyqueueError, KeyqueueTimeout, PayloadTooLarge
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
+from keyqueue.jetstream.records import RequestRecords
+from keyqueue.jetstream.schedules import ScheduleStore
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.settings import Settings
 from keyqueue.tasks.task import Receipt, TaskRequest
@@ -49,6 +53,14 @@ class Transport(Protocol):
 
     async def call(self, request: TaskRequest, timeout: float) -> Reply:
         """Store the request and wait for its reply: ``(headers, body)``; ``KeyqueueTimeout`` if none."""
+
+    async def kept_result(self, queue: str, request_id: str, timeout: float) -> Reply | None:
+        """The kept reply of a request (waiting up to ``timeout`` seconds for it), an expired one's
+        headers without ``X-KQ-Status``, or None if none came."""
+
+    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float) -> str:
+        """Ask for the request to be cancelled; its state: ``cancelled``, ``pending``, ``running``,
+        ``done`` or ``requested`` (see ``keyqueue.app.cancel``)."""
 
 
 class ReplyRouter:
@@ -89,6 +101,13 @@ class LoopConnection:
     router: ReplyRouter | None = None
     publishers: dict[str, Publisher] = field(default_factory=dict)
     """Queues whose topology this connection has ensured, with their publisher."""
+    schedules: dict[str, ScheduleStore] = field(default_factory=dict)
+    """Queues whose schedules stream this connection has ensured (for delayed requests)."""
+    records: dict[str, RequestRecords] = field(default_factory=dict)
+    """Queues whose records stream (kept results, cancels) this connection has ensured."""
+    cancel_watches: dict[str, CancelWatch] = field(default_factory=dict)
+    """Queues whose cancel requests a worker on this connection follows."""
+    watch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class Connections:
@@ -113,6 +132,11 @@ class Connections:
             async with state.lock:
                 if state.nc is None or state.nc.is_closed:
                     state.publishers.clear()
+                    state.schedules.clear()
+                    state.records.clear()
+                    for watch in state.cancel_watches.values():
+                        await watch.close()
+                    state.cancel_watches.clear()
                     settings = await self._settings()
                     state.nc = await open_connection(settings, name=self.name, reconnected=self._reconnected)
                     state.router = ReplyRouter(state.nc)
@@ -122,6 +146,9 @@ class Connections:
     async def close(self) -> None:
         """Drain and close the running loop's connection, if it has one."""
         state = self._by_loop.pop(asyncio.get_running_loop(), None)
+        if state is not None:
+            for watch in state.cancel_watches.values():
+                await watch.close()
         if state is not None and state.nc is not None and not state.nc.is_closed:
             try:
                 await state.nc.drain()
@@ -152,6 +179,8 @@ class NatsTransport:
         queue = requests[0].queue
         state, publisher = await self._publisher(queue)
         assert state.nc is not None
+        if any(request.delay is not None for request in requests):
+            return await self._enqueue_delayed(state, publisher, requests)
         outgoing = []
         for request in requests:
             size = header_block_size(request.headers) + len(request.body)
@@ -166,6 +195,43 @@ class NatsTransport:
         else:
             results = await publisher.enqueue_many(outgoing)
         return [r if isinstance(r, EnqueueError) else _receipt(r, requests[0]) for r in results]
+
+    async def _enqueue_delayed(self, state: LoopConnection, publisher: Publisher,
+                               requests: Sequence[TaskRequest]) -> list[Receipt | EnqueueError]:
+        """Requests of which some are delayed, one by one in order: a delayed one goes to the queue's
+        schedules stream (``keyqueue.jetstream.schedules``), the others to their keys' inboxes."""
+        assert state.nc is not None
+        queue = requests[0].queue
+        store = state.schedules.get(queue)
+        if store is None:
+            config = self.queue_config(queue)
+            store = ScheduleStore(state.nc, queue, replicas=config.replicas, duplicate_window=config.duplicate_window)
+            await store.ensure()
+            state.schedules[queue] = store
+        now = datetime.datetime.now(datetime.UTC)
+        dues = [r.delay.due(now) if r.delay is not None else None for r in requests]
+        for due in dues:
+            if due is not None:
+                store.check_due(due, now)  # before anything is stored
+        results: list[Receipt | EnqueueError] = []
+        for request, due in zip(requests, dues, strict=True):
+            size = header_block_size(request.headers) + len(request.body) + 256  # + the schedule's headers
+            if size > state.nc.max_payload:
+                raise PayloadTooLarge(size, state.nc.max_payload)
+            try:
+                if due is None:
+                    stored = await publisher.enqueue(
+                        OutgoingRequest(request.key, dict(request.headers), request.body, request.request_id))
+                    results.append(_receipt(stored, request))
+                else:
+                    ack = await store.delay(request.key, request.request_id, request.headers, request.body, due)
+                    results.append(Receipt(request.request_id, request.key, ack.seq, ack.duplicate, request.queue,
+                                           request.message_type, due=due))
+            except EnqueueError as exc:
+                results.append(exc)
+            except KeyqueueError as exc:
+                results.append(EnqueueError(f"delayed request for key {request.key!r} not stored: {exc}"))
+        return results
 
     async def call(self, request: TaskRequest, timeout: float) -> Reply:
         state = await self.connections.current()
@@ -191,6 +257,39 @@ class NatsTransport:
                 ) from None
         finally:
             state.router.forget(subject)
+
+    async def records(self, queue: str) -> RequestRecords:
+        """The queue's records stream on this loop's connection, ensured once per connection."""
+        state = await self.connections.current()
+        records = state.records.get(queue)
+        if records is None:
+            assert state.nc is not None
+            records = RequestRecords(state.nc, queue, replicas=self.queue_config(queue).replicas)
+            await records.ensure()
+            state.records[queue] = records
+        return records
+
+    async def cancel_watch(self, queue: str) -> CancelWatch:
+        """The queue's cancel requests as this loop's connection sees them (started on first use)."""
+        state = await self.connections.current()
+        watch = state.cancel_watches.get(queue)
+        if watch is None:
+            async with state.watch_lock:  # a worker's key sessions start together: one watch for them all
+                watch = state.cancel_watches.get(queue)
+                if watch is None:
+                    watch = CancelWatch(await self.records(queue))
+                    await watch.start()
+                    state.cancel_watches[queue] = watch
+        return watch
+
+    async def kept_result(self, queue: str, request_id: str, timeout: float) -> Reply | None:
+        return await (await self.records(queue)).wait_result(request_id, timeout)
+
+    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float) -> str:
+        state = await self.connections.current()
+        assert state.nc is not None
+        return await request_cancel(await self.records(queue), JetStreamApi(state.nc),
+                                    self.queue_config(queue).names.inbox_stream, request_id, seq, wait)
 
 
 async def open_connection(settings: Settings, *, name: str = "keyqueue",

@@ -10,7 +10,8 @@
 A worker runs one core ``QueueWorker`` per queue on the app's connection, builds each key's
 processor through ``keyqueue_build_processor``, and is the observer of every key session
 (``keyqueue.core.observer.SessionObserver``): each step a session reports becomes one lifecycle
-hook call, and each attempt runs inside the ``keyqueue_wrap_process`` wrappers. Hook calls are
+hook call (none when no plugin implements the hook), and each attempt runs inside the
+``keyqueue_wrap_process`` wrappers. Hook calls are
 queued and made in order by one dispatcher task, so a failing hook never holds up a key session
 and a slow one only when it falls far behind: once ``event_backlog`` calls wait for their hooks,
 key sessions wait before their next request (and new sessions before they open) until the hooks
@@ -36,6 +37,9 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
+from keyqueue.app.heartbeat import INTERVAL as HEARTBEAT_INTERVAL
+from keyqueue.app.heartbeat import Heartbeat, queue_role
+from keyqueue.app.schedules import ScheduleKeeper
 from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, describe
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Request, RequestContext
 from keyqueue.core.session import SessionSettings
@@ -63,6 +67,9 @@ _EVENT_BACKLOG: Final = 10_000
 
 _BACKLOG_WARN_INTERVAL: Final = 60.0
 """Seconds between two warnings that key sessions wait for slow hooks."""
+
+_NOT_WRAPPED: Final = contextlib.nullcontext()
+"""What an attempt is wrapped in when no plugin wraps it."""
 
 HookCall = Callable[[], Awaitable[None]]
 """One lifecycle hook call, bound to its arguments, waiting for the dispatcher."""
@@ -111,12 +118,19 @@ class Worker:
         self._room = asyncio.Event()
         self._room.set()
         self._warned_at = -_BACKLOG_WARN_INTERVAL
+        self._attempt_began: dict[tuple[str, str], float] = {}
+        """(queue, key) -> when the key's current attempt began, for ``keyqueue_request_failed``."""
         self._runner: asyncio.Task[None] | None = None
         self._unsubscribe: Any = None
         self._started = False
         self._stopped = False
         self._stop_asked = asyncio.Event()
         """Set by the first SIGINT/SIGTERM :meth:`serve` receives."""
+        self.schedules: ScheduleKeeper | None = None
+        """Its queues' schedules: periodic ones kept on the server, due requests moved (once started)."""
+        self.heartbeat_interval = HEARTBEAT_INTERVAL
+        """Seconds between this worker's heartbeat records (``keyqueue.app.heartbeat``); 0 writes none."""
+        self.heartbeat: Heartbeat | None = None
 
     def __repr__(self) -> str:
         return f"<Worker {self.name} app={self.app.name} queues={self.queues}>"
@@ -157,6 +171,11 @@ class Worker:
         for queue in queues:
             self._tasks_by_queue[queue] = self.app.queue_tasks(queue)
         nc = await self._connect()
+        # Delayed and periodic requests: the schedules streams, the app's periodic schedules kept on
+        # the server, and the movers of due requests (keyqueue.app.schedules).
+        self.schedules = ScheduleKeeper(nc, [self.app.queue_config(q) for q in queues],
+                                        [p for p in self.app.periodics.values() if p.queue in queues], self.name)
+        await self.schedules.start()
         self.executor = ThreadPoolExecutor(max_workers=self.concurrency * len(queues),
                                            thread_name_prefix=f"keyqueue-{self.app.name}")
         for queue in queues:
@@ -180,6 +199,12 @@ class Worker:
             finally:
                 await self._release()
             raise KeyqueueError(f"worker {self.name} stopped while starting")
+        if self.heartbeat_interval > 0:
+            self.heartbeat = Heartbeat(nc, self.name, {q: self.concurrency for q in self.queue_workers},
+                                       lambda queue: len(self.queue_workers[queue].sessions),
+                                       interval=self.heartbeat_interval,
+                                       role=lambda queue: queue_role(self.queue_workers[queue]))
+            self.heartbeat.start()
         await self.app.plugins.lifecycle.worker_started(worker=self)
 
     async def _connect(self) -> Client:
@@ -207,12 +232,16 @@ class Worker:
     async def _run(self) -> None:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._dispatch(), name="keyqueue-events")
+            if self.schedules is not None:
+                group.create_task(self.schedules.run(), name="keyqueue-schedules")
             try:
                 async with asyncio.TaskGroup() as queues:
                     for queue, worker in self.queue_workers.items():
                         queues.create_task(worker.run(), name=f"queue:{queue}")
             finally:
                 self._events.put_nowait(None)  # the dispatcher delivers what is queued, then ends
+                if self.schedules is not None:
+                    self.schedules.stop()
 
     async def _finish(self) -> None:
         """Wait for the runner; a failure inside it is raised as its first keyqueue error."""
@@ -240,6 +269,8 @@ class Worker:
         try:
             await self._finish()
         finally:
+            if self.heartbeat is not None:
+                await self.heartbeat.stop()
             await self.app.plugins.lifecycle.worker_stopping(worker=self)
             await self._release()
 
@@ -315,27 +346,45 @@ class Worker:
 
     # --- the sessions' steps -> hook calls (keyqueue.core.observer.SessionObserver) ---
 
+    # Each step is queued only if some plugin implements its hook: a step nobody observes costs a
+    # lookup, not a queued call (PluginManager.implementations is cached until plugins change).
+
+    def _observed(self, hook_name: str) -> bool:
+        return bool(self.app.plugins.implementations(hook_name))
+
     def key_acquired(self, hold: KeyHold) -> None:
-        self._queue(functools.partial(self.app.plugins.lifecycle.key_acquired, worker=self, queue=hold.queue,
-                                      key=hold.key, fencing=hold.fencing))
+        if self._observed("keyqueue_key_acquired"):
+            self._queue(functools.partial(self.app.plugins.lifecycle.key_acquired, worker=self, queue=hold.queue,
+                                          key=hold.key, fencing=hold.fencing))
 
     def key_released(self, hold: KeyHold, end: SessionEnd) -> None:
+        self._attempt_began.pop((hold.queue, hold.key), None)
         if end.outcome is Outcome.CONTENDED:
             return  # never acquired: no keyqueue_key_acquired to close
-        self._queue(functools.partial(self.app.plugins.lifecycle.key_released, worker=self, queue=hold.queue,
-                                      key=hold.key, outcome=end.outcome.value))
+        if self._observed("keyqueue_key_released"):
+            self._queue(functools.partial(self.app.plugins.lifecycle.key_released, worker=self, queue=hold.queue,
+                                          key=hold.key, outcome=end.outcome.value))
 
     def request_started(self, attempt: RequestAttempt) -> None:
-        self._queue(functools.partial(self.app.plugins.lifecycle.request_started, worker=self, queue=attempt.queue,
-                                      key=attempt.key, request_id=attempt.request_id,
-                                      message_type=attempt.message_type, attempt=attempt.attempt))
+        # When the attempt began, for keyqueue_request_failed's elapsed (a session runs one attempt at a time).
+        self._attempt_began[attempt.queue, attempt.key] = time.monotonic()
+        if self._observed("keyqueue_request_started"):
+            self._queue(functools.partial(self.app.plugins.lifecycle.request_started, worker=self,
+                                          queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,
+                                          message_type=attempt.message_type, attempt=attempt.attempt))
 
     def attempt_failed(self, attempt: RequestAttempt, error: BaseException) -> None:
-        self._queue(functools.partial(self.app.plugins.lifecycle.request_failed, worker=self, queue=attempt.queue,
-                                      key=attempt.key, request_id=attempt.request_id,
-                                      message_type=attempt.message_type, attempt=attempt.attempt, error=error))
+        began = self._attempt_began.get((attempt.queue, attempt.key))
+        elapsed = max(0.0, time.monotonic() - began) if began is not None else 0.0
+        if self._observed("keyqueue_request_failed"):
+            self._queue(functools.partial(self.app.plugins.lifecycle.request_failed, worker=self,
+                                          queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,
+                                          message_type=attempt.message_type, attempt=attempt.attempt, error=error,
+                                          elapsed=elapsed))
 
     def request_retried(self, attempt: RequestAttempt, delay: float, error: BaseException) -> None:
+        if not self._observed("keyqueue_request_retried"):
+            return
         self._queue(functools.partial(self.app.plugins.lifecycle.request_retried, worker=self, queue=attempt.queue,
                                       key=attempt.key, request_id=attempt.request_id,
                                       message_type=attempt.message_type, attempt=attempt.attempt, delay=delay,
@@ -344,39 +393,50 @@ class Worker:
     def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
         hooks = self.app.plugins.lifecycle
         if superseded_by is not None:
+            if not self._observed("keyqueue_request_superseded"):
+                return
             self._queue(functools.partial(hooks.request_superseded, worker=self, queue=request.queue, key=request.key,
                                           request_id=request.request_id, message_type=request.message_type,
                                           superseded_by=superseded_by))
-        else:
+        elif self._observed("keyqueue_request_succeeded"):
             self._queue(functools.partial(hooks.request_succeeded, worker=self, queue=request.queue, key=request.key,
                                           request_id=request.request_id, message_type=request.message_type,
                                           elapsed=elapsed))
 
     def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+        if not self._observed("keyqueue_request_dead_lettered"):
+            return
         self._queue(functools.partial(self.app.plugins.lifecycle.request_dead_lettered, worker=self,
                                       queue=request.queue, key=request.key, request_id=request.request_id,
                                       message_type=request.message_type, reason=reason, attempts=request.attempt,
                                       error=describe(error)))
 
     def worker_pinned(self, queue: str, pin_id: str) -> None:
+        if not self._observed("keyqueue_worker_pinned"):
+            return
         self._queue(functools.partial(self.app.plugins.lifecycle.worker_pinned, worker=self, queue=queue,
                                       pin_id=pin_id))
 
     def worker_unpinned(self, queue: str, pin_id: str) -> None:
+        if not self._observed("keyqueue_worker_unpinned"):
+            return
         self._queue(functools.partial(self.app.plugins.lifecycle.worker_unpinned, worker=self, queue=queue,
                                       pin_id=pin_id))
 
     def around_attempt(self, attempt: RequestAttempt, context: RequestContext,
                        requests: Sequence[Request]) -> AbstractAsyncContextManager[object]:
         """The ``keyqueue_wrap_process`` wrappers, entered in call order and exited in reverse."""
-        return self._wrapped(attempt.queue, attempt.key, requests, context)
+        plugins = self.app.plugins
+        if not plugins.implementations("keyqueue_wrap_process"):
+            return _NOT_WRAPPED
+        wrappers = plugins.wrappers("keyqueue_wrap_process", queue=attempt.queue, key=attempt.key,
+                                    requests=requests, context=context)
+        return self._wrapped(wrappers) if wrappers else _NOT_WRAPPED
 
     @contextlib.asynccontextmanager
-    async def _wrapped(self, queue: str, key: str, requests: Sequence[Request],
-                       context: RequestContext) -> AsyncIterator[None]:
+    async def _wrapped(self, wrappers: list[Any]) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            await self.app.plugins.enter_wrappers(stack, "keyqueue_wrap_process", queue=queue, key=key,
-                                                  requests=requests, context=context)
+            await self.app.plugins.enter_each(stack, "keyqueue_wrap_process", wrappers)
             yield
 
     def _queue(self, call: HookCall) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -28,11 +29,11 @@ from keyqueue.core.processor import BaseProcessor, BatchOutcome, KeyProcessor, R
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import MalformedBody, Reject, UnknownMessageType, WireError
 from keyqueue.plugins.manager import hookimpl
-from keyqueue.tasks.arguments import decode_arguments, encode_result, result_headers
+from keyqueue.tasks.arguments import encode_result, result_headers, upgrade_arguments
 from keyqueue.tasks.context import Context
 from keyqueue.tasks.task import BatchTask, Task, TaskSpec
+from keyqueue.wire import Envelope, loads_map, peek
 from keyqueue.wire import headers as H
-from keyqueue.wire import peek
 
 if TYPE_CHECKING:
     from keyqueue.app.application import App
@@ -50,6 +51,18 @@ DECODE_OFF_LOOP_BYTES: Final = 16 * 1024
 """Bodies larger than this (together, for a batch) are decoded in a thread, off the event loop.
 Structured CBOR (maps, arrays, small values) decodes at roughly 5-10 MB/s, validation included,
 so a decode left on the loop takes a few milliseconds at most; a thread hop costs about 0.1 ms."""
+
+
+_POLICIES: weakref.WeakKeyDictionary[Any, tuple[TaskSpec, RetryPolicy]] = weakref.WeakKeyDictionary()
+"""Task -> (its spec, the retry policy built from it): built once per task, not per request."""
+
+
+def _task_retry_policy(task: AnyTask) -> RetryPolicy:
+    """``task.spec.retry_policy()``, remembered for as long as the task keeps its spec."""
+    cached = _POLICIES.get(task)
+    if cached is None or cached[0] is not task.spec:
+        cached = _POLICIES[task] = (task.spec, task.spec.retry_policy())
+    return cached[1]
 
 
 class TaskProcessor(BaseProcessor):
@@ -70,12 +83,24 @@ class TaskProcessor(BaseProcessor):
         special = [t for t in tasks.values() if t.spec.policy != "serial"]
         self.special = special[0] if special else None
         self.batch_size = self.special.spec.max_batch if self.special is not None else 0
+        self._peeked: tuple[Request, Envelope] | None = None
+        """The last request whose headers were read, and what they say (see :meth:`envelope`)."""
 
     # --- reading requests ---
 
+    def envelope(self, request: Request) -> Envelope:
+        """``peek(request.headers)``, read once per request: the session asks for a request's retry
+        policy and then hands it over, and each step needs what its headers say."""
+        peeked = self._peeked
+        if peeked is not None and peeked[0] is request:
+            return peeked[1]
+        envelope = peek(request.headers)
+        self._peeked = (request, envelope)
+        return envelope
+
     def task_of(self, request: Request) -> AnyTask:
         """The task a request names (``UnknownMessageType`` if the queue has none of that name)."""
-        envelope = peek(request.headers)
+        envelope = self.envelope(request)
         task = self.tasks.get(envelope.message_type)
         if task is None:
             raise UnknownMessageType(envelope.message_type, tuple(sorted(self.tasks)))
@@ -83,7 +108,9 @@ class TaskProcessor(BaseProcessor):
 
     def arguments(self, task: AnyTask, request: Request) -> dict[str, Any]:
         spec = task.spec
-        return decode_arguments(spec.name, spec.version, spec.upgrades, request.headers, request.data)
+        envelope = self.envelope(request)
+        fields = loads_map(request.data, envelope.content_type)
+        return upgrade_arguments(spec.name, spec.version, spec.upgrades, envelope.version, fields)
 
     def decode(self, task: AnyTask, request: Request) -> Any:
         """What ``request`` carries for ``task``: a batch task's item, or a task's argument map
@@ -115,18 +142,27 @@ class TaskProcessor(BaseProcessor):
 
     def retry_policy(self, request: Request) -> RetryPolicy | None:
         try:
-            spec: TaskSpec | None = self.task_of(request).spec
+            task: AnyTask | None = self.task_of(request)
         except WireError:
-            spec = None  # dead-lettered on its first attempt anyway
-        policy: RetryPolicy | None = self.app.plugins.hook.keyqueue_retry_policy(
+            task = None  # dead-lettered on its first attempt anyway
+        spec = task.spec if task is not None else None
+        plugins = self.app.plugins
+        if task is not None and plugins.implemented_only_by("keyqueue_retry_policy", keyqueue_retry_policy):
+            # Only the built-in implementation answers: the task's own policy, built once per task.
+            return _task_retry_policy(task)
+        policy: RetryPolicy | None = plugins.hook.keyqueue_retry_policy(
             app=self.app, queue=self.queue, task=spec, request=request)
         return policy
 
     # --- replies ---
 
+    def encodes_result(self, task: AnyTask, request: Request) -> bool:
+        """Whether the reply carries the result: when a caller waits for it (a subclass may keep it too)."""
+        return request.reply_inbox is not None
+
     def reply(self, task: AnyTask, request: Request, result: Any, extra: Mapping[str, str] | None = None) -> Reply:
         headers = {**result_headers(task.name, task.spec.version), **(extra or {})}
-        if request.reply_inbox is None:
+        if not self.encodes_result(task, request):
             return Reply(b"", headers)
         try:
             return Reply(encode_result(result, task.name), headers)
@@ -145,10 +181,12 @@ class TaskProcessor(BaseProcessor):
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
-        [reading] = await self.read([request])
-        if isinstance(reading, WireError):
-            raise reading
-        args, kwargs = task.codec.to_call(reading[1])
+        # Decoded and bound once: for a serial task, decode()'s check of the arguments against the
+        # function's signature is the binding itself, so it is not done twice.
+        if len(request.data) > DECODE_OFF_LOOP_BYTES:
+            args, kwargs = await asyncio.to_thread(self._call_arguments, task, request)
+        else:
+            args, kwargs = self._call_arguments(task, request)
         result = await self._run(task, Context(ctx, task.name, (request.request_id,)), args, kwargs)
         return self.reply(task, request, result)
 
@@ -220,6 +258,10 @@ class TaskProcessor(BaseProcessor):
         result = await self._run(task, Context(ctx, task.name, ids, request_id=newest.request_id), args, kwargs)
         return [self.reply(task, r, result, {ABSORBED_BY: newest.request_id}) for r in requests]
 
+    def _call_arguments(self, task: Task[Any], request: Request) -> tuple[list[Any], dict[str, Any]]:
+        """The call of a serial task's function for ``request``; ``WireError`` if it cannot be read."""
+        return task.codec.to_call(self.arguments(task, request))
+
     async def _run(self, task: AnyTask, context: Context, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """Call the task's function (a sync one in :attr:`executor`)."""
         return await task.run(context, args, kwargs, self.executor)
@@ -238,7 +280,9 @@ def keyqueue_build_processor(app: App, worker: Worker, queue: str, key: str) -> 
     tasks = worker.queue_tasks(queue)
     if not tasks:
         return None
-    return TaskProcessor(app, queue, key, tasks, worker.executor)
+    from keyqueue.builtins.request_records import RecordingTaskProcessor  # a subclass: imported late
+
+    return RecordingTaskProcessor(app, queue, key, tasks, worker.executor)
 
 
 @hookimpl(trylast=True)

@@ -6,12 +6,13 @@ import asyncio
 import json
 import sys
 from collections.abc import Iterator
+from datetime import datetime
 from typing import IO, Any, Final
 
 import click
 
 from keyqueue.cli.common import load_app, to_json, url_option
-from keyqueue.errors import ConfigError, MalformedBody
+from keyqueue.errors import ConfigError, InvalidSchedule, MalformedBody
 from keyqueue.tasks.task import BatchTask, Receipt
 
 __all__ = ["BULK_CHUNK", "enqueue"]
@@ -28,8 +29,18 @@ def _parse_json(text: str, where: str) -> Any:
 
 
 def _receipt_line(receipt: Receipt) -> str:
+    due = {"due": receipt.due.isoformat()} if receipt.due is not None else {}
     return to_json({"request_id": receipt.request_id, "key": receipt.key, "seq": receipt.seq,
-                    "duplicate": receipt.duplicate})
+                    "duplicate": receipt.duplicate, **due})
+
+
+def _eta(text: str | None) -> datetime | None:
+    if text is None:
+        return None
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidSchedule(f"--eta {text!r} is not an ISO 8601 time such as 2030-01-01T09:00:00+01:00") from None
 
 
 def _read_lines(handle: IO[str]) -> Iterator[tuple[int, str]]:
@@ -48,9 +59,11 @@ def _read_lines(handle: IO[str]) -> Iterator[tuple[int, str]]:
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
               help="Seconds --wait waits.")
 @click.option("--request-id", metavar="ID", help="The request id (an idempotency key within the duplicate window).")
+@click.option("--countdown", type=float, metavar="SECONDS", help="Delay the request(s): start no sooner than this.")
+@click.option("--eta", metavar="TIME", help="Delay the request(s) until an ISO 8601 time with a zone (…+01:00, …Z).")
 @url_option
 def enqueue(app_spec: str, task_name: str, arguments: str | None, from_file: IO[str] | None, wait: bool,
-            timeout: float, request_id: str | None, url: str | None) -> None:
+            timeout: float, request_id: str | None, countdown: float | None, eta: str | None, url: str | None) -> None:
     """Enqueue a task of an app by name, with JSON arguments.
 
     JSON is an object of keyword arguments (for a batch task: the item). Prints the receipt
@@ -63,9 +76,11 @@ def enqueue(app_spec: str, task_name: str, arguments: str | None, from_file: IO[
       {"request_id": "01J...", "key": "o1", "seq": 1, "duplicate": false}
       $ keyqueue enqueue shop:app charge '{"order_id": "o1", "amount": 5}' --wait
       $ keyqueue enqueue shop:app charge --from-file orders.jsonl
+      $ keyqueue enqueue shop:app charge '{"order_id": "o1", "amount": 5}' --countdown 60
     """
     if (arguments is None) == (from_file is None):
         raise click.UsageError("give the arguments as JSON or --from-file, not both or neither")
+    due_at = _eta(eta)
     app = load_app(app_spec, url)
     task = app.find_task(task_name)
     batch = isinstance(task, BatchTask)
@@ -77,7 +92,7 @@ def enqueue(app_spec: str, task_name: str, arguments: str | None, from_file: IO[
         return value
 
     async def one(value: Any) -> None:
-        bound = task.options(request_id=request_id, timeout=timeout)
+        bound = task.options(request_id=request_id, timeout=timeout, countdown=countdown, eta=due_at)
         args: tuple[Any, ...] = (value,) if batch else ()
         kwargs: dict[str, Any] = {} if batch else value
         try:
@@ -104,7 +119,8 @@ def enqueue(app_spec: str, task_name: str, arguments: str | None, from_file: IO[
             with click.progressbar(length=len(items), label=f"enqueueing {task_name}", file=sys.stderr) as bar:
                 for start in range(0, len(items), BULK_CHUNK):
                     chunk = items[start:start + BULK_CHUNK]
-                    receipts = await task.enqueue_many(chunk)
+                    receipts = await (task.options(countdown=countdown, eta=due_at).enqueue_many(chunk)
+                                      if countdown is not None or due_at is not None else task.enqueue_many(chunk))
                     stored += len(receipts)
                     duplicates += sum(r.duplicate for r in receipts)
                     bar.update(len(chunk))

@@ -16,6 +16,7 @@ import click
 
 from keyqueue.admin.consumers import unpin as unpin_queue
 from keyqueue.admin.inspection import KEY_LIMIT, Holder, KeyState, QueueReport, inspect_queue, list_queues
+from keyqueue.admin.workers import WorkerState, queue_workers
 from keyqueue.cli.common import connection, load_app, table, to_json, url_option
 from keyqueue.cli.common import no_such_queue as _no_such_queue
 from keyqueue.errors import ConfigError, ConsumerNotFound, StreamNotFound
@@ -40,8 +41,9 @@ def inspect_command(queue: str | None, as_json: bool, url: str | None) -> None:
     """Show what a queue holds: keys with backlog, keys held and by whom, workers, DLQ, consumer.
 
     Without QUEUE, one line per queue on the server. A held key shows its holder and since when,
-    from the key's lease record. The workers listed are those holding keys; idle workers show only
-    as the consumer's waiting pull requests.
+    from the key's lease record. The Workers section lists every worker of the queue from its
+    heartbeat record (written every few seconds): live ones, idle included, and those gone in the
+    last ten minutes.
 
     \b
     Examples:
@@ -65,7 +67,11 @@ def inspect_command(queue: str | None, as_json: bool, url: str | None) -> None:
                     click.echo(table(["QUEUE", "REQUESTS", "KEYS", "HELD", "PENDING TOKENS", "DLQ"], rows))
                 return
             report = await _report(api, queue)
-        click.echo(to_json(_report_fields(report)) if as_json else _readable_report(report))
+            registry = await queue_workers(api, queue)
+        if as_json:
+            click.echo(to_json({**_report_fields(report), "registry": [_worker_fields(w) for w in registry]}))
+        else:
+            click.echo(_readable_report(report) + "\n\n" + _readable_workers(registry))
 
     asyncio.run(run())
 
@@ -114,6 +120,27 @@ def _readable_report(r: QueueReport) -> str:
         if r.truncated:
             lines.append(f"(first {KEY_LIMIT} keys)")
     return "\n".join(lines)
+
+
+def _worker_fields(w: WorkerState) -> dict[str, Any]:
+    r = w.record
+    return {"name": r.name, "host": r.host, "pid": r.pid, "version": r.version, "queues": r.queues,
+            "slots": r.slots, "used": r.used, "started": _iso(_moment(r.started)),
+            "heartbeat": _iso(_moment(w.received)), "live": w.live, "gone": w.gone_because}
+
+
+def _readable_workers(registry: list[WorkerState]) -> str:
+    if not registry:
+        return "Workers: none (no worker of this queue wrote a heartbeat in the last 10 minutes)"
+    now = datetime.now(UTC)
+    rows = [[w.name, w.record.host, w.record.pid, f"{w.record.used}/{w.record.slots}",
+             f"{_age(now - _moment(w.record.started))} ago", f"{_age(now - _moment(w.received))} ago",
+             "live" if w.live else f"gone ({w.gone_because})"] for w in registry]
+    return "Workers:\n" + table(["WORKER", "HOST", "PID", "SLOTS USED", "STARTED", "HEARTBEAT", "STATE"], rows)
+
+
+def _moment(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
 
 
 def _holder_cells(k: KeyState, now: datetime) -> list[str]:

@@ -24,7 +24,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Final
 
@@ -45,6 +45,8 @@ class WorkerCommand:
 
     argv: Sequence[str]
     env: Mapping[str, str]
+    child_args: Callable[[int], Sequence[str]] | None = None
+    """Options of child ``index`` (1..N) alone, e.g. its own ``--metrics-port``."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,8 @@ class Supervisor:
 
     async def _spawn(self, index: int, name: str) -> _Child:
         proc = await asyncio.create_subprocess_exec(
-            *self.command.argv, "--name", name, env=dict(self.command.env), stdin=asyncio.subprocess.DEVNULL,
+            *self.command.argv, *(self.command.child_args(index) if self.command.child_args else ()), "--name", name,
+            env=dict(self.command.env), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, process_group=0)
         child = _Child(name, proc, time.monotonic())
         assert proc.stdout is not None and proc.stderr is not None

@@ -7,9 +7,12 @@ With ``--processes N`` (N > 1) the command is a parent that supervises N such wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from typing import Any, Final
 
 import click
@@ -68,6 +71,11 @@ class ProcessCount(click.ParamType[int, Any]):
 @click.option("--processes", "-p", type=ProcessCount(), default="1", show_default=True,
               help="Worker processes to run, each with these options, under a parent that restarts them "
                    "(auto: one per CPU).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (with --processes N, worker k "
+                   "of N listens on PORT+k-1). See docs/dashboard.md.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, metavar="HOST",
+              help="The address --metrics-port listens on (0.0.0.0 for every interface).")
 @url_option
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
               default="info", show_default=True, envvar="KEYQUEUE_LOG_LEVEL", show_envvar=True,
@@ -79,8 +87,8 @@ class ProcessCount(click.ParamType[int, Any]):
                    "queue, key, request_id, attempt).")
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
            drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
-           priority: int | None, connect_timeout: float | None, processes: int, url: str | None, log_level: str,
-           log_format: str) -> None:
+           priority: int | None, connect_timeout: float | None, processes: int, metrics_port: int | None,
+           metrics_host: str, url: str | None, log_level: str, log_format: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
     MODULE:APP names the App, e.g. shop:app for `app` in shop.py (the current directory is
@@ -129,13 +137,29 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
         finally:
             await app.close()
 
-    asyncio.run(run())
+    with _metrics(app, metrics_port, metrics_host):
+        asyncio.run(run())
+
+
+@contextlib.contextmanager
+def _metrics(app: App, port: int | None, host: str) -> Iterator[None]:
+    """With a port, count the worker's lifecycle hooks and serve them on ``/metrics`` meanwhile."""
+    if port is None:
+        yield
+        return
+    from keyqueue.metrics.prometheus import PrometheusPlugin, serve_metrics
+
+    plugin = PrometheusPlugin()
+    app.plugins.register(plugin, name="keyqueue.metrics.prometheus")
+    with serve_metrics(plugin.registry, port, host) as bound:
+        logging.getLogger("keyqueue.worker").info("metrics on http://%s:%d/metrics", host, bound)
+        yield
 
 
 _URL_ENV: Final = "KEYQUEUE_URL"
 """How the parent gives its worker processes the server's URL (in their environment, not in ``ps``)."""
 
-_NOT_PASSED_ON = frozenset({"app_spec", "processes", "name", "url"})
+_NOT_PASSED_ON = frozenset({"app_spec", "processes", "name", "url", "metrics_port"})
 """Parameters the parent gives its worker processes itself, rather than as it received them."""
 
 
@@ -160,8 +184,11 @@ async def _supervise(app: App, ctx: click.Context, processes: int, name: str | N
         # Resolved once, here: with no URL configured this starts (or finds) the app's embedded
         # server, which this parent then owns and keeps up until its children have stopped.
         url = await app.url()
+        port = ctx.params.get("metrics_port")
         return WorkerCommand([sys.executable, "-m", "keyqueue", "worker", ctx.params["app_spec"],
-                              *_worker_options(ctx)], {**os.environ, _URL_ENV: url})
+                              *_worker_options(ctx)], {**os.environ, _URL_ENV: url},
+                             # Worker k of N serves its metrics on port + k - 1 (the parent serves none).
+                             child_args=None if port is None else lambda k: ["--metrics-port", str(port + k - 1)])
 
     supervisor = Supervisor(processes, name or f"{socket.gethostname()}:{os.getpid()}", json_lines=json_lines)
     try:

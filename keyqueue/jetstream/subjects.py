@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import re
 from dataclasses import dataclass
 from typing import Final
 
-from keyqueue.errors import ConfigError, InvalidKey
+from keyqueue.errors import ConfigError, InvalidKey, InvalidRequestId
 
 MAX_KEY_LENGTH: Final = 256
 """Longest key accepted, in bytes of UTF-8 (subjects travel in every message's protocol line)."""
@@ -14,7 +15,12 @@ MAX_KEY_LENGTH: Final = 256
 CONSUMER_NAME: Final = "workers"
 """The one durable pull consumer on a queue's token stream, shared by every worker."""
 
+MAX_REQUEST_ID_LENGTH: Final = 256
+"""Longest request id accepted, in characters (it travels as ``Nats-Msg-Id`` on every copy of a request)."""
+
 _QUEUE_NAME: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_REQUEST_ID: Final = re.compile(r"^[\x21-\x7e]+$")
+_TOKEN_SAFE_ID: Final = re.compile(r"^[A-Za-z0-9_-]+$")
 _FORBIDDEN_IN_TOKEN: Final = re.compile(r"[\s*>.\x00-\x1f\x7f]")
 
 
@@ -50,6 +56,37 @@ def validate_key(key: str) -> str:
                 "characters or the wildcards '*' and '>'"
             )
     return key
+
+
+def validate_request_id(request_id: str) -> str:
+    """Return ``request_id`` if a ``Nats-Msg-Id`` header can carry it as it is, else raise ``InvalidRequestId``.
+
+    A request id is 1-256 printable ASCII characters without spaces (``charge-o17-1``,
+    ``import:2024-05-01/7``): a header value ends at CR/LF, loses surrounding spaces and is not
+    reliably UTF-8 across clients, so anything else would be stored under a different id than
+    the one given, and a retry would not be recognised as a duplicate.
+    """
+    if not isinstance(request_id, str):
+        raise InvalidRequestId(f"request id must be a string, got {type(request_id).__name__}")
+    if not request_id:
+        raise InvalidRequestId("request id is empty; leave it out to get a new one (a ULID)")
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidRequestId(f"request id is {len(request_id)} characters long; the limit is {MAX_REQUEST_ID_LENGTH}")
+    if not _REQUEST_ID.match(request_id):
+        bad = next(c for c in request_id if not 0x21 <= ord(c) <= 0x7E)
+        raise InvalidRequestId(
+            f"request id {request_id!r} contains {bad!r}; a request id travels as the Nats-Msg-Id header, "
+            "so it must be printable ASCII without spaces or control characters"
+        )
+    return request_id
+
+
+def request_id_token(request_id: str) -> str:
+    """``request_id`` as one subject token: itself when it is letters, digits, '-' and '_' (ULIDs
+    are), else ``~`` and its unpadded base64url form (so ``.``, ``*`` and ``>`` cannot split or widen a subject)."""
+    if _TOKEN_SAFE_ID.match(request_id):
+        return request_id
+    return "~" + base64.urlsafe_b64encode(request_id.encode()).decode().rstrip("=")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,20 +13,25 @@ an annotation, is named ``ctx``)::
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from keyqueue.core.processor import RequestContext
 from keyqueue.wire import CBOR, dumps
 from keyqueue.wire import headers as H
 
-__all__ = ["PROGRESS_TYPE", "Context"]
+__all__ = ["CANCEL_CHECK", "PROGRESS_TYPE", "Context"]
 
 PROGRESS_TYPE: Final = "keyqueue.Progress"
 """``X-MESSAGE-TYPE`` of progress messages (version 1; the body is one CBOR plain value)."""
 
 _PROGRESS_TIMEOUT: Final = 10.0
+
+CANCEL_CHECK: Final = contextvars.ContextVar[Callable[[], bool] | None]("keyqueue_cancel_check", default=None)
+"""Set by the worker around a run: whether a cancel was asked for the running request (``Context.cancel_requested``)."""
 
 
 class Context:
@@ -40,6 +45,7 @@ class Context:
                  request_id: str | None = None) -> None:
         self._core = core
         self._loop = asyncio.get_running_loop()
+        self._cancel_check = CANCEL_CHECK.get()
         self.task = task
         """The task's name."""
         self.queue = core.queue
@@ -57,15 +63,27 @@ class Context:
         Store it with what you write and refuse writes with a smaller one, and a worker that lost
         the key (paused past its lease, say) cannot overwrite the next holder's work.
         """
-        self.log = logging.LoggerAdapter(
-            logging.getLogger(f"keyqueue.task.{task}"),
-            {"queue": self.queue, "key": self.key, "request_id": self.request_id},
-        )
+
+    @functools.cached_property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
         """A logger whose records carry ``queue``, ``key`` and ``request_id`` as extra fields."""
+        # Built on first use: most runs never log, and a Context is made for every run.
+        return logging.LoggerAdapter(logging.getLogger(f"keyqueue.task.{self.task}"),
+                                     {"queue": self.queue, "key": self.key, "request_id": self.request_id})
 
     def __repr__(self) -> str:
         return (f"<Context {self.task} queue={self.queue} key={self.key} request={self.request_id} "
                 f"attempt={self.attempt}>")
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once someone asked to cancel this request while it runs (``receipt.cancel()``).
+
+        A running request is never interrupted; a long task may check this and stop early
+        (return, or raise ``keyqueue.Reject``) if it wants to.
+        """
+        check = self._cancel_check
+        return check is not None and check()
 
     def lease_valid(self) -> bool:
         """True while this worker still owns the key; check it before an irreversible step."""

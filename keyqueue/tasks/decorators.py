@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from keyqueue.errors import ConfigError
 from keyqueue.tasks.context import Context
+from keyqueue.tasks.rate_limit import RateLimit, parse_rate_limit
 from keyqueue.tasks.task import AnyTask, Backoff, BatchTask, Dispatcher, KeySpec, Merge, Policy, Task, TaskSpec
 
 if TYPE_CHECKING:
@@ -41,13 +42,15 @@ class _Declaration:
     upgrades: Mapping[int, Upgrade] | None
     max_batch: int
     merge: Merge | None
+    result_ttl: float | None = None
+    rate_limit: RateLimit | None = None
 
     def spec(self, fn: Callable[..., Any]) -> TaskSpec:
         backoff = self.backoff if isinstance(self.backoff, Backoff) else Backoff(base=float(self.backoff))
         return TaskSpec(
             name=self.name or fn.__name__, queue=self.queue, policy=self.policy, max_attempts=self.max_attempts,
             backoff=backoff, timeout=self.timeout, version=self.version, upgrades=dict(self.upgrades or {}),
-            max_batch=self.max_batch, merge=self.merge,
+            max_batch=self.max_batch, merge=self.merge, result_ttl=self.result_ttl, rate_limit=self.rate_limit,
         )
 
 
@@ -110,11 +113,13 @@ class BatchTaskDecorator:
 def declare(
     *, key: KeySpec, queue: str, name: str | None, policy: Policy, max_attempts: int, backoff: Backoff | float,
     timeout: float | None, version: int, upgrades: Mapping[int, Upgrade] | None, max_batch: int, merge: Merge | None,
-    register: Register, dispatcher: Callable[[], Dispatcher],
+    register: Register, dispatcher: Callable[[], Dispatcher], result_ttl: float | None = None,
+    rate_limit: str | None = None,
 ) -> TaskDecorator | BatchTaskDecorator:
     """The decorator for one task declaration (``App.task`` and ``keyqueue.task`` call this)."""
     declaration = _Declaration(key, queue, name, policy, max_attempts, backoff, timeout, version, upgrades,
-                               max_batch, merge)
+                               max_batch, merge, result_ttl,
+                               parse_rate_limit(rate_limit) if rate_limit is not None else None)
     if policy == "batch":
         return BatchTaskDecorator(declaration, register, dispatcher)
     return TaskDecorator(declaration, register, dispatcher)

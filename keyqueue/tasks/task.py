@@ -27,6 +27,10 @@ arguments beside an extra keyword (PEP 612): ``charge.call(..., timeout=10)`` ty
 the result typed but the arguments unchecked, while ``charge.options(timeout=10).call(...)``
 checks both.
 
+``options(countdown=seconds)`` or ``options(eta=aware_datetime)`` delays a request (``Delay``,
+``keyqueue.tasks.delay``): it is stored at once and joins its key's order at its due time; its
+receipt's ``due`` says when.
+
 A task function must not ``call`` a task on the key its own run holds (the same queue and key):
 that request cannot start before the run ends. ``call`` raises ``CallOnOwnKey`` at once (a
 ``Reject``: the running request is dead-lettered, not retried); ``enqueue`` stays allowed.
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import datetime
 import functools
 import inspect
 import logging
@@ -47,11 +52,13 @@ from typing import Any, Concatenate, Final, Generic, Literal, ParamSpec, Protoco
 
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import CallOnOwnKey, ConfigError, MalformedBody
-from keyqueue.jetstream.subjects import validate_queue_name
+from keyqueue.jetstream.subjects import validate_queue_name, validate_request_id
 from keyqueue.tasks.argument_types import check_value, type_check
 from keyqueue.tasks.arguments import ArgumentCodec, KeyMaker, Upgrade, check_upgrades, decode_result, takes_context
 from keyqueue.tasks.context import Context
+from keyqueue.tasks.delay import Delay
 from keyqueue.tasks.invoke import invoke
+from keyqueue.tasks.rate_limit import RateLimit
 from keyqueue.wire import CBOR, check_plain, dumps, from_fields, new_request_id, to_fields
 from keyqueue.wire import headers as H
 
@@ -65,6 +72,7 @@ __all__ = [
     "KeySpec",
     "Policy",
     "Receipt",
+    "RequestLookup",
     "Task",
     "TaskCall",
     "TaskRequest",
@@ -127,9 +135,15 @@ class TaskSpec:
     max_batch: int = 100
     """Most requests one run takes (``batch``, ``latest``, ``merge``)."""
     merge: Merge | None = None
+    result_ttl: float | None = None
+    """Seconds each request's result (or error) is kept, found by request id (None: the app's default)."""
+    rate_limit: RateLimit | None = None
+    """At most this many runs per key per period, across the fleet (``rate_limit="10/m"``)."""
 
     def __post_init__(self) -> None:
         validate_queue_name(self.queue)
+        if self.result_ttl is not None and not self.result_ttl >= 1:
+            raise ConfigError(f"task {self.name}: result_ttl must be at least 1 second, got {self.result_ttl}")
         if not self.name or any(c.isspace() or ord(c) < 32 for c in self.name):
             raise ConfigError(f"task name {self.name!r} must be non-empty text without spaces")
         if self.policy not in POLICIES:
@@ -162,6 +176,36 @@ class Receipt:
     """True if a request with this id was already stored (within the duplicate window): nothing new was stored."""
     queue: str = ""
     task: str = ""
+    due: datetime.datetime | None = None
+    """For a delayed request, when it joins its key's order (UTC); ``seq`` is then its sequence in the
+    queue's schedules stream, where it waits until then."""
+    source: RequestLookup | None = field(default=None, repr=False, compare=False)
+    """The app that stored it (set by ``App.publish``), for ``result`` and ``cancel``."""
+
+    def _lookup(self) -> RequestLookup:
+        if self.source is None:
+            raise ConfigError("this receipt was not returned by an app; use App.result / App.cancel")
+        return self.source
+
+    async def result(self, timeout: float = DEFAULT_CALL_TIMEOUT) -> Any:
+        """The request's result, waiting up to ``timeout`` seconds for it (see ``App.result``)."""
+        return await self._lookup().result(self.request_id, queue=self.queue, timeout=timeout, task=self.task)
+
+    async def cancel(self) -> str:
+        """Cancel the request unless it has started; what became of it (see ``App.cancel``)."""
+        # A delayed request's seq is in the schedules stream, not the inbox: not a clue to its state.
+        return await self._lookup().cancel(self.queue, self.request_id, seq=self.seq if self.due is None else None)
+
+
+class RequestLookup(Protocol):
+    """Finding a stored request by id: what a ``Receipt`` asks its app (``keyqueue.App`` implements this)."""
+
+    async def result(self, request_id: str, *, queue: str | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,
+                     task: str | None = None) -> Any:
+        """The request's kept result (or its error, raised)."""
+
+    async def cancel(self, queue: str, request_id: str, *, seq: int | None = None) -> str:
+        """Cancel the request unless it started; its state."""
 
 
 @dataclass
@@ -181,6 +225,8 @@ class TaskRequest:
     """The task, unless the request is a message for a processor (``App.enqueue_message``)."""
     receipt: Receipt | None = None
     """Set once the request is stored."""
+    delay: Delay | None = None
+    """When the request may start (``options(countdown=...)`` / ``options(eta=...)``); None: at once."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +237,8 @@ class CallOptions:
     """The request id (``Nats-Msg-Id``): the same id within the duplicate window stores nothing new."""
     timeout: float | None = None
     """Seconds ``call`` waits for the result (``DEFAULT_CALL_TIMEOUT`` when unset)."""
+    delay: Delay | None = None
+    """When the request may start: ``countdown=`` seconds from the enqueue, or at ``eta=``."""
 
 
 class Dispatcher(Protocol):
@@ -265,7 +313,7 @@ class _TaskBase:
     # --- sending ---
 
     def _request(self, key: str, fields: dict[str, Any], request_id: str | None) -> TaskRequest:
-        request_id = request_id or new_request_id()
+        request_id = new_request_id() if request_id is None else validate_request_id(request_id)
         body = dumps(fields, CBOR)
         headers = {
             H.CONTENT_TYPE: CBOR,
@@ -277,7 +325,9 @@ class _TaskBase:
 
     async def _enqueue(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
         key, fields = self.fields_for(args, kwargs)
-        [receipt] = await self.app.publish([self._request(key, fields, opts.request_id)])
+        request = self._request(key, fields, opts.request_id)
+        request.delay = opts.delay
+        [receipt] = await self.app.publish([request])
         return receipt
 
     async def _call(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -286,11 +336,12 @@ class _TaskBase:
         if running is not None and running[:2] == (self.spec.queue, key):
             raise CallOnOwnKey(running[2], self.spec.name, self.spec.queue, key)
         request = self._request(key, fields, opts.request_id)
+        request.delay = opts.delay
         timeout = opts.timeout if opts.timeout is not None else DEFAULT_CALL_TIMEOUT
         headers, body = await self.app.ask(request, timeout)
         return decode_result(headers, body, request.request_id, self.result_type())
 
-    async def _enqueue_many(self, items: Iterable[Any], as_mapping: bool) -> list[Receipt]:
+    async def _enqueue_many(self, items: Iterable[Any], as_mapping: bool, delay: Delay | None = None) -> list[Receipt]:
         requests = []
         for index, item in enumerate(items):
             try:
@@ -298,6 +349,7 @@ class _TaskBase:
             except (TypeError, MalformedBody, ConfigError) as exc:
                 raise type(exc)(f"item {index}: {exc}") from None
             requests.append(self._request(key, fields, None))
+            requests[-1].delay = delay
         if not requests:
             return []
         return await self.app.publish(requests)
@@ -356,9 +408,15 @@ class Task(_TaskBase, Generic[F]):
     def result_type(self) -> type | None:
         return self.codec.result_dataclass
 
-    def options(self, *, request_id: str | None = None, timeout: float | None = None) -> TaskCall[F]:
-        """This task with per-call options: ``await charge.options(timeout=10).call(...)``."""
-        return TaskCall(self, CallOptions(request_id, timeout))
+    def options(self, *, request_id: str | None = None, timeout: float | None = None,
+                countdown: float | None = None, eta: datetime.datetime | None = None) -> TaskCall[F]:
+        """This task with per-call options: ``await charge.options(timeout=10).call(...)``.
+
+        ``countdown=`` (seconds) or ``eta=`` (an aware datetime) delays the request: it is stored at
+        once and joins its key's order when it falls due (``InvalidSchedule`` for a naive ``eta`` or
+        a negative ``countdown``).
+        """
+        return TaskCall(self, CallOptions(request_id, timeout, Delay.of(countdown, eta)))
 
     @overload
     async def enqueue(self: Task[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
@@ -463,6 +521,11 @@ class TaskCall(Generic[F]):
     def delay(self, *args: Any, **kwargs: Any) -> Receipt:
         return self.task._delay(self.call_options, args, kwargs)
 
+    async def enqueue_many(self, items: Iterable[Mapping[str, Any]]) -> list[Receipt]:
+        """``Task.enqueue_many`` with these options' delay (each request gets its own id)."""
+        _no_request_id(self.call_options)
+        return await self.task._enqueue_many(items, as_mapping=True, delay=self.call_options.delay)
+
 
 class BatchTask(_TaskBase, Generic[T, R]):
     """A ``policy="batch"`` task: its function takes ``list[T]``; each request carries one ``T``.
@@ -531,9 +594,10 @@ class BatchTask(_TaskBase, Generic[T, R]):
             return from_fields(self.item_type, item)
         return item
 
-    def options(self, *, request_id: str | None = None, timeout: float | None = None) -> BatchTaskCall[T, R]:
-        """This task with per-call options."""
-        return BatchTaskCall(self, CallOptions(request_id, timeout))
+    def options(self, *, request_id: str | None = None, timeout: float | None = None,
+                countdown: float | None = None, eta: datetime.datetime | None = None) -> BatchTaskCall[T, R]:
+        """This task with per-call options (see ``Task.options``)."""
+        return BatchTaskCall(self, CallOptions(request_id, timeout, Delay.of(countdown, eta)))
 
     async def enqueue(self, item: T) -> Receipt:
         """Store a request carrying ``item``."""
@@ -571,6 +635,17 @@ class BatchTaskCall(Generic[T, R]):
 
     def delay(self, item: T) -> Receipt:
         return self.task._delay(self.call_options, (item,), {})
+
+    async def enqueue_many(self, items: Iterable[T]) -> list[Receipt]:
+        """``BatchTask.enqueue_many`` with these options' delay (each request gets its own id)."""
+        _no_request_id(self.call_options)
+        return await self.task._enqueue_many(items, as_mapping=False, delay=self.call_options.delay)
+
+
+def _no_request_id(options: CallOptions) -> None:
+    if options.request_id is not None:
+        raise ConfigError(
+            "enqueue_many gives each request an id of its own: options(request_id=...) is for one request")
 
 
 AnyTask = Task[Any] | BatchTask[Any, Any]

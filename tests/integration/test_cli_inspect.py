@@ -56,6 +56,8 @@ async def test_inspect_shows_who_holds_a_key_since_when_and_the_workers(holding:
                      r"\(from idle workers\)$", out, re.MULTILINE), out
     assert re.search(r"^KEY\s+BACKLOG\s+TOKEN\s+HOLDER\s+SINCE$", out, re.MULTILINE), out
     assert re.search(r"^o1\s+2\s+held\s+w-test\s+\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(\d+s ago\)$", out, re.MULTILINE), out
+    assert re.search(r"^Workers:\nWORKER\s+HOST\s+PID\s+SLOTS USED\s+STARTED\s+HEARTBEAT\s+STATE\n"
+                     r"w-test\s+\S+\s+\d+\s+[01]/1\s+\d+s ago\s+\d+s ago\s+live$", out, re.MULTILINE), out
 
 
 async def test_inspect_json_has_stable_keys_and_numbers(holding: None, nats_url: str) -> None:
@@ -63,7 +65,11 @@ async def test_inspect_json_has_stable_keys_and_numbers(holding: None, nats_url:
     assert code == 0, err
     report = json.loads(out)
     assert sorted(report) == ["consumer", "dlq", "keys", "keys_held", "keys_truncated", "keys_with_backlog",
-                              "pending_tokens", "queue", "requests", "workers"]
+                              "pending_tokens", "queue", "registry", "requests", "workers"]
+    [registered] = report["registry"]
+    # "used" is as of the worker's last heartbeat (one is written at its start, then every 5 s).
+    assert (registered["name"], registered["live"], registered["slots"]) == ("w-test", True, 1)
+    assert registered["used"] in (0, 1) and registered["gone"] is None
     assert (report["queue"], report["requests"], report["keys_held"], report["dlq"]) == ("shop", 2, 1, 0)
     assert report["workers"] == [{"worker": "w-test", "keys_held": 1}]
     assert isinstance(report["consumer"]["waiting_pulls"], int) and report["keys_truncated"] is False
@@ -103,8 +109,10 @@ async def test_a_lease_record_without_its_acquisition_time_shows_the_last_renewa
         assert code == 0, err
         assert re.search(r"^o1\s+1\s+held\s+old-worker\s+renewed \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(\d+s ago\)$", out,
                          re.MULTILINE), out
-        assert out.splitlines()[-1] == ("(renewed: the lease record does not say when the key was acquired, only "
-                                        "when it was last renewed)")
+        assert ("(renewed: the lease record does not say when the key was acquired, only when it was last "
+                "renewed)") in out.splitlines()
+        assert out.splitlines()[-1] == ("Workers: none (no worker of this queue wrote a heartbeat in the last "
+                                        "10 minutes)")
         code, out, err = await run(nats_url, "inspect", "shop", "--json")
         [o1] = json.loads(out)["keys"]
         assert o1["holder"]["worker"] == "old-worker" and o1["holder"]["since"] is None

@@ -29,8 +29,9 @@ LAYERS: Final = (
     ("plugins",),
     ("app",),
     ("events",),  # the public lifecycle events contract, which the built-in events plugin publishes
-    ("builtins", "admin"),
+    ("builtins", "admin", "metrics"),  # metrics: Prometheus instruments and the plugin counting into them
     ("ext",),  # the public extension API: the layers below, as plugins may build on them
+    ("dashboard",),  # keyqueue dashboard: the web app over admin, metrics and the events
     ("cli", "testing", "chaos"),
     ("keyqueue", "__main__"),  # the public API in keyqueue/__init__.py, and python -m keyqueue
 )
