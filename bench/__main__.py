@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench import delays
+from bench import delays, result_ttl
 from bench import report as output
 from bench.fleet import REPO, WorkerOptions
 from bench.results import MODES
@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     print(output.table(result))
     for lateness in asyncio.run(delays.run(mode_name)):  # due-time lateness of delayed requests
         print(lateness.line())
+    # What keeping results (result_ttl) costs a worker: rounds with and without, alternating.
+    sizes = {"full": (5000, 100, 3, 32)}.get(mode_name, (2000, 100, 1, 32))
+    asyncio.run(result_ttl.main(*sizes))
     if docs:
         md, png = REPO / "docs" / "benchmarks.md", REPO / "docs" / "benchmarks-latency.png"
     else:
