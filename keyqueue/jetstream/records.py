@@ -49,6 +49,10 @@ CANCEL_TTL: Final = 7 * 24 * 3600
 CANCEL_STATE: Final = "X-KQ-Cancel"
 """Header of a cancel record: ``requested``, ``cancelled``, ``running`` or ``done``."""
 
+RESULT_RECHECK_FIRST: Final = 0.1
+RESULT_RECHECK_MAX: Final = 2.0
+"""Seconds between reads while a reader waits for a result (the first, then doubling up to this)."""
+
 TTL: Final = "Nats-TTL"
 """Publish header: this message's time to live (nats-server >= 2.11, at least one second)."""
 
@@ -123,19 +127,29 @@ class RequestRecords:
     async def wait_result(self, request_id: str, timeout: float) -> tuple[dict[str, str], bytes] | None:
         """The kept reply (or an expiry marker's empty headers), waiting up to ``timeout`` seconds; None if none came.
 
-        Subscribes before reading, so a result stored between the read and the wait is seen.
+        Subscribes before reading, so a result stored after the read is seen. One published just
+        before the subscribe reached the server can still be stored only after that read (the
+        server stores asynchronously) and never reach the subscription: so while it waits, it
+        reads again now and then (after 0.1 s, then doubling up to 2 s).
         """
         subject = self.result_subject(request_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pause = RESULT_RECHECK_FIRST
         async with self._watch(subject) as arrived:
-            stored = await self._last(subject)
-            if stored is not None:
-                return stored.headers, stored.data
-            try:
-                async with asyncio.timeout(timeout):
-                    msg = await arrived
-            except TimeoutError:
-                return None
-            return dict(msg.headers or {}), msg.data
+            while True:
+                stored = await self._last(subject)
+                if stored is not None:
+                    return stored.headers, stored.data
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                try:
+                    async with asyncio.timeout(min(pause, remaining)):
+                        msg = await asyncio.shield(arrived)
+                    return dict(msg.headers or {}), msg.data
+                except TimeoutError:
+                    pause = min(2 * pause, RESULT_RECHECK_MAX)
 
     @asynccontextmanager
     async def _watch(self, subject: str) -> AsyncIterator[asyncio.Future[Msg]]:

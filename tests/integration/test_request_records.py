@@ -323,3 +323,24 @@ async def test_a_cancelled_request_is_left_out_of_a_batch(nats_url: str) -> None
         with pytest.raises(keyqueue.Cancelled):
             await receipts[1].result(timeout=10)
     assert batches == [[0], [1, 3]]
+
+
+async def test_a_result_stored_after_the_readers_first_read_is_still_found(nc: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # The race the reader must survive: a result published just before its subscribe reached the
+    # server, but stored only after its first read. The subscription never sees it (it was
+    # published before), and the first read found nothing; only a later read finds it.
+    records = RequestRecords(nc, "ledger")
+    await records.ensure()
+    await records.put_result("late-1", {"X-KQ-Status": "ok"}, b'"kept"', 60)
+    real_last = records._last
+    reads: list[str] = []
+
+    async def first_read_misses(subject: str) -> Any:
+        reads.append(subject)
+        return None if len(reads) == 1 else await real_last(subject)
+
+    monkeypatch.setattr(records, "_last", first_read_misses)
+    headers, body = await records.wait_result("late-1", timeout=10) or ({}, b"")
+    assert body == b'"kept"' and headers.get("X-KQ-Status") == "ok"
+    assert len(reads) == 2
