@@ -23,6 +23,7 @@ from keyqueue.errors import (
     JetStreamError,
     KeyqueueTimeout,
     MessageNotFound,
+    StreamNotFound,
     from_api_error,
 )
 from keyqueue.jetstream.connect import CONNECTION_DOWN, disconnected, not_sent
@@ -146,6 +147,23 @@ class JetStreamApi:
 
     async def add_stream(self, config: Mapping[str, Any]) -> dict[str, Any]:
         return await self.request(f"STREAM.CREATE.{config['name']}", config)
+
+    async def stream_or_create(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The configuration of stream ``config['name']`` on the server, created from ``config`` if
+        it is missing (also when another process creates it at the same moment); the caller checks
+        the fields it relies on."""
+        name = config["name"]
+        try:
+            return dict((await self.stream_info(name))["config"])
+        except StreamNotFound:
+            pass
+        try:
+            return dict((await self.add_stream(config))["config"])
+        except JetStreamError as refused:
+            try:
+                return dict((await self.stream_info(name))["config"])  # another process created it first
+            except StreamNotFound:
+                raise refused from None
 
     async def delete_stream(self, stream: str) -> None:
         await self.request(f"STREAM.DELETE.{stream}")

@@ -19,7 +19,7 @@ from typing import Any, Final, NamedTuple
 
 from nats.aio.client import Client
 
-from keyqueue.errors import ConfigError, StreamNotFound, TopologyMismatch
+from keyqueue.errors import ConfigError, TopologyMismatch
 from keyqueue.jetstream.api import JetStreamApi, parse_pub_ack
 from keyqueue.jetstream.topology import NS
 
@@ -97,12 +97,7 @@ class KeyValue:
     async def ensure(self) -> None:
         """Create the bucket if it is missing, else verify it; safe to call from every process."""
         wanted = self.config()
-        try:
-            info = await self.api.stream_info(self.stream)
-        except StreamNotFound:
-            await self.api.add_stream(wanted)
-            return
-        existing = info["config"]
+        existing = await self.api.stream_or_create(wanted)
         for field in _CHECKED:
             if existing.get(field) != wanted[field]:
                 raise TopologyMismatch(f"KV bucket {self.bucket}", field, existing.get(field), wanted[field],

@@ -94,14 +94,10 @@ class RequestRecords:
     async def ensure(self) -> None:
         """Create the stream if it is missing, else check what its readers rely on."""
         wanted = self.config()
-        try:
-            info = await self.api.stream_info(self.stream)
-        except StreamNotFound:
-            await self.api.add_stream(wanted)
-            return
+        existing = await self.api.stream_or_create(wanted)
         for field in ("subjects", "max_msgs_per_subject", "allow_msg_ttl"):
-            if info["config"].get(field) != wanted[field]:
-                raise TopologyMismatch(f"stream {self.stream}", field, info["config"].get(field), wanted[field],
+            if existing.get(field) != wanted[field]:
+                raise TopologyMismatch(f"stream {self.stream}", field, existing.get(field), wanted[field],
                                        f"delete it (nats stream rm {self.stream}); it holds only results and cancels")
 
     async def _publish(self, subject: str, headers: Mapping[str, str], body: bytes, ttl: float,

@@ -197,14 +197,7 @@ class ScheduleStore:
         """Create the stream when missing and learn how long it (and the inbox) keep messages."""
         require_version(self.nc, SCHEDULES_VERSION, "delayed and periodic requests")
         wanted = schedules_config(self.names.queue, replicas=self.replicas, duplicate_window=self.duplicate_window)
-        try:
-            info = await self.api.stream_info(self.names.stream)
-        except StreamNotFound:
-            try:
-                info = await self.api.add_stream(wanted)
-            except JetStreamError:
-                info = await self.api.stream_info(self.names.stream)  # another process created it first
-        config = info["config"]
+        config = await self.api.stream_or_create(wanted)
         if not config.get("allow_msg_schedules") or config.get("retention") != "workqueue":
             raise InvalidSchedule(f"stream {self.names.stream} exists without allow_msg_schedules and work-queue "
                                   "retention: it is not keyqueue's; delete it and keyqueue creates it again")
