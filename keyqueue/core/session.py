@@ -116,12 +116,13 @@ class KeySession:
     # A worker may hold ten thousand keys: no per-instance dict.
     __slots__ = ("_cut_by_renewal", "_giving_back", "_hurrying", "_in_hand", "_renewal", "_renewal_timer",
                  "_waiter", "_work_task", "buffer", "counted_head", "ctx", "cursor", "deletes", "draining",
-                 "ending", "factory", "io", "key", "lease", "lock", "more", "observer", "processed", "republished",
+                 "ending", "factory", "idle", "io", "key", "lease", "lock", "more", "observer", "processed",
+                 "republished",
                  "settings", "should_yield", "token", "turns", "worker")
 
     def __init__(self, io: QueueIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
                  observer: SessionObserver, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
-                 worker: str = "", turns: Turns | None = None) -> None:
+                 worker: str = "", turns: Turns | None = None, idle: dict[str, KeySession] | None = None) -> None:
         self.io = io
         self.token = token
         self.key = token.key
@@ -133,6 +134,10 @@ class KeySession:
         self.worker = worker
         self.turns = turns or Turns()
         """Shared by the worker's sessions: how a busy session yields the loop between requests."""
+        self.idle = idle
+        """Shared by the worker's sessions: those waiting for a request, longest waiting first. The
+        worker wakes them (:meth:`wake`) to give their keys back when every slot is taken and other
+        keys wait."""
         self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
                             holder={"worker": worker, "token": token.stream_seq, "delivered": token.delivered})
         self.lease = Lease(settings.ack_wait, token.received_at)
@@ -175,7 +180,8 @@ class KeySession:
             self.turns.hurry(on)
 
     def wake(self) -> None:
-        """Cut short the wait for a request (the worker calls this when it starts draining)."""
+        """Cut short the wait for a request: the session gives its key back unless one has just
+        arrived (the worker calls this when it starts draining, or needs the slot)."""
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -246,7 +252,11 @@ class KeySession:
     async def _acquire(self) -> bool:
         """Acquire the key's lease record, waiting while another worker holds it."""
         delay, longest = ACQUIRE_BACKOFF
-        next_keepalive = next_expiry_check = 0.0
+        next_expiry_check = 0.0
+        # The server's redelivery timer runs from the delivery, which came before received_at: a
+        # token that waited in a buffer for a third of ack_wait gets a keepalive at once, a fresh
+        # one only when it has waited that long here.
+        next_keepalive = self.token.received_at + self.settings.ack_wait / 3
         first = True
         while True:
             if self.draining.is_set():
@@ -454,6 +464,8 @@ class KeySession:
         # it and that read missed it. So a long wait reads once more after ARRIVAL_GRACE.
         recheck = not watch.rechecked and self.settings.linger > ARRIVAL_GRACE
         self._waiter = watch.waiter = asyncio.get_running_loop().create_future()
+        if self.idle is not None:
+            self.idle[self.key] = self
         try:
             async with asyncio.timeout(ARRIVAL_GRACE if recheck else self.settings.linger):
                 await self._waiter
@@ -464,6 +476,8 @@ class KeySession:
                 return True
         finally:
             self._waiter = watch.waiter = None
+            if self.idle is not None and self.idle.get(self.key) is self:
+                del self.idle[self.key]
         return watch.arrived and not self.draining.is_set()
 
     async def _read_after_arrival(self, processor: KeyProcessor) -> list[StoredMsg]:

@@ -116,10 +116,13 @@ class QueueWorker:
         self.draining = asyncio.Event()
         self._stop_now = False
         self._tg: asyncio.TaskGroup | None = None
-        self._tokens_waiting = False
+        self._tokens_pending = 0
+        """Tokens waiting on the server for a worker, as the last token delivered (or the probe) said."""
         self._started = asyncio.Event()
         self._start_error: BaseException | None = None
         self._held: dict[str, KeySession] = {}
+        self._idle: dict[str, KeySession] = {}
+        """Held keys whose sessions wait for a request, longest waiting first (see :meth:`_make_room`)."""
         self.turns = Turns()
         """Loop iterations shared between busy sessions (core/turns.py)."""
         self._last_tick = time.monotonic()
@@ -132,8 +135,19 @@ class QueueWorker:
         return 0 if self.draining.is_set() else self.concurrency - len(self.sessions)
 
     def _should_yield(self) -> bool:
-        """An idle session releases early when every slot is busy and other keys wait for one."""
-        return self._tokens_waiting and self.free_slots() <= 0
+        """An idle session releases at once, rather than lingering, when more keys wait for a
+        worker than this one has free slots."""
+        return self._tokens_pending > self.free_slots()
+
+    def _make_room(self, waiting: int) -> None:
+        """``waiting`` more keys wait for a worker than this one has free slots: as many sessions
+        that wait for a request (longest waiting first) give their keys back now, not after ``linger``.
+        Without this a worker full of lingering keys serves at most ``concurrency / linger`` keys
+        a second, however fast it is."""
+        while waiting > 0 and self._idle:
+            key = next(iter(self._idle))
+            self._idle.pop(key).wake()
+            waiting -= 1
 
     @property
     def counts(self) -> dict[str, int]:
@@ -156,7 +170,7 @@ class QueueWorker:
         # A token is a scheduling hint: whoever acts on it must first acquire the key's lease
         # record (core/lock.py), so even a token that sat in a buffer while this process was
         # paused is safe to act on.
-        self._tokens_waiting = token.pending > 0
+        self._tokens_pending = token.pending
         held = self._held.get(token.key)
         previous: asyncio.Task[str] | None = None
         if held is not None:
@@ -174,10 +188,12 @@ class QueueWorker:
             return
         session = KeySession(self.io, token, self.factory, self.settings, observer=self.report,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name,
-                             turns=self.turns)
+                             turns=self.turns, idle=self._idle)
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session
+        if token.pending > self.free_slots():
+            self._make_room(token.pending - self.free_slots())
 
     async def _on_pinned(self, pin_id: str | None) -> None:
         was, self.pinned = self.pinned, pin_id
@@ -323,10 +339,11 @@ class QueueWorker:
         while True:
             await asyncio.sleep(1.0)
             if self.free_slots() > 0:
-                self._tokens_waiting = False
+                self._tokens_pending = 0  # the puller is asking for more: the next token says
                 continue
             with contextlib.suppress(KeyqueueError):
-                self._tokens_waiting = await self.io.tokens_waiting() > 0
+                self._tokens_pending = await self.io.tokens_waiting()
+                self._make_room(self._tokens_pending - self.free_slots())
 
 
 class _Report:

@@ -141,8 +141,28 @@ class QueueIO:
     async def next_request_authoritative(self, key: str, from_seq: int) -> StoredMsg | None:
         """Like :meth:`next_request` but answered by the stream leader on replicated inboxes (a
         lagging follower could hide a request from the quiescence re-check)."""
-        return await self.api.get_msg(self.names.inbox_stream, seq=max(1, from_seq),
-                                      next_by_subject=self.names.inbox(key), direct=self.direct)
+        if not self.direct:
+            return await self.api.get_msg(self.names.inbox_stream, seq=max(1, from_seq),
+                                          next_by_subject=self.names.inbox(key), direct=False)
+        payload = b'{"seq":%d,"next_by_subj":%s}' % (max(1, from_seq), json.dumps(self.names.inbox(key)).encode())
+        reply = await self._ask(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}", payload,
+                                f"a read of key {key}'s inbox")
+        status = (reply.headers or {}).get(STATUS)
+        if status == "404":
+            return None
+        if status:
+            raise from_api_error((reply.headers or {}).get(DESCRIPTION, "direct get failed"), int(status))
+        return stored_from_direct(reply)
+
+    async def _ask(self, subject: str, body: bytes, what: str, timeout: float | None = None) -> Msg:
+        """One request and its reply through the read mux: no timer and no inbox of its own, as
+        nats-py's ``request`` would make (a key session's release sends three)."""
+        self._require_connection(subject)
+        future = await self.read_mux.send(subject, body)
+        reply = (await wait(future, self.timeout if timeout is None else timeout, what))[0]
+        if reply.headers and reply.headers.get(STATUS) == "503":
+            raise ConnectionFailed(f"nobody answered {what} (no responders on {subject})")
+        return reply
 
     async def delete(self, seq: int) -> None:
         """Delete a processed request; one already gone (a re-run after a crash) is fine."""
@@ -259,9 +279,10 @@ class QueueIO:
 
     async def remove_record(self, seq: int) -> None:
         """Remove one record by sequence: a record since replaced by another holder's is untouched."""
-        self._require_connection("the lease stream")
+        reply = await self._ask(f"{self.api.prefix}.STREAM.MSG.DELETE.{self.names.lease_stream}",
+                                b'{"seq":%d,"no_erase":true}' % seq, "a lease record's delete")
         try:
-            await self.api.delete_msg(self.names.lease_stream, seq, no_erase=True)
+            raise_for_reply(json.loads(reply.data))
         except JetStreamError as e:
             if e.err_code != NO_MESSAGE_FOUND:
                 raise
@@ -283,8 +304,7 @@ class QueueIO:
 
     async def ack(self, token: Token, timeout: float = 5.0) -> None:
         """Double ack: returns once the server confirmed the token is gone."""
-        self._require_connection(token.reply)
-        await self.nc.request(token.reply, b"+ACK", timeout=timeout)
+        await self._ask(token.reply, b"+ACK", f"the ack of key {token.key}'s token", timeout)
 
     async def nak(self, token: Token, delay: float = 0.0) -> None:
         """Hand the token back for redelivery, after ``delay`` seconds."""

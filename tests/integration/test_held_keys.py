@@ -78,3 +78,29 @@ async def test_a_key_waiting_for_requests_costs_one_task_and_wakes_on_each_arriv
             await processor.ran_at_least(1 + KEYS + n + 1)
         assert worker.counts.get("acquired") == 1 + KEYS
     assert [data for key, data in processor.ran if key == "k0"] == [b"first", b"again0", b"again1", b"again2"]
+
+
+async def test_a_full_worker_of_lingering_keys_gives_one_up_for_a_key_that_waits(nc: Client) -> None:
+    # Every slot holds a key that only waits for requests (a long linger): a new key's token waits
+    # on the server. The worker learns of it (the probe while it is full) and wakes the key that
+    # has waited longest, which gives its slot back: the new key runs long before the linger ends,
+    # and the other lingering key stays held. (Before, a full worker served at most
+    # concurrency / linger keys a second.)
+    config = QueueConfig("room", ack_wait=30.0)
+    await Topology(JetStreamApi(nc), config).ensure()
+    publisher = Publisher(nc, config.names)
+    processor = Counting()
+    worker = QueueWorker(nc, config, lambda key: processor, concurrency=2,
+                         settings=SessionSettings(ack_wait=30.0, linger=600.0))
+    async with running(worker):
+        await publisher.enqueue(request("first", b"1"))
+        await processor.ran_at_least(1)
+        await publisher.enqueue(request("second", b"1"))
+        await processor.ran_at_least(2)
+        assert set(worker.sessions) == {"first", "second"}
+
+        await publisher.enqueue(request("third", b"1"))
+        await processor.ran_at_least(3)  # within 30 s; the linger is 600
+        assert processor.ran[-1] == ("third", b"1")
+        assert "second" in worker.sessions  # only as many keys as wait are given up
+        assert worker.counts.get("released") == 1
