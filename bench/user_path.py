@@ -1,35 +1,43 @@
 """``python -m bench.user_path``: the path users run, next to raw JetStream in the same run.
 
-One embedded nats-server; raw work-queue fetch(200)+ack (``bench.raw``); then one
-``keyqueue worker bench.user_app:app`` process (the default processor, hooks and the events
+One embedded nats-server; raw work-queue fetch(200)+ack (``bench.raw``); then ``keyqueue worker
+bench.user_app:app`` (one process, or ``--processes N``; the default processor, hooks and the events
 plugin as installed) serving a no-op ``@app.task``, fed by ``Task.enqueue_many``:
 
 - hot keys: 100 keys x 100 requests (``--hot-keys``, ``--hot-per-key``);
 - cold keys: 5,000 keys x 1 request (``--cold-keys``).
 
-A workload is timed from its first enqueue until the inbox and the token stream are empty. Besides
-the rates it prints the worker process's CPU time per request over the same span (user + system,
-from the kernel), which other load on a shared machine disturbs much less than the wall clock.
-``--profile FILE`` runs the worker under cProfile and writes its statistics to FILE (the rates are
-then not comparable). ``make bench`` runs :func:`measure` too, as its *product path* rows beside
-the core's.
+Each workload is stored first while the worker processes are paused (SIGSTOP), then timed from
+their resumption until the inbox and the token stream are empty: the way raw fetch+ack and the
+core's rows are timed. With ``--end-to-end`` (the default) it is then run again stored and served
+at once, timed from the first enqueue (the producer shares the machine's cores). Besides the rates
+it prints the workers' CPU time per request over the same span (user + system, from the kernel),
+which other load on a shared machine disturbs much less than the wall clock. ``--profile FILE``
+runs the worker under cProfile and writes its statistics to FILE (the rates are then not
+comparable). ``make bench`` runs :func:`measure` too, as its *product path* rows beside the core's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
+import math
 import os
+import signal
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from bench import raw
 from bench.user_app import app, note
+from keyqueue.admin.workers import queue_workers
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.server.embedded import EmbeddedServer
@@ -47,65 +55,126 @@ async def _drained(api: JetStreamApi, timeout: float = 120.0) -> None:
     raise TimeoutError("the worker did not drain the queue")
 
 
-def _cpu(proc: psutil.Process) -> float:
-    times = proc.cpu_times()
-    return float(times.user + times.system)
+class _Workers:
+    """The ``keyqueue worker`` processes serving the queue (the command's process, and with
+    ``--processes N`` its N children), for CPU time and for pausing them while requests are stored."""
+
+    def __init__(self, pid: int, processes: int) -> None:
+        self.root = psutil.Process(pid)
+        self.processes = processes
+
+    def serving(self) -> list[psutil.Process]:
+        return self.root.children() if self.processes > 1 else [self.root]
+
+    def cpu(self) -> float:
+        total = 0.0
+        for proc in [self.root, *self.root.children()]:
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += float(times.user + times.system)
+        return total
+
+    def pause(self) -> None:
+        for proc in self.serving():
+            proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for proc in self.serving():
+            proc.send_signal(signal.SIGCONT)
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One timed workload: requests per second, and the worker's CPU microseconds per request."""
+    """One timed workload: requests per second, and CPU microseconds per request."""
 
     rate: float
+    """Requests stored first, then served: from the workers' resumption until the queue is empty
+    (how raw fetch+ack and the core's rows are timed)."""
     cpu_us: float
+    """The worker processes' CPU time per request over that span."""
     enqueue_cpu_us: float
-    """The producer's (this process's) CPU time per request in ``enqueue_many``, microseconds."""
+    """The producer's (this process's) CPU time per request in ``enqueue_many``."""
+    end_to_end: float = float("nan")
+    """Requests stored and served at once: from the first enqueue until the queue is empty."""
 
 
-async def _timed(api: JetStreamApi, worker: psutil.Process, keys: int, per_key: int, tag: str) -> Workload:
+def _items(keys: int, per_key: int, tag: str) -> list[dict[str, Any]]:
+    return [{"k": f"{tag}{k}", "i": i} for i in range(per_key) for k in range(keys)]
+
+
+async def _timed(api: JetStreamApi, workers: _Workers, keys: int, per_key: int, tag: str,
+                 end_to_end: bool) -> Workload:
     if keys * per_key == 0:
         return Workload(float("nan"), float("nan"), float("nan"))
-    items = [{"k": f"{tag}{k}", "i": i} for i in range(per_key) for k in range(keys)]
-    cpu = _cpu(worker)
-    began, producer = time.perf_counter(), time.process_time()
-    await note.enqueue_many(items)
-    producer = time.process_time() - producer
+    items = _items(keys, per_key, tag)
+    # Stored first, with the workers paused (SIGSTOP: their subscriptions and pull requests stay
+    # open), then served: the span is the workers' alone, as raw fetch+ack's and the core's are.
+    workers.pause()
+    try:
+        producer = time.process_time()
+        await note.enqueue_many(items)
+        producer = time.process_time() - producer
+    finally:
+        workers.resume()
+    cpu, began = workers.cpu(), time.perf_counter()
     await _drained(api)
     elapsed = time.perf_counter() - began
-    return Workload(len(items) / elapsed, (_cpu(worker) - cpu) / len(items) * 1e6, producer / len(items) * 1e6)
+    stored_first = Workload(len(items) / elapsed, (workers.cpu() - cpu) / len(items) * 1e6,
+                            producer / len(items) * 1e6)
+    if not end_to_end:
+        return stored_first
+    items = _items(keys, per_key, tag + "e")
+    began = time.perf_counter()
+    await note.enqueue_many(items)
+    await _drained(api)
+    return dataclasses.replace(stored_first, end_to_end=len(items) / (time.perf_counter() - began))
 
 
 @dataclass(frozen=True)
 class ProductRates:
-    """Requests per second through a ``keyqueue worker`` process, plugins as installed."""
+    """Requests per second through ``keyqueue worker``, plugins as installed."""
 
     hot: float
     cold: float
     hot_cpu_us: float = 0.0
-    """The worker's CPU time per request (user + system), microseconds, over the hot workload."""
+    """The workers' CPU time per request (user + system), microseconds, over the hot workload."""
     cold_cpu_us: float = 0.0
     """The same over the cold workload."""
     enqueue_cpu_us: float = 0.0
     """The producer's CPU time per request in ``Task.enqueue_many`` (both workloads), microseconds."""
+    hot_end_to_end: float = float("nan")
+    """Hot keys stored and served at once (the producer on the same machine), requests per second."""
+    cold_end_to_end: float = float("nan")
 
 
-async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int,
-                  profile: Path | None = None) -> ProductRates:
-    """Start one ``keyqueue worker bench.user_app:app`` on ``url``; time the hot then the cold workload."""
+async def _registered(api: JetStreamApi, count: int, timeout: float = 60.0) -> None:
+    """Wait until ``count`` workers of the queue have written their first heartbeat record."""
+    deadline = time.monotonic() + timeout
+    while len([w for w in await queue_workers(api, "userpath") if w.live]) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {count} keyqueue workers registered within {timeout:.0f} s")
+        await asyncio.sleep(0.05)
+
+
+async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, profile: Path | None = None, *,
+                  processes: int = 1, end_to_end: bool = True) -> ProductRates:
+    """Start ``keyqueue worker bench.user_app:app`` on ``url`` (``--processes``); time the hot then
+    the cold workload, each stored first, then (``end_to_end``) again stored and served at once."""
     app.settings = app.settings.with_url(url)
     env = {**os.environ, "KEYQUEUE_URL": url}
     profiler = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
     worker = await asyncio.create_subprocess_exec(
         sys.executable, *profiler, "-m", "keyqueue.cli", "worker", "bench.user_app:app", "--concurrency", "128",
-        "--log-level", "warning", env=env)
+        "--processes", str(processes), "--log-level", "warning", env=env)
     nc = await connect(url)
     api = JetStreamApi(nc)
     try:
         await note.enqueue(k="warmup", i=0)  # the worker is up once it has taken this
         await _drained(api, timeout=60)
-        proc = psutil.Process(worker.pid)
-        hot = await _timed(api, proc, hot_keys, hot_per_key, "h")
-        cold = await _timed(api, proc, cold_keys, 1, "c")
+        await _registered(api, processes)
+        workers = _Workers(worker.pid, processes)
+        hot = await _timed(api, workers, hot_keys, hot_per_key, "h", end_to_end)
+        cold = await _timed(api, workers, cold_keys, 1, "c", end_to_end)
     finally:
         worker.terminate()
         async with asyncio.timeout(60):
@@ -114,21 +183,24 @@ async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int,
         await app.close()
     enqueue = (hot.enqueue_cpu_us * hot_keys * hot_per_key + cold.enqueue_cpu_us * cold_keys) / (
         hot_keys * hot_per_key + cold_keys) if hot_keys * hot_per_key and cold_keys else hot.enqueue_cpu_us
-    return ProductRates(hot.rate, cold.rate, hot.cpu_us, cold.cpu_us, enqueue)
+    return ProductRates(hot.rate, cold.rate, hot.cpu_us, cold.cpu_us, enqueue, hot.end_to_end, cold.end_to_end)
 
 
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedServer(store_dir=Path(tmp) / "store") as server:
             rates = await raw.measure(server.url, args.raw)
-            product = await measure(server.url, args.hot_keys, args.hot_per_key, args.cold_keys, args.profile)
+            product = await measure(server.url, args.hot_keys, args.hot_per_key, args.cold_keys, args.profile,
+                                    processes=args.processes, end_to_end=args.end_to_end)
     hot = f"hot keys {args.hot_keys} x {args.hot_per_key}"
     cold = f"cold keys {args.cold_keys:,} x 1"
     print(f"{'raw fetch(200)+ack':26} {rates.fetch_ack:9,.0f} msg/s")
-    print(f"{hot:26} {product.hot:9,.0f} req/s  {product.hot / rates.fetch_ack:.2f}x raw  "
-          f"worker CPU {product.hot_cpu_us:5.0f} us/req")
-    print(f"{cold:26} {product.cold:9,.0f} req/s  {product.cold / rates.fetch_ack:.2f}x raw  "
-          f"worker CPU {product.cold_cpu_us:5.0f} us/req")
+    for label, rate, cpu, both in ((hot, product.hot, product.hot_cpu_us, product.hot_end_to_end),
+                                   (cold, product.cold, product.cold_cpu_us, product.cold_end_to_end)):
+        at_once = ("" if math.isnan(both) else
+                   f"  stored and served at once {both:7,.0f} req/s {both / rates.fetch_ack:.2f}x")
+        print(f"{label:26} {rate:9,.0f} req/s  {rate / rates.fetch_ack:.2f}x raw  worker CPU {cpu:5.0f} us/req"
+              + at_once)
     print(f"{'enqueue_many (producer)':26} CPU {product.enqueue_cpu_us:5.0f} us/req")
 
 
@@ -137,6 +209,9 @@ if __name__ == "__main__":
     parser.add_argument("--hot-keys", type=int, default=100)
     parser.add_argument("--hot-per-key", type=int, default=100)
     parser.add_argument("--cold-keys", type=int, default=5000)
+    parser.add_argument("--processes", type=int, default=1, help="keyqueue worker --processes")
+    parser.add_argument("--end-to-end", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time each workload stored and served at once")
     parser.add_argument("--raw", type=int, default=20_000, help="messages for raw fetch(200)+ack")
     parser.add_argument("--profile", type=Path, help="run the worker under cProfile, statistics to this file")
     asyncio.run(main(parser.parse_args()))
