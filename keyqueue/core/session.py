@@ -136,8 +136,8 @@ class KeySession:
         """Shared by the worker's sessions: how a busy session yields the loop between requests."""
         self.idle = idle
         """Shared by the worker's sessions: those waiting for a request, longest waiting first. The
-        worker wakes them (:meth:`wake`) to give their keys back when every slot is taken and other
-        keys wait."""
+        worker wakes them (:meth:`wake`) to give their keys back when more keys wait for a worker
+        than it has free slots."""
         self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
                             holder={"worker": worker, "token": token.stream_seq, "delivered": token.delivered})
         self.lease = Lease(settings.ack_wait, token.received_at)
