@@ -56,7 +56,13 @@ ARRIVAL_GRACE: Final = 0.1
 """Seconds to keep re-reading after an arrival on the key's subject found no stored request."""
 
 MAX_UNCONFIRMED_DELETES: Final = 8
-"""Deletes in flight before the session waits for their confirmations."""
+"""Deletes (and purges) in flight before the session waits for their confirmations."""
+
+PURGE_EVERY: Final = 8
+"""Requests done one after another that one purge removes at most."""
+
+PURGE_WINDOW: Final = 0.002
+"""Seconds a later request may run before the requests done before it are purged."""
 
 ACQUIRE_BACKOFF: Final = (0.002, 0.5)
 """First and longest wait, in seconds, between tries to acquire a key another worker holds."""
@@ -114,11 +120,41 @@ class KeySession:
     """One held key: reads its requests in order and hands them to its processor."""
 
     # A worker may hold ten thousand keys: no per-instance dict.
-    __slots__ = ("_cut_by_renewal", "_giving_back", "_hurrying", "_in_hand", "_renewal", "_renewal_timer",
-                 "_waiter", "_work_task", "buffer", "counted_head", "ctx", "cursor", "deletes", "draining",
-                 "ending", "factory", "idle", "io", "key", "lease", "lock", "more", "observer", "processed",
-                 "republished",
-                 "settings", "should_yield", "token", "turns", "worker")
+    __slots__ = (
+        "_cut_by_renewal",
+        "_giving_back",
+        "_hurrying",
+        "_in_hand",
+        "_purge_timer",
+        "_purging",
+        "_renewal",
+        "_renewal_timer",
+        "_unpurged",
+        "_waiter",
+        "_work_task",
+        "buffer",
+        "counted_head",
+        "ctx",
+        "cursor",
+        "deletes",
+        "draining",
+        "ending",
+        "factory",
+        "idle",
+        "io",
+        "key",
+        "lease",
+        "lock",
+        "more",
+        "observer",
+        "processed",
+        "republished",
+        "settings",
+        "should_yield",
+        "token",
+        "turns",
+        "worker",
+    )
 
     def __init__(self, io: QueueIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
                  observer: SessionObserver, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
@@ -153,7 +189,12 @@ class KeySession:
         """Whether the inbox may hold requests past the read-ahead buffer (until a read says no;
         after that, an arrival on the key's subject says yes again)."""
         self.deletes: list[asyncio.Future[Any]] = []
-        """Deletes sent and not yet confirmed."""
+        """Deletes (and purges) sent and not yet confirmed."""
+        self._unpurged = 0
+        """Requests done and not yet removed: the next purge of the key's subject removes them."""
+        self._purge_timer: asyncio.TimerHandle | None = None
+        self._purging: asyncio.Future[None] | None = None
+        """The purge the timer sent while the session worked on (see :meth:`_purge_soon`)."""
         self.counted_head = False
         """Whether this session has counted its first request as a crash-loop suspect."""
         self._in_hand = 0
@@ -526,6 +567,8 @@ class KeySession:
         requests = [Request(self.key, m.seq, m.subject, m.headers, m.data) for m in batch]
         head = requests[0]
         self._in_hand = head.seq
+        if self._unpurged and self._purge_timer is None:
+            self._purge_timer = asyncio.get_running_loop().call_later(PURGE_WINDOW, self._purge_soon)
         policy = processor.retry_policy(head) or self.settings.retry
         attempt = 0
         while True:
@@ -597,11 +640,15 @@ class KeySession:
         self.lease.check()
         last = through
         if len(batch) == 1 and batch[0].seq == through:
-            # Pipelined: the next request starts without waiting for this delete's reply; every
-            # delete is confirmed before the token is acked.
-            self.deletes.append(await self.io.delete_soon(last))
-            if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
-                await self._settle_deletes()
+            # Pipelined and coalesced: the next request starts without waiting for this one's
+            # removal; requests done one after another are removed together, by one purge of the
+            # key's subject up to the last, sent after PURGE_EVERY of them, before the session
+            # waits for I/O, or once a later request has run for PURGE_WINDOW (so a slow request
+            # after fast ones does not keep them stored). Every removal is confirmed before the
+            # token is acked.
+            self._unpurged += 1
+            if self._unpurged >= PURGE_EVERY or not self.buffer:
+                await self._purge_done(last)
         else:
             await self.io.purge_through(self.key, last)
         self.cursor = last + 1
@@ -619,7 +666,44 @@ class KeySession:
             self.observer.request_succeeded(self._attempt(request.seq, request.headers, attempt, len(requests)),
                                             elapsed, superseded_by)
 
+    async def _purge_done(self, through: int) -> None:
+        """Remove the requests done up to ``through`` (one purge, confirmed later)."""
+        if self._purge_timer is not None:
+            self._purge_timer.cancel()
+            self._purge_timer = None
+        self._unpurged = 0
+        self.deletes.append(await self.io.purge_soon(self.key, through))
+        if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
+            await self._settle_deletes()
+
+    def _purge_soon(self) -> None:
+        """A request has run for PURGE_WINDOW while requests done before it are still stored: send
+        their purge beside it, if this worker still holds the key. (Fired between requests, it
+        does nothing: the session goes on to its next removal, or arms it again.)"""
+        self._purge_timer = None
+        if self._unpurged and self._in_hand and self._purging is None and self.lease.valid():
+            through, self._unpurged = self.cursor - 1, 0
+            self._purging = asyncio.ensure_future(self._send_purge(through))
+
+    async def _send_purge(self, through: int) -> None:
+        try:
+            self.deletes.append(await self.io.purge_soon(self.key, through))
+        except Exception as e:  # sent again by the settle, or the request runs again (at least once)
+            log.debug("queue %s key %s: purge through %d not sent: %r", self.io.names.queue, self.key, through, e)
+            self._unpurged += 1
+        finally:
+            self._purging = None
+
     async def _settle_deletes(self) -> None:
+        """Send what is done and not yet removed, then wait until every removal is confirmed."""
+        if self._purge_timer is not None:
+            self._purge_timer.cancel()
+            self._purge_timer = None
+        if self._purging is not None:
+            await asyncio.shield(self._purging)
+        if self._unpurged and self.lease.valid():
+            self._unpurged = 0
+            self.deletes.append(await self.io.purge_soon(self.key, self.cursor - 1))
         deletes, self.deletes = self.deletes, []
         await self.io.settle(deletes)
 

@@ -79,6 +79,40 @@ async def test_requests_run_in_order_and_are_deleted(nats_url: str) -> None:
     await nc.close()
 
 
+async def test_a_request_done_before_a_slow_one_is_removed_while_the_slow_one_runs(nats_url: str) -> None:
+    # Requests done one after another are removed by one purge of the key's subject; a slow
+    # request after fast ones must not keep them stored (a crash meanwhile would run them again).
+    nc = await connect(nats_url)
+    config = QueueConfig("coalesced", ack_wait=5)
+    api = JetStreamApi(nc)
+    await Topology(api, config).ensure()
+    pub = Publisher(nc, config.names)
+    await pub.enqueue_many([request("k", b"fast%d" % i) for i in range(3)] + [request("k", b"slow")])
+    slow_started, finish = asyncio.Event(), asyncio.Event()
+
+    class SlowLast(BaseProcessor):
+        async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+            if request.data == b"slow":
+                slow_started.set()
+                await finish.wait()
+            return None
+
+    settings = SessionSettings(ack_wait=5, linger=0.05)
+    async with running(nc, config, lambda key: SlowLast(), settings=settings) as worker:
+        async with asyncio.timeout(20):
+            await slow_started.wait()
+            while True:  # the three fast ones go while the slow one runs
+                if (await api.stream_info(config.names.inbox_stream))["state"]["messages"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+        left = await api.get_msg(config.names.inbox_stream, seq=1, next_by_subject=config.names.inbox("k"))
+        assert left is not None and left.data == b"slow"
+        finish.set()
+        await wait_until(lambda: worker.counts.get("released", 0) >= 1)
+    assert (await api.stream_info(config.names.inbox_stream))["state"]["messages"] == 0
+    await nc.close()
+
+
 async def test_a_failing_observer_is_logged_and_never_breaks_a_session(nats_url: str,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     class Broken(NullObserver):

@@ -13,10 +13,13 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, cast
 
+import pytest
+
+from keyqueue.core import session as session_module
 from keyqueue.core.observer import KeyHold, NullObserver, Outcome, RequestAttempt, SessionEnd
 from keyqueue.core.processor import BaseProcessor, BatchOutcome, Reply, Request, RequestContext, SessionContext
 from keyqueue.core.retry import RetryPolicy
-from keyqueue.core.session import KeySession, SessionSettings
+from keyqueue.core.session import PURGE_EVERY, KeySession, SessionSettings
 from keyqueue.errors import Reject, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
@@ -61,8 +64,8 @@ class FakeIO:
         self.writes.append(("delete", seq))
         self.inbox.pop(seq, None)
 
-    async def delete_soon(self, seq: int) -> asyncio.Future[None]:
-        await self.delete(seq)
+    async def purge_soon(self, key: str, seq: int) -> asyncio.Future[None]:
+        await self.purge_through(key, seq)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done
@@ -227,7 +230,9 @@ async def test_requests_run_in_order_inside_the_attempt_wrapper_and_the_key_is_r
     ]
     assert fencing[0] > 0 and fencing[1] == 1
     assert s.cursor == 6 and steps.ends[0].processed == 2
-    assert sent(io, "delete", "ack", "nak") == [("delete", 3), ("delete", 5), ("ack", "$JS.ACK.token.1")]
+    # Both are removed (in one purge, unless a loop iteration outlasted PURGE_WINDOW), then the ack.
+    assert sent(io, "purge", "delete", "ack", "nak")[-2:] == [("purge", 5), ("ack", "$JS.ACK.token.1")]
+    assert io.inbox == {}
     assert io.records == {}, "the lease record was not removed"
 
 
@@ -239,7 +244,7 @@ async def test_a_failed_attempt_is_retried_in_place_then_succeeds() -> None:
     requests = [step for step in steps.steps if step[0] in ("started", "failed", "retried", "succeeded")]
     assert requests == [("started", 1, 1, "Work"), ("failed", 1, 1, "RuntimeError"), ("retried", 1, 1),
                         ("started", 1, 2, "Work"), ("succeeded", 1, "Work", None)]
-    assert sent(io, "delete", "reply", "dead_letter") == [("delete", 1), ("reply", "_INBOX.r1", "ok")]
+    assert sent(io, "purge", "delete", "reply", "dead_letter") == [("purge", 1), ("reply", "_INBOX.r1", "ok")]
 
 
 async def test_a_reject_dead_letters_the_request_at_once_and_the_key_goes_on() -> None:
@@ -250,8 +255,8 @@ async def test_a_reject_dead_letters_the_request_at_once_and_the_key_goes_on() -
     requests = [step for step in steps.steps if step[0] in ("started", "failed", "dead_lettered", "succeeded")]
     assert requests == [("started", 1, 1, "Work"), ("failed", 1, 1, "Reject"), ("dead_lettered", 1, "rejected", 1),
                         ("started", 2, 1, "Work"), ("succeeded", 2, "Work", None)]
-    assert sent(io, "dead_letter", "delete", "reply") == [
-        ("dead_letter", 1, "rejected"), ("delete", 1), ("reply", "_INBOX.r1", "dead-lettered"), ("delete", 2)]
+    assert sent(io, "dead_letter", "delete", "purge", "reply") == [
+        ("dead_letter", 1, "rejected"), ("delete", 1), ("reply", "_INBOX.r1", "dead-lettered"), ("purge", 2)]
     assert s.cursor == 3
 
 
@@ -370,7 +375,7 @@ async def test_a_drain_ends_a_session_waiting_for_requests_at_once() -> None:
     s.wake()  # what QueueWorker.stop() does for every session it holds
     async with asyncio.timeout(5):
         assert await task is Outcome.RELEASED
-    assert sent(io, "delete", "ack") == [("delete", 1), ("ack", "$JS.ACK.token.1")]
+    assert sent(io, "delete", "purge", "ack") == [("purge", 1), ("ack", "$JS.ACK.token.1")]
 
 
 async def test_a_key_held_elsewhere_until_the_drain_is_contended() -> None:
@@ -381,7 +386,7 @@ async def test_a_key_held_elsewhere_until_the_drain_is_contended() -> None:
     io.on_refused.append(draining.set)  # the drain begins while another worker holds the key
     assert await session(io, Handles(steps), steps, draining=draining).run() is Outcome.CONTENDED
     assert steps.steps == [("released", "contended")]
-    assert sent(io, "ack", "nak", "delete") == [("nak", "$JS.ACK.token.1")]
+    assert sent(io, "ack", "nak", "delete", "purge") == [("nak", "$JS.ACK.token.1")]
 
 
 async def test_a_failing_session_reports_its_error_and_gives_the_token_back() -> None:
@@ -394,5 +399,38 @@ async def test_a_failing_session_reports_its_error_and_gives_the_token_back() ->
     assert await session(io, OpenFails(steps), steps).run() is Outcome.FAILED
     [end] = steps.ends
     assert (end.outcome, type(end.error)) == (Outcome.FAILED, OSError)
-    assert sent(io, "ack", "nak", "delete") == [("nak", "$JS.ACK.token.1")]
+    assert sent(io, "ack", "nak", "delete", "purge") == [("nak", "$JS.ACK.token.1")]
     assert 1 in io.inbox
+
+
+async def test_requests_done_one_after_another_are_removed_by_one_purge(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(session_module, "PURGE_WINDOW", 60.0)  # no timer fires: only the count and the I/O
+    count = PURGE_EVERY + 3
+    io = FakeIO(*(stored(seq, b"x") for seq in range(1, count + 1)))
+    steps = Steps()
+    assert await session(io, Handles(steps), steps).run() is Outcome.RELEASED
+    # One purge after PURGE_EVERY requests, one when the read-ahead ran out; then the ack.
+    assert sent(io, "purge", "delete", "ack") == [("purge", PURGE_EVERY), ("purge", count),
+                                                   ("ack", "$JS.ACK.token.1")]
+    assert io.inbox == {}
+
+
+async def test_a_request_done_before_a_slow_one_is_removed_while_the_slow_one_runs() -> None:
+    io = FakeIO(stored(1, b"fast"), stored(2, b"slow"))
+    steps = Steps()
+    removed = asyncio.Event()
+
+    class SlowSecond(Handles):
+        async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+            if request.data == b"slow":
+                async with asyncio.timeout(5):  # PURGE_WINDOW after this one started
+                    while True:
+                        if 1 not in io.inbox:
+                            break
+                        await asyncio.sleep(0.001)
+                removed.set()
+            return await super().handle(ctx, request)
+
+    assert await session(io, SlowSecond(steps), steps).run() is Outcome.RELEASED
+    assert removed.is_set()
+    assert sent(io, "purge", "delete", "ack") == [("purge", 1), ("purge", 2), ("ack", "$JS.ACK.token.1")]
