@@ -75,7 +75,9 @@ def raise_for_reply(body: Mapping[str, Any]) -> None:
 def parse_pub_ack(msg: Msg) -> PubAck:
     """A PubAck from a publish reply, raising the typed error if the publish was refused."""
     if msg.headers and msg.headers.get(STATUS) == "503":
-        raise ConnectionFailed("no JetStream stream answered the publish (is the queue's topology created?)")
+        raise ConnectionFailed("no JetStream stream answered the publish: the queue's streams do not exist "
+                               "(an app's producer or worker creates them; were they deleted?), or (in a "
+                               "cluster) the stream has no leader yet: try again in a moment")
     try:
         body = json.loads(msg.data)
     except ValueError as e:
@@ -116,7 +118,8 @@ class JetStreamApi:
             return await self.nc.request(subject, data, timeout=timeout or self.timeout, headers=headers)
         except nats.errors.NoRespondersError as e:
             raise ConnectionFailed(
-                f"no responders for {subject}: is JetStream enabled on the server at {self.nc.connected_url}?"
+                f"no responders for {subject}: JetStream is not enabled on the server at "
+                f"{self.nc.connected_url}, or (in a cluster) it has no leader for this yet: try again in a moment"
             ) from e
         except (TimeoutError, nats.errors.TimeoutError) as e:
             raise KeyqueueTimeout(f"no reply to {subject} within {timeout or self.timeout}s") from e
