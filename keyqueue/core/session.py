@@ -638,7 +638,7 @@ class KeySession:
     async def _succeeded(self, batch: list[StoredMsg], requests: list[Request], replies: list[Reply | None],
                          elapsed: float, through: int, attempt: int) -> None:
         self.lease.check()
-        last = through
+        self.cursor = through + 1
         if len(batch) == 1 and batch[0].seq == through:
             # Pipelined and coalesced: the next request starts without waiting for this one's
             # removal; requests done one after another are removed together, by one purge of the
@@ -648,10 +648,11 @@ class KeySession:
             # token is acked.
             self._unpurged += 1
             if self._unpurged >= PURGE_EVERY or not self.buffer:
-                await self._purge_done(last)
+                await self._purge()
+                if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
+                    await self._settle_deletes()
         else:
-            await self.io.purge_through(self.key, last)
-        self.cursor = last + 1
+            await self.io.purge_through(self.key, through)
         self._in_hand = 0
         self.processed += len(batch)
         for request, reply in zip(requests, replies, strict=False):
@@ -666,15 +667,19 @@ class KeySession:
             self.observer.request_succeeded(self._attempt(request.seq, request.headers, attempt, len(requests)),
                                             elapsed, superseded_by)
 
-    async def _purge_done(self, through: int) -> None:
-        """Remove the requests done up to ``through`` (one purge, confirmed later)."""
+    async def _purge(self) -> None:
+        """Send the purge of the requests done and not yet removed (all stored below the cursor)."""
         if self._purge_timer is not None:
             self._purge_timer.cancel()
             self._purge_timer = None
-        self._unpurged = 0
-        self.deletes.append(await self.io.purge_soon(self.key, through))
-        if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
-            await self._settle_deletes()
+        done, self._unpurged = self._unpurged, 0  # requests done while the purge is sent count for the next
+        if not done:
+            return
+        try:
+            self.deletes.append(await self.io.purge_soon(self.key, self.cursor - 1))
+        except BaseException:
+            self._unpurged += done  # still stored: the settle sends it again
+            raise
 
     def _purge_soon(self) -> None:
         """A request has run for PURGE_WINDOW while requests done before it are still stored: send
@@ -682,28 +687,25 @@ class KeySession:
         does nothing: the session goes on to its next removal, or arms it again.)"""
         self._purge_timer = None
         if self._unpurged and self._in_hand and self._purging is None and self.lease.valid():
-            through, self._unpurged = self.cursor - 1, 0
-            self._purging = asyncio.ensure_future(self._send_purge(through))
+            self._purging = asyncio.ensure_future(self._purge_beside())
 
-    async def _send_purge(self, through: int) -> None:
+    async def _purge_beside(self) -> None:
         try:
-            self.deletes.append(await self.io.purge_soon(self.key, through))
-        except Exception as e:  # sent again by the settle, or the request runs again (at least once)
-            log.debug("queue %s key %s: purge through %d not sent: %r", self.io.names.queue, self.key, through, e)
-            self._unpurged += 1
+            await self._purge()
+        except Exception as e:  # sent again by the settle, or the requests run again (at least once)
+            log.debug("queue %s key %s: purge not sent: %r", self.io.names.queue, self.key, e)
         finally:
             self._purging = None
 
     async def _settle_deletes(self) -> None:
         """Send what is done and not yet removed, then wait until every removal is confirmed."""
-        if self._purge_timer is not None:
-            self._purge_timer.cancel()
-            self._purge_timer = None
         if self._purging is not None:
             await asyncio.shield(self._purging)
-        if self._unpurged and self.lease.valid():
-            self._unpurged = 0
-            self.deletes.append(await self.io.purge_soon(self.key, self.cursor - 1))
+        if self.lease.valid():
+            await self._purge()
+        elif self._purge_timer is not None:
+            self._purge_timer.cancel()
+            self._purge_timer = None
         deletes, self.deletes = self.deletes, []
         await self.io.settle(deletes)
 
@@ -811,7 +813,7 @@ class KeySession:
         # A request stored after our last read had its token publish rejected (ours still
         # existed): look again now that our token is gone, and schedule the key if one remains.
         try:
-            if await self.io.next_request_authoritative(self.key, self.cursor) is not None:
+            if await self.io.next_request(self.key, self.cursor) is not None:
                 self.republished = await self.io.schedule(self.key)
         except Exception as e:
             log.warning("queue %s key %s: re-check after release failed (the reconciler schedules the key): "

@@ -202,14 +202,8 @@ class JetStreamApi:
         if last_by_subject is not None:
             payload["last_by_subj"] = last_by_subject
         if direct:
-            msg = await self._request(f"{self.prefix}.DIRECT.GET.{stream}", json.dumps(payload).encode(), None)
-            headers = msg.headers or {}
-            status = headers.get(STATUS)
-            if status == "404":
-                return None
-            if status:
-                raise from_api_error(headers.get(DESCRIPTION, "direct get failed"), int(status))
-            return stored_from_direct(msg)
+            return direct_reply(await self._request(f"{self.prefix}.DIRECT.GET.{stream}",
+                                                    json.dumps(payload).encode(), None))
         try:
             body = await self.request(f"STREAM.MSG.GET.{stream}", payload)
         except MessageNotFound:
@@ -234,6 +228,17 @@ class JetStreamApi:
 
     async def account_info(self) -> dict[str, Any]:
         return await self.request("INFO")
+
+
+def direct_reply(msg: Msg) -> StoredMsg | None:
+    """The message a (single) direct get answered with; None for its 404 (no such message)."""
+    headers = msg.headers or {}
+    status = headers.get(STATUS)
+    if status == "404":
+        return None
+    if status:
+        raise from_api_error(headers.get(DESCRIPTION, "direct get failed"), int(status))
+    return stored_from_direct(msg)
 
 
 def stored_from_direct(msg: Msg) -> StoredMsg:

@@ -22,6 +22,7 @@ from keyqueue.jetstream.api import (
     STATUS,
     JetStreamApi,
     StoredMsg,
+    direct_reply,
     parse_pub_ack,
     raise_for_reply,
     stored_from_direct,
@@ -110,9 +111,15 @@ class QueueIO:
     # --- the key's requests ----------------------------------------------------------------------
 
     async def next_request(self, key: str, from_seq: int) -> StoredMsg | None:
-        """The key's first stored request at or after ``from_seq``, or None."""
-        return await self.api.get_msg(self.names.inbox_stream, seq=max(1, from_seq),
-                                      next_by_subject=self.names.inbox(key), direct=self.direct)
+        """The key's first stored request at or after ``from_seq``, or None. On a replicated inbox
+        the stream leader answers (a lagging follower could hide a request from the release's
+        re-check)."""
+        if not self.direct:
+            return await self.api.get_msg(self.names.inbox_stream, seq=max(1, from_seq),
+                                          next_by_subject=self.names.inbox(key), direct=False)
+        payload = b'{"seq":%d,"next_by_subj":%s}' % (max(1, from_seq), json.dumps(self.names.inbox(key)).encode())
+        return direct_reply(await self._ask(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}", payload,
+                                            f"a read of key {key}'s inbox"))
 
     async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
         """Up to ``limit`` of the key's requests from ``from_seq`` on, in one round trip where the
@@ -138,28 +145,11 @@ class QueueIO:
                 msgs.append(stored_from_direct(reply))
         return msgs, more
 
-    async def next_request_authoritative(self, key: str, from_seq: int) -> StoredMsg | None:
-        """Like :meth:`next_request` but answered by the stream leader on replicated inboxes (a
-        lagging follower could hide a request from the quiescence re-check)."""
-        if not self.direct:
-            return await self.api.get_msg(self.names.inbox_stream, seq=max(1, from_seq),
-                                          next_by_subject=self.names.inbox(key), direct=False)
-        payload = b'{"seq":%d,"next_by_subj":%s}' % (max(1, from_seq), json.dumps(self.names.inbox(key)).encode())
-        reply = await self._ask(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}", payload,
-                                f"a read of key {key}'s inbox")
-        status = (reply.headers or {}).get(STATUS)
-        if status == "404":
-            return None
-        if status:
-            raise from_api_error((reply.headers or {}).get(DESCRIPTION, "direct get failed"), int(status))
-        return stored_from_direct(reply)
-
     async def _ask(self, subject: str, body: bytes, what: str, timeout: float | None = None) -> Msg:
         """One request and its reply through the read mux: no timer and no inbox of its own, as
         nats-py's ``request`` would make (a key session's release sends three)."""
         self._require_connection(subject)
-        future = await self.read_mux.send(subject, body)
-        reply = (await wait(future, self.timeout if timeout is None else timeout, what))[0]
+        [reply] = await self.read_mux.request(subject, body, timeout=self.timeout if timeout is None else timeout)
         if reply.headers and reply.headers.get(STATUS) == "503":
             raise ConnectionFailed(f"nobody answered {what} (no responders on {subject})")
         return reply

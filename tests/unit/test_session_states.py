@@ -54,7 +54,7 @@ class FakeIO:
         found = [self.inbox[s] for s in sorted(self.inbox) if s >= from_seq]
         return found[:limit], len(found) > limit
 
-    async def next_request_authoritative(self, key: str, from_seq: int) -> StoredMsg | None:
+    async def next_request(self, key: str, from_seq: int) -> StoredMsg | None:
         return next((self.inbox[s] for s in sorted(self.inbox) if s >= from_seq), None)
 
     async def watch(self, key: str) -> Watch:
