@@ -1,7 +1,8 @@
 """The worker runtime for one queue: slots, the token pull loop, sessions, drain.
 
 One asyncio task per key session, owned by a TaskGroup; the puller, the reconciler, the
-loop-lag monitor and the backlog probe are owned tasks too, cancelled and awaited on exit.
+loop-lag monitor, the backlog probe and the re-checks of keys whose release was cut short are
+owned tasks too, cancelled and awaited on exit.
 
 The sessions' steps are counted, told to the worker's
 :class:`~keyqueue.core.observer.SessionObserver` (whose failures are logged and never reach a
@@ -128,6 +129,10 @@ class QueueWorker:
         self._last_tick = time.monotonic()
         self._stale_after = self.settings.ack_wait - Lease.default_margin(self.settings.ack_wait)
         """A stall this long may have outlived every lease this worker held."""
+        self._rechecks: dict[str, tuple[Token, int]] = {}
+        """Keys whose session could not finish its release (the connection was down): the token it
+        released (maybe unconfirmed) and the inbox sequence to re-check from."""
+        self._recheck_wanted = asyncio.Event()
 
     # --- slots -----------------------------------------------------------------------------------
 
@@ -188,7 +193,7 @@ class QueueWorker:
             return
         session = KeySession(self.io, token, self.factory, self.settings, observer=self.report,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name,
-                             turns=self.turns, idle=self._idle)
+                             turns=self.turns, idle=self._idle, recheck_later=self.recheck_later)
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session
@@ -238,6 +243,7 @@ class QueueWorker:
                     tg.create_task(self.reconciler.run(), name="reconciler"),
                     tg.create_task(self._watch_loop_lag(), name="loop-lag"),
                     tg.create_task(self._probe_waiting_tokens(), name="waiting-tokens"),
+                    tg.create_task(self._recheck_keys(), name="rechecks"),
                 ]
                 self._started.set()
                 try:
@@ -317,6 +323,35 @@ class QueueWorker:
 
     def reconnected(self) -> None:
         self.puller.reconnected()
+
+    # --- keys whose release was cut short ----------------------------------------------------------
+
+    def recheck_later(self, token: Token, cursor: int) -> None:
+        """A session released its key without knowing its token is gone, or could not re-check the
+        key's inbox after (the connection was down): remove that token for sure and re-check the
+        inbox once connected, so a request stored meanwhile is not left without a token until a
+        reconciler pass. Safe at any time: a token is a hint, and a newer one has another sequence."""
+        self._rechecks[token.key] = (token, cursor)
+        self._recheck_wanted.set()
+
+    async def _recheck_keys(self) -> None:
+        while True:
+            await self._recheck_wanted.wait()
+            self._recheck_wanted.clear()
+            while self._rechecks:
+                if not await self.io.wait_connected(self.settings.ack_wait):
+                    continue
+                key, (token, cursor) = next(iter(self._rechecks.items()))
+                try:
+                    await self.io.delete_token(token)
+                    if await self.io.next_request(key, cursor) is not None:
+                        await self.io.schedule(key)
+                except KeyqueueError as e:
+                    log.debug("queue %s key %s: re-check failed, trying again: %r", self.config.name, key, e)
+                    await asyncio.sleep(0.5)
+                    continue
+                if self._rechecks.get(key) == (token, cursor):
+                    del self._rechecks[key]
 
     async def _watch_loop_lag(self) -> None:
         """Track when the loop last ran freely, and warn when it stalls past ``ack_wait / 3``."""
