@@ -13,13 +13,19 @@ import os
 import socket
 import sys
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import click
 
+from keyqueue.admin.release import release_keys
 from keyqueue.app.application import App
 from keyqueue.cli.common import LOG_FORMATS, configure_logging, load_app, url_option
 from keyqueue.cli.supervisor import Supervisor, WorkerCommand
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.connect import connect
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
 
 __all__ = ["ProcessCount", "worker"]
 
@@ -190,8 +196,39 @@ async def _supervise(app: App, ctx: click.Context, processes: int, name: str | N
                              # Worker k of N serves its metrics on port + k - 1 (the parent serves none).
                              child_args=None if port is None else lambda k: ["--metrics-port", str(port + k - 1)])
 
-    supervisor = Supervisor(processes, name or f"{socket.gethostname()}:{os.getpid()}", json_lines=json_lines)
+    served = list(ctx.params.get("queues") or ()) or app.queues
+    releaser = _Releaser(app, served)
+    supervisor = Supervisor(processes, name or f"{socket.gethostname()}:{os.getpid()}", json_lines=json_lines,
+                            on_death=releaser.release)
     try:
         await supervisor.run(command())
     finally:
+        await releaser.close()
         await app.close()
+
+
+class _Releaser:
+    """Releases the keys of a worker process that died (the parent saw it), on one connection made
+    on first use: its lease records of that process only, so its restarted successor (same name,
+    another pid) keeps what it has taken meanwhile."""
+
+    def __init__(self, app: App, queues: list[str]) -> None:
+        self.app = app
+        self.queues = queues
+        self._nc: Client | None = None
+
+    async def release(self, worker: str, pid: int) -> None:
+        if self._nc is None or self._nc.is_closed:
+            self._nc = await connect(await self.app.url(), name="keyqueue-supervisor")
+        api = JetStreamApi(self._nc)
+        for queue in self.queues:
+            released = await release_keys(api, queue, worker=worker, pid=pid, force=True)
+            if released:
+                logging.getLogger("keyqueue.supervisor").warning(
+                    "released %d key(s) of queue %s that %s (pid %d) held: %s", len(released), queue, worker, pid,
+                    ", ".join(r.key for r in released[:10]) + (" ..." if len(released) > 10 else ""))
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()

@@ -28,6 +28,7 @@ import functools
 import inspect
 import json
 import logging
+import os
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
@@ -94,7 +95,6 @@ _RETRIED: Final = (ConnectionFailed, KeyqueueTimeout)
 ``ReplyLost``), no responders, no reply in time."""
 
 T = TypeVar("T")
-
 @dataclass(frozen=True, slots=True)
 class SessionSettings:
     """How key sessions behave; one value per worker."""
@@ -202,8 +202,8 @@ class KeySession:
         """Who re-checks the key's inbox (and removes this token) once the connection allows, when
         this session could not (the worker: :meth:`~keyqueue.core.worker.QueueWorker.recheck_later`)."""
         self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
-                            holder={"worker": worker, "token": token.stream_seq, "delivered": token.delivered,
-                                    "ack": token.reply})
+                            holder={"worker": worker, "pid": os.getpid(), "token": token.stream_seq,
+                                    "delivered": token.delivered, "ack": token.reply})
         self.lease = Lease(settings.ack_wait, token.received_at)
         self.lease.lose("the key's lease record is not acquired yet")
         self.cursor = 1
