@@ -193,7 +193,6 @@ class Supervisor:
                 log.warning("worker process %s (pid %d) exited on its own with status 0; not restarting it",
                             name, child.proc.pid)
                 return
-            await self._died(child)
             ran = time.monotonic() - child.started
             if ran >= self.policy.quick:
                 delay, quick_deaths = self.policy.first_delay, 0
@@ -203,8 +202,10 @@ class Supervisor:
                 last = f" (its last line: {child.last_error_line})" if child.last_error_line else ""
                 self._give_up(f"{ended}, dying within {self.policy.quick:g}s of its start {quick_deaths} times "
                               f"in a row{last}: not restarting it")
+                await self._died(child)
                 return
             log.warning("%s; restarting it in %.1fs", ended, delay)
+            await self._died(child)  # said first: the keys it held move on from here
             try:
                 await asyncio.wait_for(self._stopping.wait(), delay)
             except TimeoutError:

@@ -74,6 +74,10 @@ class ProcessCount(click.ParamType[int, Any]):
 @click.option("--connect-timeout", type=click.FloatRange(0), default=None, metavar="SECONDS",
               help="How long to wait for an unreachable server at start, retrying with a backoff and "
                    "logging each attempt (default: wait forever).")
+@click.option("--watchdog/--no-watchdog", default=True, show_default=True,
+              help="End the process (exit status 75) before an event loop blocked by a handler (sync code in an "
+                   "async def) outlives a key's lease, so that no other worker runs the key beside it; the "
+                   "blocked attempt counts toward the task's max_attempts.")
 @click.option("--processes", "-p", type=ProcessCount(), default="1", show_default=True,
               help="Worker processes to run, each with these options, under a parent that restarts them "
                    "(auto: one per CPU).")
@@ -93,7 +97,8 @@ class ProcessCount(click.ParamType[int, Any]):
                    "queue, key, request_id, attempt).")
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
            drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
-           priority: int | None, connect_timeout: float | None, processes: int, metrics_port: int | None,
+           priority: int | None, connect_timeout: float | None, watchdog: bool, processes: int,
+           metrics_port: int | None,
            metrics_host: str, url: str | None, log_level: str, log_format: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
@@ -135,7 +140,7 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     serving = app.worker(queues=list(queues) or None, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
                          drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
                          overflow_min_ack_pending=overflow_min_ack_pending, priority=priority,
-                         connect_timeout=connect_timeout)
+                         connect_timeout=connect_timeout, watchdog=watchdog)
 
     async def run() -> None:
         try:
@@ -176,6 +181,12 @@ def _worker_options(ctx: click.Context) -> list[str]:
     for param in ctx.command.params:
         value = ctx.params.get(param.name or "")
         if not isinstance(param, click.Option) or param.name in _NOT_PASSED_ON or value is None:
+            continue
+        if param.is_flag:  # --watchdog/--no-watchdog: the form that says the value
+            if value:
+                args.append(param.opts[0])
+            elif param.secondary_opts:
+                args.append(param.secondary_opts[0])
             continue
         flag = max(param.opts, key=len)
         for item in value if param.multiple else (value,):

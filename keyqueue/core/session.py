@@ -54,7 +54,7 @@ from keyqueue.errors import (
 )
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
-from keyqueue.jetstream.queue_io import HEAD_TTL, QueueIO, Watch
+from keyqueue.jetstream.queue_io import QueueIO, Watch
 from keyqueue.wire import headers as H
 
 log = logging.getLogger("keyqueue.session")
@@ -640,15 +640,26 @@ class KeySession:
     # --- processing with retries -----------------------------------------------------------------
 
     async def _process(self, processor: KeyProcessor, batch: list[StoredMsg]) -> None:
+        killed = 0
         if not self.counted_head and self.token.delivered > 1:
             # A redelivered token: the previous holder may have died on this very request.
             self.counted_head = True
-            runs = await self._count_head_run(batch[0])
+            runs, killed = await self._count_head_run(batch[0])
             if runs > self.settings.crash_loop_limit:
                 self.buffer[0:0] = batch[1:]
                 error = KeyqueueError(f"this request was at the head of {runs} sessions of redelivered tokens: "
                                       "workers keep dying or losing the lease on it")
                 await self._dead_letter([batch[0]], error, runs, reason="crash-loop")
+                return
+            head_policy = processor.retry_policy(Request(self.key, batch[0].seq, batch[0].subject, batch[0].headers,
+                                                         batch[0].data)) or self.settings.retry
+            if killed and head_policy.exhausted(killed):
+                # Each of its attempts blocked the event loop until the loop watchdog stopped its
+                # worker (core/watchdog.py): they count toward max_attempts like failed ones.
+                self.buffer[0:0] = batch[1:]
+                error = KeyqueueError(f"its attempt blocked the event loop past the lease {killed} time(s), and the "
+                                      "worker was stopped each time: a handler is blocking the loop")
+                await self._dead_letter([batch[0]], error, killed, reason="max-attempts")
                 return
         self._hurry(False)
         requests = [Request(self.key, m.seq, m.subject, m.headers, m.data) for m in batch]
@@ -657,7 +668,7 @@ class KeySession:
         if self._unpurged and self._purge_timer is None:
             self._purge_timer = asyncio.get_running_loop().call_later(PURGE_WINDOW, self._purge_soon)
         policy = processor.retry_policy(head) or self.settings.retry
-        attempt = 0
+        attempt = killed  # attempts a watchdog stopped count as made
         while True:
             attempt += 1
             await self.observer.wait_for_room()
@@ -835,8 +846,9 @@ class KeySession:
             self.observer.request_dead_lettered(self._attempt(msg.seq, msg.headers, attempts, len(batch)), reason,
                                                 error)
 
-    async def _count_head_run(self, head: StoredMsg) -> int:
-        """Count one more session that starts with ``head`` on a redelivered token; the count."""
+    async def _count_head_run(self, head: StoredMsg) -> tuple[int, int]:
+        """Count one more session that starts with ``head`` on a redelivered token; the counts of
+        such sessions and of its attempts a loop watchdog stopped."""
         return await self._add_head_runs(head.seq, +1)
 
     async def _forgive_head(self) -> None:
@@ -845,20 +857,14 @@ class KeySession:
         if self._in_hand:
             await self._add_head_runs(self._in_hand, -1)
 
-    async def _add_head_runs(self, seq: int, delta: int) -> int:
+    async def _add_head_runs(self, seq: int, delta: int) -> tuple[int, int]:
         """Add ``delta`` to the crash-loop count of request ``seq`` (a count of another request
-        starts over); the new count. A counter is a heuristic: a failure never blocks the key."""
-        subject = self.io.names.head(self.key)
+        starts over); the new counts. A counter is a heuristic: a failure never blocks the key."""
         try:
-            record = await self.io.last_record(subject)
-            last = json.loads(record.data) if record is not None else {}
-            runs = (int(last.get("runs", 0)) if last.get("seq") == seq else 0) + delta
-            await self.io.compare_and_set(subject, record.seq if record else 0,
-                                          json.dumps({"seq": seq, "runs": runs}).encode(), HEAD_TTL)
+            return await self.io.add_head_runs(self.key, seq, runs=delta)
         except (KeyqueueError, ValueError) as e:
             log.debug("crash-loop counter for %s: %r", self.key, e)
-            return max(1, delta)
-        return runs
+            return max(1, delta), 0
 
     # --- release ---------------------------------------------------------------------------------
 

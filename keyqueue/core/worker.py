@@ -50,11 +50,12 @@ from keyqueue.core.processor import ProcessorFactory, Request, RequestContext
 from keyqueue.core.reconciler import Reconciler
 from keyqueue.core.session import KeySession, SessionSettings
 from keyqueue.core.turns import Turns
+from keyqueue.core.watchdog import HeldLease, LoopWatchdog
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import LogThrottle
 from keyqueue.jetstream.pull import PullOptions, Token, TokenPuller
-from keyqueue.jetstream.queue_io import QueueIO
+from keyqueue.jetstream.queue_io import QueueIO, count_killed_attempts
 from keyqueue.jetstream.topology import Change, QueueConfig, Topology
 
 log = logging.getLogger("keyqueue.worker")
@@ -81,7 +82,7 @@ class QueueWorker:
                  concurrency: int = 16, settings: SessionSettings | None = None,
                  pull: PullOptions | None = None, reconcile_interval: float = 30.0,
                  name: str | None = None, observer: SessionObserver | None = None,
-                 follow_lease: bool = False) -> None:
+                 follow_lease: bool = False, watchdog: bool = False) -> None:
         self.nc = nc
         self.config = config
         self.factory = factory
@@ -129,6 +130,12 @@ class QueueWorker:
         self._last_tick = time.monotonic()
         self._stale_after = self.settings.ack_wait - Lease.default_margin(self.settings.ack_wait)
         """A stall this long may have outlived every lease this worker held."""
+        self.watchdog: LoopWatchdog | None = None
+        """With ``watchdog``: the thread that ends this process before a blocked loop outlives a
+        lease (core/watchdog.py). Started with the worker; it is for processes that run workers,
+        not for a process the worker is a guest in."""
+        if watchdog:
+            self.watchdog = LoopWatchdog(self.settings.ack_wait, self._held_leases, count_killed=self._count_killed)
         self._rechecks: dict[str, tuple[Token, int]] = {}
         """Keys whose session could not finish its release (the connection was down): the token it
         released (maybe unconfirmed) and the inbox sequence to re-check from."""
@@ -246,6 +253,8 @@ class QueueWorker:
                     tg.create_task(self._recheck_keys(), name="rechecks"),
                 ]
                 self._started.set()
+                if self.watchdog is not None:
+                    self.watchdog.start()
                 try:
                     await self.draining.wait()
                 except asyncio.CancelledError:
@@ -256,6 +265,8 @@ class QueueWorker:
                 await _cancel_all(helpers)
         finally:
             self._tg = None
+            if self.watchdog is not None:
+                self.watchdog.stop()
         log.debug("worker %s stopped serving queue %s: %s", self.name, self.config.name, self.summary())
 
     async def _ensure_topology(self) -> None:
@@ -353,11 +364,21 @@ class QueueWorker:
                 if self._rechecks.get(key) == (token, cursor):
                     del self._rechecks[key]
 
+    def _held_leases(self) -> list[HeldLease]:
+        """The keys held under a valid lease (read by the watchdog's thread)."""
+        return [HeldLease(s.key, s.lease.deadline, s._in_hand) for s in list(self._held.values())
+                if s.acquired and s.lease.lost_reason is None]
+
+    def _count_killed(self, held: Sequence[HeldLease], budget: float) -> None:
+        count_killed_attempts(self.nc, self.config, [(h.key, h.in_hand) for h in held], budget)
+
     async def _watch_loop_lag(self) -> None:
         """Track when the loop last ran freely, and warn when it stalls past ``ack_wait / 3``."""
         limit = self.settings.ack_wait / 3
         while True:
             self._last_tick = time.monotonic()
+            if self.watchdog is not None:
+                self.watchdog.beat()
             await asyncio.sleep(LOOP_TICK)
             lag = time.monotonic() - self._last_tick - LOOP_TICK
             if lag >= self._stale_after:

@@ -198,6 +198,9 @@ class KeyqueueClient(Client):
     def __init__(self) -> None:
         super().__init__()
         self.link = Link()
+        self.target: str | ConnectOptions | None = None
+        """What :func:`connect` was given: another connection to the same servers, with the same
+        credentials, can be opened with it (the loop watchdog does, from its own thread)."""
 
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -320,6 +323,7 @@ async def connect(target: str | ConnectOptions, *, name: str = "keyqueue",
     options.setdefault("max_outstanding_pings", MAX_OUTSTANDING_PINGS)
     where = ",".join(options.get("servers") or []) or "the configured server"
     nc = KeyqueueClient()
+    nc.target = target
 
     async def quiet(e: Exception) -> None:
         return None  # the probe's failure is raised as ConnectionFailed

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import nats.errors
@@ -27,7 +27,7 @@ from keyqueue.jetstream.api import (
     raise_for_reply,
     stored_from_direct,
 )
-from keyqueue.jetstream.connect import disconnected, wait_connected
+from keyqueue.jetstream.connect import connect, disconnected, wait_connected
 from keyqueue.jetstream.dlq_copy import dead_letter_copy, minimal_dead_letter_copy
 from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.publish import Publisher
@@ -268,6 +268,24 @@ class QueueIO:
         wait_for = self.timeout if timeout is None else max(0.001, timeout)
         return parse_pub_ack((await wait(future, wait_for, f"a lease write to {subject}"))[0]).seq
 
+    async def add_head_runs(self, key: str, seq: int, *, runs: int = 0, killed: int = 0) -> tuple[int, int]:
+        """Add to the crash-loop counts of the key's head request ``seq`` (``kq.<queue>.head.<key>``,
+        a compare-and-set record; the counts of another request start over): ``runs``, sessions of
+        redelivered tokens that started on it, and ``killed``, attempts of it that a loop watchdog
+        stopped. Returns both counts. Raises ``WrongLastSequence`` if another write came first."""
+        subject = self.names.head(key)
+        record = await self.last_record(subject)
+        try:
+            last = json.loads(record.data) if record is not None else {}
+        except ValueError:
+            last = {}
+        same = isinstance(last, dict) and last.get("seq") == seq
+        new_runs = (int(last.get("runs", 0)) if same else 0) + runs
+        new_killed = (int(last.get("killed", 0)) if same else 0) + killed
+        body = json.dumps({"seq": seq, "runs": new_runs, "killed": new_killed}, separators=(",", ":")).encode()
+        await self.compare_and_set(subject, record.seq if record is not None else 0, body, HEAD_TTL)
+        return new_runs, new_killed
+
     async def last_record(self, subject: str) -> StoredMsg | None:
         """The live record on ``subject`` in the lease stream, if any (from the leader)."""
         return await self.api.get_msg(self.names.lease_stream, last_by_subject=subject, direct=self.direct)
@@ -367,3 +385,23 @@ class QueueIO:
         info = await self.api.consumer_info(self.names.token_stream, self.names.consumer)
         return int(info.get("num_pending", 0))
 
+
+def count_killed_attempts(nc: Client, config: QueueConfig, marks: Sequence[tuple[str, int]], budget: float) -> None:
+    """For a loop watchdog, from its own thread while the worker's event loop is blocked: add one
+    killed attempt to the head record of each ``(key, inbox sequence)``, on a connection of its own
+    to the servers ``nc`` was opened for, within ``budget`` seconds (``TimeoutError`` past it)."""
+    target = getattr(nc, "target", None)
+    if target is None:
+        raise ConnectionFailed("the worker's connection was not opened by keyqueue.jetstream.connect: cannot open "
+                               "another to count the blocked attempts")
+
+    async def count() -> None:
+        async with asyncio.timeout(budget):
+            other = await connect(target, name="keyqueue-loop-watchdog")
+            try:
+                io = QueueIO(other, config)
+                await asyncio.gather(*(io.add_head_runs(key, seq, killed=1) for key, seq in marks))
+            finally:
+                await other.close()
+
+    asyncio.run(count())

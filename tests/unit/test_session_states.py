@@ -105,6 +105,9 @@ class FakeIO:
     async def last_record(self, subject: str) -> StoredMsg | None:
         return self.records.get(subject)
 
+    async def add_head_runs(self, key: str, seq: int, *, runs: int = 0, killed: int = 0) -> tuple[int, int]:
+        return await QueueIO.add_head_runs(cast(QueueIO, self), key, seq, runs=runs, killed=killed)
+
     async def remove_record(self, seq: int) -> None:
         for subject, record in list(self.records.items()):
             if record.seq == seq:
