@@ -10,9 +10,11 @@ operator saw its host go down), :func:`release_keys` hands each of its keys on a
    within a renewal interval. Both are judged by the server's clock only (the record's and the
    heartbeat's timestamps against the server's time of the read), never the caller's;
 3. it deletes that record by its sequence (a record written since by anyone else is untouched);
-4. it removes the holder's token by its sequence (the consumer takes it as done; a newer token
-   has another sequence) and, if the key has requests, publishes a fresh token, which a worker
-   with a free slot takes at once.
+4. it hands the holder's token back with a ``-NAK`` on the ack subject the record names: the
+   server delivers it again at once, to a worker with a free slot, with its delivery count one up
+   (so the next holder counts the request the dead one had in hand, as after any crash). A record
+   that names no ack subject has the token removed by its sequence instead. If requests wait and
+   no token is left, a fresh one is published.
 
 Releasing a holder that is in fact alive lets a second worker start the key beside it (until its
 next renewal finds the record gone and it stops): the fencing token is what then protects the
@@ -54,8 +56,10 @@ class Released:
     """The removed record's sequence."""
     waiting: bool
     """The key has requests waiting."""
+    redelivered: bool
+    """The holder's token was handed back for delivery at once."""
     rescheduled: bool
-    """A fresh token was published for them (False: another token was there already, or none wait)."""
+    """A fresh token was published (the holder's was gone, and requests wait)."""
     forced: bool
     """Released although the holder looked alive (``force``)."""
 
@@ -75,6 +79,11 @@ class _Record:
     def pid(self) -> int | None:
         pid = self.body.get("pid")
         return pid if isinstance(pid, int) else None
+
+    @property
+    def ack(self) -> str | None:
+        ack = self.body.get("ack")
+        return ack if isinstance(ack, str) and ack.startswith("$JS.ACK.") else None
 
     @property
     def token_seq(self) -> int | None:
@@ -147,12 +156,19 @@ async def _alive(api: JetStreamApi, queue: str, names: QueueNames, records: list
 async def _release(api: JetStreamApi, names: QueueNames, publisher: Publisher, record: _Record, *,
                    forced: bool) -> Released:
     await _delete(api, names.lease_stream, record.msg.seq)
-    if record.token_seq is not None:
+    redelivered = False
+    if record.ack is not None:
+        await api.nc.publish(record.ack, b"-NAK")
+        await api.nc.flush(timeout=max(1, int(api.timeout)))
+        redelivered = True
+    elif record.token_seq is not None:
         await _delete(api, names.token_stream, record.token_seq)
     waiting = await api.get_msg(names.inbox_stream, seq=1, next_by_subject=names.inbox(record.key),
                                 direct=False) is not None
+    # Refused (10077) while the handed-back token is there: then it is what schedules the key.
     rescheduled = waiting and await publisher.schedule(record.key)
-    return Released(record.key, record.worker, record.pid, record.msg.seq, waiting, rescheduled, forced)
+    return Released(record.key, record.worker, record.pid, record.msg.seq, waiting, redelivered, rescheduled,
+                    forced)
 
 
 async def _delete(api: JetStreamApi, stream: str, seq: int) -> None:
@@ -168,8 +184,10 @@ def describe(released: Released) -> str:
     who = f"held by {released.worker or 'an unnamed worker'}" + (f" pid {released.pid}" if released.pid else "")
     if not released.waiting:
         then = "no requests waiting"
+    elif released.redelivered and not released.rescheduled:
+        then = "requests waiting, its token handed to the next worker"
     elif released.rescheduled:
-        then = "requests waiting, rescheduled now"
+        then = "requests waiting, rescheduled with a new token"
     else:
         then = "requests waiting, already scheduled"
     return f"{released.key} ({who}, record {released.fence}{', forced' if released.forced else ''}): {then}"

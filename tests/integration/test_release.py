@@ -8,6 +8,7 @@ nothing could move such a key before its lease ran out (here 30 s).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -68,7 +69,7 @@ async def test_release_refuses_a_fresh_record_then_force_hands_the_key_on_at_onc
     forced = await Command.start(KEYQUEUE, "release", "rel", "k1", "--force", env=environment(nats_url))
     assert await forced.wait() == 0, forced.output
     assert "released k1 (held by gone:1 pid 4242, record" in forced.output
-    assert "forced): requests waiting, rescheduled now" in forced.output
+    assert "forced): requests waiting, its token handed to the next worker" in forced.output
 
     ran = asyncio.Event()
     began = time.monotonic()
@@ -94,7 +95,7 @@ async def test_a_live_heartbeat_refuses_and_a_stopped_one_lets_the_release_throu
         assert "heartbeat is live" in str(e)
     await beat.write("stopped")  # the worker said it stopped: gone, whatever its record says
     [released] = await release_keys(api, "beat", worker="host:7")
-    assert (released.key, released.worker, released.waiting, released.rescheduled) == ("k2", "host:7", True, True)
+    assert (released.key, released.worker, released.waiting, released.redelivered) == ("k2", "host:7", True, True)
     assert await QueueIO(nc, config).last_record(config.names.lease("k2")) is None
     assert await release_keys(api, "beat", worker="host:7") == []  # nothing left to release
 
@@ -102,9 +103,26 @@ async def test_a_live_heartbeat_refuses_and_a_stopped_one_lets_the_release_throu
 async def test_a_supervisor_releases_only_the_records_of_the_process_that_died(nc: Client) -> None:
     api = JetStreamApi(nc)
     config, lock = await gone_holder(nc, "pids", "k3", "parent/1")
-    old_token = lock.holder["token"]
     assert await release_keys(api, "pids", worker="parent/1", pid=9999, force=True) == []  # another process
     [released] = await release_keys(api, "pids", worker="parent/1", pid=4242, force=True)
-    assert released.key == "k3" and released.forced and released.rescheduled
-    token = await api.get_msg(config.names.token_stream, last_by_subject=config.names.token("k3"), direct=False)
-    assert token is not None and token.seq != old_token  # the dead holder's token removed, a fresh one stored
+    assert released.key == "k3" and released.forced and released.redelivered
+    # The handed-back token comes again at once, its delivery count one up (the next holder counts
+    # the request the dead one had in hand toward its crash loop, as after any crash).
+    msg = await nc.request(f"$JS.API.CONSUMER.MSG.NEXT.{config.names.token_stream}.{config.names.consumer}",
+                           b'{"batch":1,"expires":2000000000}', timeout=5, old_style=True)
+    assert msg.metadata.sequence.stream == lock.holder["token"] and msg.metadata.num_delivered == 2
+
+
+async def test_a_record_without_an_ack_subject_has_its_token_replaced(nc: Client) -> None:
+    api = JetStreamApi(nc)
+    config, lock = await gone_holder(nc, "old", "k4", "old-worker")
+    record = await QueueIO(nc, config).last_record(config.names.lease("k4"))
+    assert record is not None
+    body = json.loads(record.data)
+    del body["ack"]  # written by a worker before the records named their ack subject
+    await QueueIO(nc, config).remove_record(record.seq)
+    await QueueIO(nc, config).compare_and_set(config.names.lease("k4"), 0, json.dumps(body).encode(), 30)
+    [released] = await release_keys(api, "old", key="k4", force=True)
+    assert not released.redelivered and released.rescheduled
+    token = await api.get_msg(config.names.token_stream, last_by_subject=config.names.token("k4"), direct=False)
+    assert token is not None and token.seq != lock.holder["token"]
