@@ -128,6 +128,10 @@ class _Context:
     def lease_valid(self) -> bool:
         return self._session.lease.valid()
 
+    def lease_remaining(self) -> float:
+        """Seconds the lease has left (0 once lost)."""
+        return max(0.0, self._session.lease.remaining()) if self._session.lease.valid() else 0.0
+
 
     def check_lease(self) -> None:
         self._session.lease.check()

@@ -10,6 +10,9 @@ import asyncio
 import itertools
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.session import SessionSettings
@@ -97,3 +100,74 @@ async def test_a_5s_server_restart_under_load_costs_a_pause_not_a_lease(tmp_path
         numbers = [n for _, n in starts[key]]
         firsts = list(dict.fromkeys(numbers))
         assert firsts == sorted(firsts), f"{key} ran out of order: {numbers}"
+
+
+async def test_a_cancel_written_while_the_holder_was_disconnected_reaches_it(nats_url: str) -> None:
+    """The holder keeps its key through a short outage; a cancel written meanwhile never reached its
+    subscription. Before, the cancel set was loaded only when a session opened, so the cancelled
+    request ran; now a session loads it again after a reconnect, before its next request starts."""
+    import keyqueue
+    from keyqueue.chaos.proxy import FaultProxy
+
+    proxy = FaultProxy.for_url(nats_url)
+    await proxy.start()
+    runs: list[int] = []
+    started, release = asyncio.Event(), asyncio.Event()
+
+    def declare(app: keyqueue.App) -> keyqueue.Task:  # type: ignore[type-arg]
+        @app.task(key="{account}", max_attempts=1, result_ttl=60)
+        async def work(account: str, n: int) -> int:
+            runs.append(n)
+            if n == 1:
+                started.set()
+                await release.wait()
+            return n
+        return work
+
+    producer = keyqueue.App("ledger", url=nats_url, set_as_default=False, autoload_plugins=False)
+    worker_app = keyqueue.App("ledger", url=proxy.url, set_as_default=False, autoload_plugins=False)
+    work, _ = declare(producer), declare(worker_app)
+    try:
+        async with worker_app.worker(concurrency=2, linger=5.0):
+            first = await work.enqueue(account="a", n=1)
+            await started.wait()
+            second = await work.enqueue(account="a", n=2)
+            proxy.refuse(True)
+            proxy.reset()  # the worker is cut off; it reconnects once the proxy lets it
+            assert await second.cancel() == "pending"
+            proxy.refuse(False)
+            release.set()
+            assert await first.result(timeout=20) == 1
+            with pytest.raises(keyqueue.Cancelled):
+                await second.result(timeout=20)
+            assert runs == [1]
+    finally:
+        await worker_app.close()
+        await producer.close()
+        await proxy.close()
+
+
+async def test_a_result_that_cannot_be_kept_does_not_run_its_request_again(nats_url: str, nc: Any) -> None:
+    """Before, a failed write of the kept result failed the attempt: the request ran again."""
+    import keyqueue
+    from keyqueue.jetstream.api import JetStreamApi as Api
+
+    runs: list[int] = []
+    app = keyqueue.App("kept", url=nats_url, set_as_default=False, autoload_plugins=False, result_ttl=60)
+
+    @app.task(key="{account}")
+    async def big(account: str) -> str:
+        runs.append(1)
+        return "x" * 10_000
+
+    try:
+        async with app.worker(concurrency=1):
+            await big.call(account="warm", timeout=10)  # creates the records stream
+            api = Api(nc)
+            info = await api.stream_info("KQ_kept_RECORDS")
+            await api.request("STREAM.UPDATE.KQ_kept_RECORDS", {**info["config"], "max_msg_size": 1024})
+            runs.clear()
+            assert await big.call(account="a", timeout=20) == "x" * 10_000  # the caller still gets the reply
+            assert runs == [1]
+    finally:
+        await app.close()
