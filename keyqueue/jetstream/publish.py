@@ -37,7 +37,7 @@ from keyqueue.errors import (
     TokenPublishFailed,
 )
 from keyqueue.jetstream.api import STATUS, JetStreamApi, PubAck, parse_pub_ack
-from keyqueue.jetstream.connect import wait_connected
+from keyqueue.jetstream.connect import link_of, wait_connected
 from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.subjects import QueueNames, validate_key
 from keyqueue.wire.headers import MSG_ID
@@ -246,27 +246,55 @@ class Publisher:
                         window: int, outage: _Outage) -> list[Msg | KeyqueueError]:
         """Publish in order with at most ``window`` unacknowledged; one reply (or error) per message.
 
-        A message that cannot be sent because the connection is down stops the sending: the rest
-        are sent, in order, once it is back (within the outage's time), or fail unsent."""
+        When the connection drops, the messages whose replies it took are sent again, in order,
+        before any later one (only those safe to repeat: a token, or a request with an id), and a
+        message that cannot be sent because the connection is down waits for it (within the
+        outage's time): so a key's requests are stored in order across the drop."""
         futures: list[asyncio.Future[list[Msg]] | KeyqueueError] = []
-        for index, (subject, body, headers) in enumerate(messages):
+        link = link_of(self.nc)
+        seen = link.drops if link is not None else 0
+        index = 0
+        while index < len(messages):
+            if link is not None and link.drops != seen:
+                seen = link.drops
+                await self._send_lost_again(mux, messages, futures, outage)
+                continue  # it may have dropped again meanwhile
+            subject, body, headers = messages[index]
             if index >= window:
                 oldest = futures[index - window]
                 if isinstance(oldest, asyncio.Future) and not oldest.done():
                     await asyncio.wait([oldest], timeout=self.timeout)
-            while True:
-                try:
-                    futures.append(await mux.send(subject, body, headers=headers))
+            try:
+                futures.append(await mux.send(subject, body, headers=headers))
+                index += 1
+            except Disconnected as e:
+                if not await outage.wait():
+                    futures.extend([e] * (len(messages) - index))
                     break
-                except Disconnected as e:
-                    if not await outage.wait():
-                        futures.append(e)
-                        break
         pending = [f for f in futures if isinstance(f, asyncio.Future)]
         if pending:
             await asyncio.wait(pending, timeout=self.timeout)
         return [f if isinstance(f, KeyqueueError) else _outcome(f, subject, self.timeout)
                 for f, (subject, _, _) in zip(futures, messages, strict=True)]
+
+    async def _send_lost_again(self, mux: RequestMux, messages: list[tuple[str, bytes, Mapping[str, str] | None]],
+                               futures: list[asyncio.Future[list[Msg]] | KeyqueueError], outage: _Outage) -> None:
+        """Send again, in order, the messages whose replies a dropped connection took (those safe to repeat)."""
+        for n, future in enumerate(futures):
+            if not (isinstance(future, asyncio.Future) and future.done() and not future.cancelled()
+                    and isinstance(future.exception(), ReplyLost)):
+                continue
+            subject, body, headers = messages[n]
+            if headers is not None and not _deduplicated_headers(headers):
+                continue
+            while True:
+                try:
+                    futures[n] = await mux.send(subject, body, headers=headers)
+                    break
+                except Disconnected as e:
+                    if not await outage.wait():
+                        futures[n] = e
+                        break
 
 
 def _outcome(future: asyncio.Future[list[Msg]], subject: str, timeout: float) -> Msg | KeyqueueError:
