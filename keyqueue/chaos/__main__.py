@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=120.0, help="seconds of faults at most (default 120)")
     p.add_argument("--faults", type=int, default=None, help="stop after this many faults (default: no limit)")
     p.add_argument("--classes", default=",".join(DEFAULT_CLASSES),
-                   help=f"fault classes, comma-separated, any mix of {', '.join(CLASSES)}, or all (default: "
+                   help=f"fault classes, comma-separated, any mix of {', '.join(CLASSES)}; all; or none (no "
+                        f"fault: the liveness baseline) (default: "
                         f"{','.join(DEFAULT_CLASSES)}); {', '.join(CLUSTER_CLASSES)} run on a 3-node R3 cluster, "
                         "where server means rolling restarts")
     p.add_argument("--nodes", type=int, choices=(1, 3), default=None,
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     classes = tuple(c.strip() for c in args.classes.split(",") if c.strip())
     if classes == ("all",):
         classes = CLASSES
+    elif classes == ("none",):
+        classes = ()
     unknown = set(classes) - set(CLASSES)
     if unknown:
         p.error(f"unknown fault class(es): {', '.join(sorted(unknown))}; choose from {', '.join(CLASSES)} or all")
