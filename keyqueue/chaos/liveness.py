@@ -63,7 +63,9 @@ fault ending at ``f1``:
 - a longer one: ``max(f1 + resume, f0 + moved_after_loss)``;
 - ``net-latency``, ``net-bandwidth`` and ``drain``: none (reported, never failing).
 
-A hand-off past its bound fails the run.
+A hand-off past its bound fails the run. One is *alone* when no other fault began after its fault
+and before the key moved; the summary counts those apart, since the others' time may be another
+fault's.
 """
 
 from __future__ import annotations
@@ -147,6 +149,8 @@ class Handoff:
     seconds: float | None
     bound: float | None
     """Seconds after ``began`` allowed (None: unbounded)."""
+    alone: bool = True
+    """No other fault began between this one and the key's move: the time is this fault's alone."""
 
     @property
     def late(self) -> bool:
@@ -217,19 +221,24 @@ class Liveness:
                   f"stretch {s.longest[1] - s.longest[0]:.3f}s from {s.longest[0]:.3f})"
                   for s in self.strands[:shown] if s.seconds > 0]
         if b is not None:
+            late = self.late_handoffs
             lines.append(f"hand-offs (seconds from the fault until its held keys' next start; bounds: kill-9 "
                          f"{b.moved_after_loss:g}s, a fault shorter than the lease its end + {b.resume:g}s): "
-                         f"late {len(self.late_handoffs)}")
+                         f"late {len(late)} ({sum(h.alone for h in late)} with no other fault before the key moved)")
         for kind, dist in sorted(self.handoffs_by_kind.items()):
-            late = sum(h.late for h in self.handoffs if h.fault == kind)
+            late_here = [h for h in self.handoffs if h.fault == kind and h.late]
             never = sum(h.seconds is None for h in self.handoffs if h.fault == kind)
-            lines.append(f"  {kind}: {dist}" + (f", late {late}" if late else "")
+            lines.append(f"  {kind}: {dist}"
+                         + (f", late {len(late_here)} ({sum(h.alone for h in late_here)} alone)" if late_here else "")
                          + (f", never {never}" if never else ""))
-        worst = sorted(self.late_handoffs, key=lambda h: -(h.seconds if h.seconds is not None else math.inf))
+        # The worst late hand-offs, those no other fault confounds first.
+        worst = sorted(self.late_handoffs,
+                       key=lambda h: (not h.alone, -(h.seconds if h.seconds is not None else math.inf)))
         for h in worst[:shown]:
             took = "never moved" if h.seconds is None else f"moved after {h.seconds:.3f}s"
             lines.append(f"  late hand-off {h.fault}#{h.fault_id} on {h.target} at {h.began:.3f} (over "
-                         f"{h.ended - h.began:.3f}s): {h.key} {took}, bound {h.bound:.3f}s")
+                         f"{h.ended - h.began:.3f}s): {h.key} {took}, bound {h.bound:.3f}s"
+                         + ("" if h.alone else ", other faults meanwhile"))
         return lines
 
 
@@ -524,6 +533,7 @@ def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
     for entries in latest_stored.values():
         entries.sort()
     found: list[Handoff] = []
+    fault_starts = [f.start for f in faults if f.kind != "paused"]
     for f in faults:
         if f.kind == "paused":
             continue  # a pause is measured under the process fault that caused it
@@ -541,8 +551,10 @@ def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
             key_starts = starts.get(key, [])
             j = bisect.bisect_right(key_starts, f.start)
             moved = key_starts[j] - f.start if j < len(key_starts) else None
+            until = f.start + moved if moved is not None else end_of_log
+            others = bisect.bisect_right(fault_starts, until) - bisect.bisect_right(fault_starts, f.start)
             found.append(Handoff(f.kind, f.fault_id, f.target or "*", key, f.start, f.end, moved,
-                                 _bound(f, bounds)))
+                                 _bound(f, bounds), alone=others == 0))
     return found
 
 

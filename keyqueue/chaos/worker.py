@@ -5,8 +5,8 @@
 
 Each request body is JSON ``{"tag": ..., "sleep": seconds}``, optionally with ``"block": seconds``.
 The processor logs ``start``, waits ``sleep`` seconds (with ``block``: first blocks its event loop
-that long with ``time.sleep``, the way blocking code in an ``async def`` does, logging a
-``block-loop`` fault and ``blocked`` / ``unblocked`` records; only the first run of the request in
+that long with ``time.sleep``, the way blocking code in an ``async def`` does, logging
+``blocked`` / ``unblocked`` records; only the first run of the request in
 the whole fleet blocks, claimed with a marker file beside the log), checks its lease, writes the
 tag to the :class:`~keyqueue.chaos.fenced.FencedStore` under the session's fencing token (logging
 the ``write`` and whether it was accepted), and logs ``end`` (``"ok": false`` when it did not
@@ -136,8 +136,6 @@ class FencedWriter(BaseProcessor):
         try:
             if work.get("block") and self._first_to_block(tag):
                 seconds = float(work["block"])
-                self.log.write("fault", fault="block-loop", target=self.log.worker, key=request.key, tag=tag,
-                               seconds=seconds)
                 self.log.write("blocked", key=request.key, tag=tag, seconds=seconds)
                 time.sleep(seconds)  # noqa: ASYNC251  # blocking code in an async handler, on purpose
                 self.log.write("unblocked", key=request.key, tag=tag)
