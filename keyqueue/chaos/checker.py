@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from keyqueue.chaos.liveness import Liveness, LivenessBounds, measure_liveness
+from keyqueue.chaos.liveness import SERVER_SIDE, Liveness, LivenessBounds, measure_liveness
 
 __all__ = ["Liveness", "LivenessBounds", "OrderViolation", "Overlap", "Run", "StaleWrite", "Verdict", "build_runs",
            "check", "read_log"]
@@ -305,14 +305,15 @@ def _gave_up(x: Run, y: Run, shared: float, pauses: Sequence[Interval], faults: 
 
 
 def _renewal_faults(ordered: Sequence[Record]) -> dict[str, list[float]]:
-    """Per worker, when a fault began that can fail its lease renewals: every server fault (all
-    workers) and network faults on its own connection. Keyed ``"*"`` for every worker."""
+    """Per worker, when a fault began that can fail its lease renewals: every server-side fault (all
+    workers: a server restart or kill, a leader kill or stepdown, a node cut off, a rolling restart)
+    and network faults on its own connection. Keyed ``"*"`` for every worker."""
     faults: dict[str, list[float]] = defaultdict(list)
     for r in ordered:
         if r.get("kind") != "fault":
             continue
         name, t = str(r.get("fault", "")), float(r["t"])
-        if name.startswith(("server-", "leader-")):
+        if name.startswith(SERVER_SIDE):
             faults["*"].append(t)
         elif name.startswith("net-") and r.get("target"):
             faults[str(r["target"])].append(t)

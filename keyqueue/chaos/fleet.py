@@ -24,9 +24,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from keyqueue.chaos.checker import read_log
+__all__ = ["Faults", "Fleet", "LogTail", "WorkerSpec"]
 
-__all__ = ["Faults", "Fleet", "WorkerSpec"]
+
+class LogTail:
+    """Reads a growing JSON-lines log from where it last stopped (a long soak's log is tens of MB:
+    reading it whole on every check would cost more than the run)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def new_records(self) -> list[dict[str, object]]:
+        """The complete lines appended since the last call."""
+        try:
+            with open(self.path, "rb") as log:
+                log.seek(self.offset)
+                chunk = log.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 @dataclass(frozen=True)
@@ -54,6 +73,8 @@ class Fleet:
         """Workers a fault injector is stopping or starting: the supervisor leaves them alone."""
         self.fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._closing = False
+        self._tail = LogTail(log_path)
+        self._ready: set[tuple[str, object]] = set()
 
     def note(self, w: str, kind: str, **fields: object) -> None:
         """Append one record; safe from the watcher threads (one ``write`` per line)."""
@@ -87,8 +108,8 @@ class Fleet:
         deadline = time.monotonic() + timeout
         pids = {name: self.procs[name].pid for name in names}
         while True:
-            ready = {(r["w"], r.get("pid")) for r in read_log(self.log_path) if r["kind"] == "ready"}
-            if all((name, pid) in ready for name, pid in pids.items()):
+            self._ready |= {(str(r["w"]), r.get("pid")) for r in self._tail.new_records() if r["kind"] == "ready"}
+            if all((name, pid) in self._ready for name, pid in pids.items()):
                 return
             for name in names:
                 if self.procs[name].poll() is not None:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from keyqueue.chaos.checker import LivenessBounds, Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore
-from keyqueue.chaos.fleet import Faults, Fleet, WorkerSpec
+from keyqueue.chaos.fleet import Faults, Fleet, LogTail, WorkerSpec
 from keyqueue.chaos.injectors import NODE_FAULT_CLASSES, node_faults, process_faults, server_faults
 from keyqueue.chaos.proxy import DEFAULT_FAULTS, Faultable, FaultProxy, FaultScript, InjectedFault, ProxyGroup
 from keyqueue.errors import EnqueueError, TokenPublishFailed
@@ -294,9 +294,10 @@ async def soak(options: SoakOptions) -> SoakResult:
 async def _settle(log_path: Path, expected: dict[str, list[str]], timeout: float) -> None:
     """Wait until every expected request has completed (or ``timeout``: the checker reports the rest)."""
     wanted = {(key, tag) for key, tags in expected.items() for tag in tags}
+    tail = LogTail(log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = {(r["key"], r["tag"]) for r in read_log(log_path) if r["kind"] == "end" and r.get("ok", True)}
-        if wanted <= done:
+        wanted -= {(r["key"], r["tag"]) for r in tail.new_records() if r["kind"] == "end" and r.get("ok", True)}
+        if not wanted:
             return
         await asyncio.sleep(0.25)
