@@ -179,6 +179,9 @@ async def main() -> None:
     p.add_argument("--stall-under", type=float, default=1.5)
     p.add_argument("--stall-over", type=float, default=3.0)
     p.add_argument("--replicas", type=int, default=1, help="3 on a cluster (the soak's cluster class)")
+    p.add_argument("--no-watchdog", dest="watchdog", action="store_false",
+                   help="run without the loop watchdog (keyqueue worker runs with it): a stall past the lease "
+                        "then leaves a zombie the fencing token must catch, instead of ending the process")
     p.add_argument("--clock-offset", type=float, default=0.0,
                    help="run this process's wall clock this many seconds ahead (negative: behind)")
     args = p.parse_args()
@@ -207,7 +210,7 @@ async def main() -> None:
     markers = Path(args.logfile).parent
     worker = QueueWorker(nc, config, lambda key: FencedWriter(log, store, markers), concurrency=args.concurrency,
                          settings=settings, name=args.name, reconcile_interval=5.0,
-                         observer=EventLog(log, args.name))
+                         observer=EventLog(log, args.name), watchdog=args.watchdog)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, _stall, log, args.stall_under)
     loop.add_signal_handler(signal.SIGUSR2, _stall, log, args.stall_over)

@@ -26,14 +26,16 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 import nats.errors
 from nats.aio.client import Client
 
-from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout
+from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout, ReplyLost
 
 log = logging.getLogger("keyqueue.connection")
+
+T = TypeVar("T")
 
 PING_INTERVAL: Final = 5.0
 """Seconds between client PINGs (nats-py's default is 120 s). A half-open connection (a peer or a
@@ -111,11 +113,12 @@ class Link:
     (a request mux fails the requests whose replies it still awaited: they will never come).
     """
 
-    __slots__ = ("_listeners", "_up", "closed", "drops")
+    __slots__ = ("_drop_waiters", "_listeners", "_up", "closed", "drops")
 
     def __init__(self) -> None:
         self._up: asyncio.Event | None = None
         self._listeners: list[Callable[[], None]] = []
+        self._drop_waiters: set[asyncio.Future[None]] = set()
         self.drops = 0
         """How many times the connection dropped (a request sent before a drop has no reply coming)."""
         self.closed = False
@@ -144,12 +147,35 @@ class Link:
                 listener()
             except Exception:
                 log.exception("a connection-drop listener failed")
+        for waiter in self._drop_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
         if self.closed:
             self._event().set()  # wake whoever waits: it is not coming back
 
     def up(self) -> None:
         if not self.closed:
             self._event().set()
+
+    async def until_dropped(self, work: Awaitable[T], what: str) -> T:
+        """Await ``work`` (a request whose reply is awaited); raise :class:`~keyqueue.errors.ReplyLost`
+        at once if the connection drops first (``work`` is then cancelled: its reply will not come)."""
+        task: asyncio.Future[T] = asyncio.ensure_future(work)
+        dropped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._drop_waiters.add(dropped)
+        either: set[asyncio.Future[Any]] = {task, dropped}
+        try:
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            self._drop_waiters.discard(dropped)
+        if task.done():
+            return task.result()
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise ReplyLost(f"the connection to NATS dropped before the reply to {what} came")
 
     async def wait_up(self, timeout: float) -> bool:
         """Wait at most ``timeout`` seconds for the connection; whether it is up."""
