@@ -25,8 +25,11 @@ new process being ready). A fault whose ``target`` is a worker (process and netw
 fault *on* that worker; so is each interval in which a worker is paused (``paused`` ..
 ``resumed``: SIGSTOP, a stall) or blocked (``blocked`` .. ``unblocked``). A fault on the server
 side (``server-*``, ``leader-*``, ``stepdown-*``, ``node-cut``, ``rolling-restart``) is a fault on
-every worker, and *disturbs* the whole system while it lasts. ``block-loop`` records from the soak
-only count the fault (its interval is the worker's ``blocked`` .. ``unblocked``).
+every worker, and *disturbs* the whole system while it lasts; one that leaves a replicated group
+without a leader (``leader-kill-9-*``, ``node-cut``) lasts at least ``election`` seconds, however
+soon the node is back (nats-server elects a new leader only after its election timeout).
+``block-loop`` records from the soak only count the fault (its interval is the worker's
+``blocked`` .. ``unblocked``).
 
 *Available.* A worker is *up* from its ``ready`` until its process ends or a ``drain`` fault on it
 begins. It is *available* while it is up, not paused, not blocked, not cut off (a
@@ -58,6 +61,10 @@ any worker; its hand-off is that time less ``f0`` (never: the end of the log). T
 fault ending at ``f1``:
 
 - ``kill-9``: ``f0 + moved_after_loss`` (the lease, then a waiter's acquisition);
+- a fault that takes a replicated group's leader away with no hand-over (``leader-kill-9-*``,
+  ``node-cut``): ``max(f1 + resume, f0 + election + moved_after_loss)``. nats-server's raft elects
+  a new leader only after its election timeout (4-9 s), during which nothing can be written to
+  the group: a lease of a few seconds ends, and its record expires after the election;
 - a fault shorter than the lease (its holder can keep its keys: a reset and reconnect, a short
   partition, stall or outage): ``f1 + resume``;
 - a longer one: ``max(f1 + resume, f0 + moved_after_loss)``;
@@ -94,6 +101,9 @@ SERVER_SIDE: Final = ("server-", "leader-", "stepdown-", "node-cut", "rolling-re
 CUT_OFF: Final = frozenset({"net-blackhole", "net-outage"})
 """Network faults during which the worker cannot take a key."""
 
+LEADERLESS: Final = ("leader-kill-9", "node-cut")
+"""Fault kinds (prefixes) after which a replicated group waits out a raft election."""
+
 UNBOUNDED: Final = frozenset({"net-latency", "net-bandwidth", "drain"})
 """Faults whose hand-offs are reported but have no bound: they slow a worker rather than stop it,
 or hand its keys back by design."""
@@ -111,6 +121,9 @@ class LivenessBounds:
     """After a fault shorter than the lease ends, the holder's keys make progress within this."""
     slack: float = 1.0
     """After a lease ends: the server's TTL expiry and a waiter's next acquisition attempt."""
+    election: float = 9.0
+    """nats-server's longest raft election timeout: a group whose leader died or was cut off has no
+    leader, and takes no write, until then."""
 
     @classmethod
     def for_lease(cls, lease: float, **fields: float) -> LivenessBounds:
@@ -457,12 +470,16 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
     for h in holds:
         grouped[h.key].append(h)
     holds_by_key = {key: _KeyHolds(key_holds) for key, key_holds in grouped.items()}
+    # A group whose leader died or was cut off has none until an election (up to ``election``
+    # seconds), whenever the node comes back: the fault's effects last that long.
+    election = bounds.election if bounds is not None else 0.0
+    effect_end = {id(f): max(f.end, f.start + election) if f.kind.startswith(LEADERLESS) else f.end for f in faults}
     shadows: dict[str, list[Interval]] = defaultdict(list)
     for f in faults:
         for key, key_holds in holds_by_key.items():
-            for h in key_holds.meeting(f.start, f.end):
+            for h in key_holds.meeting(f.start, effect_end[id(f)]):
                 if f.target is None or h.w == f.target:
-                    shadows[key].append((max(f.start, h.start), f.end + lease_after))
+                    shadows[key].append((max(f.start, h.start), effect_end[id(f)] + lease_after))
     stops = [*(i for spans in (pauses, blocks) for intervals in spans.values() for i in intervals),
              *((f.start, f.end) for f in faults if f.kind in CUT_OFF),
              *((float(r["t"]), float(r["t"])) for r in ordered if r.get("kind") in PROCESS_ENDS)]
@@ -485,7 +502,7 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
             if (mine is not None and mine.covered(*window) > 0) or (delivered > 1 and stopped.covered(*window) > 0):
                 shadows[str(r["key"])].append(window)
     everywhere = [*_no_worker_available(ordered, holds, faults, pauses, blocks, end_of_log),
-                  *((f.start, f.end) for f in faults if f.target is None)]
+                  *((f.start, effect_end[id(f)]) for f in faults if f.target is None)]
 
     stored: dict[tuple[str, str], float] = {}
     starts: dict[str, list[float]] = defaultdict(list)
@@ -564,6 +581,8 @@ def _bound(f: _Fault, bounds: LivenessBounds | None) -> float | None:
     if f.kind == "kill-9":
         return bounds.moved_after_loss
     length = f.end - f.start
+    if f.kind.startswith(LEADERLESS):
+        return max(length + bounds.resume, bounds.election + bounds.moved_after_loss)
     if length < bounds.lease:
         return length + bounds.resume
     return max(length + bounds.resume, bounds.moved_after_loss)

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 
 from keyqueue.errors import ConnectionFailed, JetStreamError, KeyqueueError, KeyqueueTimeout, from_api_error
 from keyqueue.jetstream.api import (
+    API_TIMEOUT,
     DESCRIPTION,
     STATUS,
     JetStreamApi,
@@ -44,6 +45,9 @@ EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
 
 TTL: Final = "Nats-TTL"
 """Publish header: seconds until the server removes the message (nats-server >= 2.11)."""
+
+STEP_TIMEOUT_MIN: Final = 0.5
+"""Shortest wait for a key session step's reply (a lease of 5 s waits 0.5 s; 30 s waits 3 s)."""
 
 HEAD_TTL: Final = 24 * 3600
 """Seconds a crash-loop counter (``kq.<queue>.head.<key>``) is kept."""
@@ -93,7 +97,13 @@ class QueueIO:
         self.nc = nc
         self.config = config
         self.names = config.names
-        self.api = JetStreamApi(nc)
+        self.step_timeout = min(API_TIMEOUT, max(STEP_TIMEOUT_MIN, config.ack_wait / 10))
+        """How long a key session's step waits for its reply before it is sent again (the session
+        tries again within its lease): a stream electing a leader does not answer, and a lease of
+        a few seconds cannot wait out the API's usual timeout."""
+        self.api = JetStreamApi(nc, timeout=self.step_timeout)
+        self.fleet_api = JetStreamApi(nc)
+        """For what is not a key's step (fleet-wide scans, big replies): the usual timeout."""
         self.publisher = Publisher(nc, self.names)
         self.direct = config.replicas == 1
         self.replicated = config.replicas > 1
@@ -373,16 +383,16 @@ class QueueIO:
     # --- fleet-wide views ------------------------------------------------------------------------
 
     async def keys_with_requests(self) -> dict[str, int]:
-        subjects = await self.api.subjects(self.names.inbox_stream, self.names.inbox_prefix + ">")
+        subjects = await self.fleet_api.subjects(self.names.inbox_stream, self.names.inbox_prefix + ">")
         return {self.names.key_of(s): n for s, n in subjects.items()}
 
     async def keys_with_tokens(self) -> set[str]:
-        subjects = await self.api.subjects(self.names.token_stream, self.names.token_prefix + ">")
+        subjects = await self.fleet_api.subjects(self.names.token_stream, self.names.token_prefix + ">")
         return {self.names.key_of(s) for s in subjects}
 
     async def tokens_waiting(self) -> int:
         """Tokens not yet delivered to any worker (the consumer's num_pending)."""
-        info = await self.api.consumer_info(self.names.token_stream, self.names.consumer)
+        info = await self.fleet_api.consumer_info(self.names.token_stream, self.names.consumer)
         return int(info.get("num_pending", 0))
 
 
