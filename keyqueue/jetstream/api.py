@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -271,6 +271,59 @@ class JetStreamApi:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def pages(self, stream: str, subject_filter: str = ">", *, seq: int = 1, start_time: str | None = None,
+                    batch: int = 1000, limit: int | None = None) -> AsyncIterator[list[StoredMsg]]:
+        """The messages of ``stream`` on subjects matching ``subject_filter`` in stream order from
+        ``seq`` (or from the first stored at or after ``start_time``, RFC 3339), a page at a time,
+        at most ``limit`` in all.
+
+        Batched direct gets where the stream allows them; one ``STREAM.MSG.GET`` per message where
+        it does not (a replicated stream), which is slower but reads the same messages.
+        """
+        direct = True
+        read = 0
+        while limit is None or read < limit:
+            want = batch if limit is None else min(batch, limit - read)
+            page: list[StoredMsg] = []
+            if direct:
+                try:
+                    page, more = await self.get_batch(stream, seq=None if start_time else seq, batch=want,
+                                                      next_by_subject=subject_filter, start_time=start_time)
+                except ConnectionFailed:
+                    if self.nc.is_closed or self.nc.is_reconnecting:
+                        raise
+                    direct = False  # nobody answers direct gets: the stream does not allow them
+                    continue
+            else:
+                want = min(want, 100)
+                while len(page) < want:
+                    if start_time is not None:
+                        msg = await self._first_at(stream, start_time, subject_filter)
+                        start_time = None
+                    else:
+                        msg = await self.get_msg(stream, seq=seq, next_by_subject=subject_filter, direct=False)
+                    if msg is None:
+                        break
+                    page.append(msg)
+                    seq = msg.seq + 1
+                more = int(len(page) == want)
+            start_time = None
+            if page:
+                read += len(page)
+                seq = page[-1].seq + 1
+                yield page
+            if not page or not more:
+                return
+
+    async def _first_at(self, stream: str, start_time: str, subject_filter: str) -> StoredMsg | None:
+        """The first message stored at or after ``start_time`` (on ``subject_filter``), leader-only."""
+        payload: dict[str, Any] = {"start_time": start_time, "next_by_subj": subject_filter}
+        try:
+            body = await self.request(f"STREAM.MSG.GET.{stream}", payload)
+        except MessageNotFound:
+            return None
+        return stored_from_json(body["message"])
 
     # --- consumers -------------------------------------------------------------------------------
 
