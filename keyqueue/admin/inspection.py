@@ -144,6 +144,9 @@ class QueueReport:
     """When the oldest stored request was stored (None with an empty inbox)."""
     delivered_through: int = 0
     """The token consumer's delivered stream sequence: tokens at or below it are held."""
+    inbox_last_seq: int = 0
+    """The inbox's last sequence, read just before the keys' backlogs: every request those
+    backlogs count that was stored before the read has a sequence at or below it."""
 
     @property
     def truncated(self) -> bool:
@@ -163,22 +166,29 @@ async def list_queues(api: JetStreamApi) -> list[str]:
             return sorted(queues)
 
 
-async def inspect_queue(api: JetStreamApi, queue: str, *, every_key: bool = False) -> QueueReport:
+async def inspect_queue(api: JetStreamApi, queue: str, *, every_key: bool = False, keys: bool = True) -> QueueReport:
     """A snapshot of ``queue`` (``StreamNotFound`` if it was never created); ``every_key`` lists
-    every key instead of the first ``KEY_LIMIT``."""
+    every key instead of the first ``KEY_LIMIT``; ``keys=False`` reads only the counts (a few
+    reads, however many keys: ``keys`` is then empty and ``workers`` unknown)."""
     names = QueueNames(queue)
     consumer = await api.consumer_info(names.token_stream, names.consumer)
     delivered = int((consumer.get("delivered") or {}).get("stream_seq", 0))
     ack_pending = int(consumer.get("num_ack_pending", 0))
-    tokens = {names.key_of(s) for s in await api.subjects(names.token_stream, names.token_prefix + ">")}
-    holders = await _holders(api, names)
-    held = {key for key, h in holders.items() if key in tokens and h.token_seq is not None and h.token_seq <= delivered}
-    if ack_pending > len(held):
-        held |= await _held_without_record(api, names, delivered, ack_pending, held)
+    tokens: set[str] = set()
+    holders: dict[str, Holder] = {}
+    held: set[str] = set()
+    backlog: dict[str, int] = {}
+    if keys:
+        tokens = {names.key_of(s) for s in await api.subjects(names.token_stream, names.token_prefix + ">")}
+        holders = await _holders(api, names)
+        held = {k for k, h in holders.items() if k in tokens and h.token_seq is not None and h.token_seq <= delivered}
+        if ack_pending > len(held):
+            held |= await _held_without_record(api, names, delivered, ack_pending, held)
     inbox = await api.stream_info(names.inbox_stream)
-    stored = await api.subjects(names.inbox_stream, names.inbox_prefix + ">")
-    backlog = {names.key_of(s): n for s, n in stored.items()}
-    await _recheck(api, names, delivered, tokens, held, backlog)
+    if keys:
+        stored = await api.subjects(names.inbox_stream, names.inbox_prefix + ">")
+        backlog = {names.key_of(s): n for s, n in stored.items()}
+        await _recheck(api, names, delivered, tokens, held, backlog)
     try:
         dlq = int((await api.stream_info(names.dlq_stream))["state"].get("messages", 0))
     except StreamNotFound:
@@ -196,7 +206,7 @@ async def inspect_queue(api: JetStreamApi, queue: str, *, every_key: bool = Fals
         queue=queue,
         keys=states,
         requests=int(state.get("messages", 0)),
-        keys_with_backlog=len(backlog),
+        keys_with_backlog=len(backlog) if keys else int(state.get("num_subjects", 0)),
         keys_held=max(ack_pending, len(held)),
         pending_tokens=int(consumer.get("num_pending", 0)),
         dlq_size=dlq,
@@ -214,6 +224,7 @@ async def inspect_queue(api: JetStreamApi, queue: str, *, every_key: bool = Fals
         keys_total=len(every),
         oldest_request=parse_time(state.get("first_ts")) if int(state.get("messages", 0)) else None,
         delivered_through=delivered,
+        inbox_last_seq=int(state.get("last_seq", 0)),
     )
 
 

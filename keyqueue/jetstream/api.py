@@ -127,6 +127,11 @@ class JetStreamApi:
         except CONNECTION_DOWN as e:
             raise not_sent(e, f"the request to {subject}") from e
 
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None,
+                      timeout: float | None = None) -> PubAck:
+        """One JetStream publish, awaited: its PubAck, or the typed error of its refusal."""
+        return parse_pub_ack(await self._request(subject, data, timeout, headers))
+
     # --- streams ---------------------------------------------------------------------------------
 
     async def stream_info(self, stream: str, *, subjects_filter: str | None = None,
