@@ -226,13 +226,18 @@ def _held(d: KeyDiagnosis) -> list[Blocker]:
         return [Blocker("retry-backoff", f"held by {who}; attempt {head.attempts} of request {head.request_id} "
                                          f"failed ({head.last_error or 'error'}): next attempt at "
                                          f"{_clock(head.next_retry)}", head.next_retry)]
+    rate, frees = d.rate, d.rate.frees_at if d.rate is not None else None
+    # The started hook fires before a rate-limited run waits for its slot; the run's own start is
+    # written to the window once it takes the slot: a window whose newest start is older than the
+    # head's start event means the head is still waiting for it.
+    if head is not None and rate is not None and frees is not None and frees > d.checked and (
+            head.running_since is None or max(rate.starts) < head.running_since):
+        return [Blocker("rate-limit", f"held by {who}; the rate limit of task {rate.task}: {len(rate.starts)} "
+                                      f"run(s) in the last {rate.period:g}s, the oldest leaves the window at "
+                                      f"{_clock(frees)}", frees)]
     if head is not None and head.running_since is not None:
         return [Blocker("running", f"held by {who}, running request {head.request_id} ({head.task}) since "
                                    f"{_clock(head.running_since)}, attempt {head.attempts}")]
-    if head is not None and d.rate is not None and (frees := d.rate.frees_at) is not None and frees > d.checked:
-        return [Blocker("rate-limit", f"held by {who}; the rate limit of task {d.rate.task}: {len(d.rate.starts)} "
-                                      f"run(s) in the last {d.rate.period:g}s, the oldest leaves the window at "
-                                      f"{_clock(frees)}", frees)]
     return [Blocker("held", f"held by {who}" + (f", about to run request {head.request_id}" if head else
                                                   ", finishing (no request left)"))]
 

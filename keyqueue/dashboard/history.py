@@ -117,6 +117,8 @@ class Point:
     run_p99: float | None
     empty: bool
     """No minute of it was stored (no dashboard and no events then, or beyond the backfill)."""
+    stored_done: int = 0
+    """Of ``done``, what stored minutes hold (the rest is this dashboard's count of a minute still open)."""
 
 
 class History:
@@ -176,6 +178,7 @@ class History:
         first = now_minute - int(hours * 60) + 1
         first -= first % step
         minutes: dict[int, Minute] = {}
+        live: set[int] = set()
         start = datetime.fromtimestamp((first - 1) * MINUTE, UTC).isoformat()
         try:
             async for page in self.api.pages(stats_stream(queue), stats_subject(queue, ">"), start_time=start):
@@ -185,9 +188,10 @@ class History:
                         minutes[m.minute] = m
         except StreamNotFound:
             pass
-        for (q, minute), live in self.open.items():
+        for (q, minute), counting in self.open.items():
             if q == queue and minute >= first and minute not in minutes:
-                minutes[minute] = live
+                minutes[minute] = counting
+                live.add(minute)
         points = []
         for begin in range(first, now_minute + 1, step):
             group = [minutes[m] for m in range(begin, begin + step) if m in minutes]
@@ -196,9 +200,11 @@ class History:
                 counts.update(m.counts)
             waits = [m.waits for m in group]
             runs = [m.runs for m in group]
+            stored = [m for m in group if m.minute not in live]
+            stored_done = sum(m.counts["succeeded"] + m.counts["dead_lettered"] for m in stored)
             points.append(Point(begin * MINUTE, counts["enqueued"], counts["succeeded"] + counts["dead_lettered"],
                                 counts["retried"], quantile_of(waits, 0.5), quantile_of(waits, 0.99),
-                                quantile_of(runs, 0.5), quantile_of(runs, 0.99), not group))
+                                quantile_of(runs, 0.5), quantile_of(runs, 0.99), not group, stored_done))
         return points
 
     async def _ensure(self, queue: str) -> None:
