@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
-from keyqueue.errors import KeyqueueError, StreamNotFound
+from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import validate_queue_name
 
@@ -74,7 +74,7 @@ class AuditLog:
         try:
             await self._ensure(entry.queue)
             await self.api.publish(f"kq.{entry.queue}.audit.{entry.action}", json.dumps(asdict(entry)).encode())
-        except (KeyqueueError, OSError) as exc:
+        except Exception as exc:  # an audit store that fails must not turn an action or a refusal into a 500
             log.error("audit entry not stored in %s: %s (%s)", audit_stream(entry.queue), exc, entry.line())
 
     async def recent(self, queues: list[str], *, limit: int = 200) -> list[AuditEntry]:

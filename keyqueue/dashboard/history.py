@@ -230,8 +230,9 @@ class History:
         """Roll up, from the events stream, the minutes from the last one stored (at most
         ``backfill`` seconds back) through the dashboard's first minute."""
         await self._ensure(queue)
-        last = await self._last_stored(queue)
-        first = max(int((self.started_minute * MINUTE - self.backfill) // MINUTE), (last or 0) + 1)
+        earliest = int((self.started_minute * MINUTE - self.backfill) // MINUTE)
+        last = await self._last_stored(queue, earliest)
+        first = max(earliest, (last or 0) + 1)
         if first > self.started_minute:
             return
         rolled: dict[int, Minute] = {}
@@ -263,14 +264,16 @@ class History:
         log.info("dashboard: rolled up %d minute(s) of queue %s from %d stored event(s)",
                  max(0, complete_through - first + 1), queue, read)
 
-    async def _last_stored(self, queue: str) -> int | None:
-        info = await self.api.stream_info(stats_stream(queue))
-        last_seq = int((info.get("state") or {}).get("last_seq", 0))
-        if not last_seq:
-            return None
-        msg = await self.api.get_msg(stats_stream(queue), seq=last_seq)
-        stored = Minute.decode(msg.data) if msg is not None else None
-        return stored.minute if stored is not None else None
+    async def _last_stored(self, queue: str, since: int) -> int | None:
+        """The last minute stored from ``since`` up to the dashboard's first one (later ones are its own)."""
+        found = None
+        start = datetime.fromtimestamp(since * MINUTE, UTC).isoformat()
+        async for page in self.api.pages(stats_stream(queue), stats_subject(queue, ">"), start_time=start):
+            for msg in page:
+                stored = Minute.decode(msg.data)
+                if stored is not None and since <= stored.minute <= self.started_minute:
+                    found = max(found or stored.minute, stored.minute)
+        return found
 
 
 def _ts_of(data: bytes) -> float | None:

@@ -202,7 +202,7 @@ async def test_read_only_hides_and_refuses_actions(nats_url: str, worker: Comman
     try:
         driver.get(base + "/queues/shop/dlq")
         await until(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#dlq [data-key="o-ro"]'), "a dead request")
-        assert not driver.find_elements(By.CSS_SELECTOR, "form[method=post] button"), "no action (a filter is no action)"
+        assert not driver.find_elements(By.CSS_SELECTOR, "form[method=post] button"), "no action (a filter is none)"
         assert "read-only" in text_of(driver, "header")
         request = urllib.request.Request(base + "/queues/shop/dlq/purge", data=b"confirm=shop", method="POST")
         with pytest.raises(urllib.error.HTTPError) as refused:
