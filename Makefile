@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint java-check chromium-check bench bench-quick chaos clean
+.PHONY: demo test lint java-check chromium-check bench bench-quick chaos chaos-cluster clean
 
 # keyqueue's own plugins, each a distribution of its own (OpenTelemetry, Spark, the Rebaser).
 PLUGINS := plugins/keyqueue_otel plugins/keyqueue_spark contrib/rebaser
@@ -36,6 +36,12 @@ CHAOS_ARGS ?= --seed 7 --faults 500 --duration 1200
 
 chaos: $(STAMP)
 	$(PY) -m keyqueue.chaos $(CHAOS_ARGS)
+
+# The cluster soak (docs/chaos.md): 1,000 faults of every class at once on a 3-node R3 cluster.
+CHAOS_CLUSTER_ARGS ?= --seed 7 --faults 1000 --classes all --duration 3600 --workdir chaos-cluster-run
+
+chaos-cluster: $(STAMP)
+	$(PY) -m keyqueue.chaos $(CHAOS_CLUSTER_ARGS)
 
 test: $(STAMP) java-check chromium-check
 	$(PY) -m pytest -q

@@ -8,7 +8,8 @@
     │   ├── ServerNotFound               the nats-server binary is not installed
     │   └── TopologyMismatch             a stream/consumer's layout differs from what this process needs
     ├── ConnectionFailed                 the NATS server could not be reached
-    │   └── Disconnected                 the connection is down right now: the message was not sent
+    │   ├── Disconnected                 the connection is down right now: the message was not sent
+    │   └── ReplyLost                    the connection dropped between a request and its reply
     ├── KeyqueueTimeout                  an operation took too long (also a TimeoutError)
     ├── WireError                        a message that cannot be decoded or encoded
     │   ├── MissingHeader                a required header is absent
@@ -24,7 +25,7 @@
     │   ├── StreamNotFound               10059
     │   ├── ConsumerNotFound             10014
     │   ├── MessageNotFound              10037
-    │   ├── WrongLastSequence            10071 (an optimistic-concurrency write lost the race)
+    │   ├── WrongLastSequence            10071, or 10164 on a replicated stream (a compare-and-set lost the race)
     │   └── KeyAlreadyScheduled          10077 on a token subject (callers treat it as success)
     ├── LeaseLost                        this worker no longer owns the key; stop without side effects
     ├── ResultUnavailable                a request's result cannot be had
@@ -71,6 +72,7 @@ __all__ = [
     "PayloadTooLarge",
     "Reject",
     "RemoteError",
+    "ReplyLost",
     "ResultExpired",
     "ResultNotKept",
     "ResultUnavailable",
@@ -146,6 +148,12 @@ class Disconnected(ConnectionFailed):
     keyqueue's connections buffer nothing while disconnected, because a message sent late (an
     ack, a delete, a token) may act for a holder whose lease has ended. Retry once reconnected.
     """
+
+
+class ReplyLost(ConnectionFailed):
+    """The connection dropped after a request was sent and before its reply came: the server may
+    or may not have acted on it. Retry only what is safe to repeat (keyqueue retries its own
+    idempotent steps, and a publish that carries a request id, once reconnected)."""
 
 
 class KeyqueueTimeout(KeyqueueError, TimeoutError):
@@ -284,7 +292,11 @@ class MessageNotFound(JetStreamError):
 
 
 class WrongLastSequence(JetStreamError):
-    """An expected-last-sequence (optimistic concurrency) check failed."""
+    """An expected-last-sequence (optimistic concurrency) check failed: someone else wrote first.
+
+    One server answers 10071. A replicated stream may answer 10164 instead while another write to
+    the subject is still being replicated (that write may yet fail): either way this write was not
+    stored, and the caller reads again and decides again, as for any lost race."""
 
 
 class KeyAlreadyScheduled(JetStreamError):
@@ -296,6 +308,7 @@ ERR_CODES: Final[dict[int, type[JetStreamError]]] = {
     10014: ConsumerNotFound,
     10037: MessageNotFound,
     10071: WrongLastSequence,
+    10164: WrongLastSequence,
     10077: KeyAlreadyScheduled,
 }
 """JetStream ``err_code`` values that keyqueue gives their own type."""

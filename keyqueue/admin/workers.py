@@ -20,7 +20,7 @@ from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
 
-__all__ = ["WorkerState", "queue_workers"]
+__all__ = ["WorkerState", "queue_workers", "server_time"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,19 @@ class WorkerState:
         return "stopped" if self.record.state == "stopped" else "silent"
 
 
+async def server_time(api: JetStreamApi, stream: str) -> float:
+    """The server's time now (Unix seconds), as the leader of ``stream`` says when it answers an info
+    request: what a record's server timestamp is compared with, so that no caller's clock counts."""
+    try:
+        stamp = parse_time((await api.stream_info(stream)).get("ts"))
+    except StreamNotFound:
+        stamp = None
+    return stamp.timestamp() if stamp is not None else time.time()
+
+
 async def queue_workers(api: JetStreamApi, queue: str, *, now: float | None = None) -> list[WorkerState]:
-    """The workers of ``queue`` with a heartbeat record: live ones first, then by name."""
+    """The workers of ``queue`` with a heartbeat record: live ones first, then by name. Liveness is
+    judged by the server's clock alone (``now`` defaults to :func:`server_time`)."""
     names = QueueNames(queue)
     try:
         subjects = await api.subjects(names.lease_stream, record_subject_prefix(queue) + "*")
@@ -53,13 +64,13 @@ async def queue_workers(api: JetStreamApi, queue: str, *, now: float | None = No
         return []
     messages = await asyncio.gather(*(api.get_msg(names.lease_stream, last_by_subject=subject, direct=False)
                                       for subject in subjects))
-    now = time.time() if now is None else now
+    now = await server_time(api, names.lease_stream) if now is None else now
     found: list[WorkerState] = []
     for msg in messages:
         if msg is None or (record := WorkerRecord.decode(msg.data)) is None:
             continue
         received = _timestamp(msg.timestamp) or record.heartbeat
-        # Judged by when the server stored the record, so a worker with a skewed clock is not taken for gone.
+        # Judged by the server's clock on both sides, so no reader's or worker's skewed clock counts.
         fresh = now - received <= STALE_AFTER * max(record.interval, 1.0)
         found.append(WorkerState(record, received, live=fresh and record.state != "stopped"))
     return sorted(found, key=lambda w: (not w.live, w.name))

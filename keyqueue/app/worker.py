@@ -86,7 +86,7 @@ class Worker:
     def __init__(self, app: App, *, queues: Sequence[str] | None = None, concurrency: int = 16,
                  linger: float = 0.05, ack_wait: float | None = None, drain_timeout: float = 10.0,
                  name: str | None = None, overflow_min_pending: int = 0, overflow_min_ack_pending: int = 0,
-                 priority: int | None = None, connect_timeout: float | None = None) -> None:
+                 priority: int | None = None, connect_timeout: float | None = None, watchdog: bool = False) -> None:
         if priority is not None and not 0 <= priority <= 9:
             raise ConfigError(f"priority must be 0-9 (0 is served first), got {priority}")
         self.pull = PullOptions(min_pending=overflow_min_pending, min_ack_pending=overflow_min_ack_pending,
@@ -103,6 +103,8 @@ class Worker:
         self.drain_timeout = drain_timeout
         self.connect_timeout = connect_timeout
         """Seconds to wait for an unreachable server at start (None: forever)."""
+        self.watchdog = watchdog
+        """End this process before a blocked event loop outlives a lease (``keyqueue.core.watchdog``)."""
         self._requested = list(queues) if queues is not None else None
         self.queue_workers: dict[str, QueueWorker] = {}
         self._tasks_by_queue: dict[str, dict[str, AnyTask]] = {}
@@ -186,7 +188,8 @@ class Worker:
             # Without a lease of its own the worker holds keys for the queue's, as the server has it.
             self.queue_workers[queue] = QueueWorker(nc, config, self._factory(queue), concurrency=self.concurrency,
                                                     settings=settings, name=self.name, observer=self,
-                                                    pull=self.pull, follow_lease=self.ack_wait is None)
+                                                    pull=self.pull, follow_lease=self.ack_wait is None,
+                                                    watchdog=self.watchdog)
         self._unsubscribe = self.app.on_reconnect(self._reconnected)
         self._runner = asyncio.create_task(self._run(), name=f"keyqueue-worker:{self.name}")
         started = asyncio.ensure_future(asyncio.gather(*(w.started() for w in self.queue_workers.values())))

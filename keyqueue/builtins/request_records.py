@@ -25,14 +25,24 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from keyqueue.app.transport import NatsTransport
 from keyqueue.builtins.processor import TaskProcessor
 from keyqueue.core.processor import BatchOutcome, Reply, Request, RequestContext, SessionContext
 from keyqueue.core.retry import RetryPolicy
-from keyqueue.errors import LeaseLost, Reject, WireError, WrongLastSequence
+from keyqueue.errors import (
+    ConnectionFailed,
+    Disconnected,
+    KeyqueueTimeout,
+    LeaseLost,
+    Reject,
+    ReplyLost,
+    WireError,
+    WrongLastSequence,
+)
 from keyqueue.events import publish_event
+from keyqueue.jetstream.connect import wait_connected
 from keyqueue.tasks.arguments import CANCELLED_BY, result_headers
 from keyqueue.tasks.context import CANCEL_CHECK
 from keyqueue.tasks.task import Task
@@ -47,6 +57,9 @@ if TYPE_CHECKING:
 __all__ = ["RecordingTaskProcessor", "RunStore"]
 
 log = logging.getLogger("keyqueue.task")
+
+RESULT_WRITE_PATIENCE: Final = 5.0
+"""Seconds a result whose write got no answer (no stream leader yet, no reply) is written again."""
 
 
 class RunStore(Protocol):
@@ -121,10 +134,39 @@ class RecordingTaskProcessor(TaskProcessor):
             return
         ctx.check_lease()
         records = self.records
-        if len(kept) == 1:
-            await records.put_result(*kept[0])  # no task for one write: most runs answer one request
-        else:
-            await asyncio.gather(*(records.put_result(*entry) for entry in kept))
+        try:
+            if len(kept) == 1:
+                await self._put_result(ctx, records, *kept[0])  # no task for one write: most runs answer one
+            else:
+                await asyncio.gather(*(self._put_result(ctx, records, *entry) for entry in kept))
+        except (LeaseLost, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            # The request ran: running it again would repeat its side effects for a record. Its
+            # result is not kept (a lookup says so); the key goes on.
+            log.error("request(s) %s (key %s) finished but their result could not be kept: %s",
+                      ", ".join(k[0] for k in kept), self.key, exc)
+
+    async def _put_result(self, ctx: RequestContext, records: RequestRecords, request_id: str,
+                          headers: dict[str, str], body: bytes, ttl: float) -> None:
+        """Keep one result. After a lost connection it is written again once connected, while the
+        lease holds; a stream without a leader yet (no responders) or no answer, for a few seconds.
+        Writing a result twice is harmless (a kept result is one record per request id)."""
+        pause, until = 0.05, time.monotonic() + RESULT_WRITE_PATIENCE
+        while True:
+            try:
+                await records.put_result(request_id, headers, body, ttl)
+                return
+            except (Disconnected, ReplyLost):
+                ctx.check_lease()
+                await wait_connected(records.nc, _lease_left(ctx))
+                ctx.check_lease()
+            except (ConnectionFailed, KeyqueueTimeout):
+                if time.monotonic() + pause > until:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(1.0, pause * 2)
+                ctx.check_lease()
 
     async def _keep_failure(self, ctx: RequestContext, requests: Sequence[Request], error: Exception) -> None:
         """Keep the error of requests whose failure is final (rejected, or their last attempt)."""
@@ -215,6 +257,9 @@ class RecordingTaskProcessor(TaskProcessor):
         watch = self.watch
         if watch is None:
             return await self._handle_keeping(ctx, request)
+        # Cancels written while this worker was disconnected never reached its subscription: a
+        # session that outlived the outage loads them again before its next request starts.
+        await watch.refresh()
         flag = watch.start_run(request.request_id)
         if flag is None:
             [reply] = await self._skip(ctx, [request])
@@ -243,6 +288,7 @@ class RecordingTaskProcessor(TaskProcessor):
         watch = self.watch
         if watch is None:
             return await self._batch_keeping(ctx, requests)
+        await watch.refresh()
         flags = [watch.start_run(r.request_id) for r in requests]
         try:
             skipped = [i for i, flag in enumerate(flags) if flag is None]
@@ -276,6 +322,12 @@ class RecordingTaskProcessor(TaskProcessor):
             raise
         await self._keep(ctx, requests[: len(outcomes)], outcomes)
         return outcomes
+
+
+def _lease_left(ctx: RequestContext) -> float:
+    """Seconds the holder's lease has left (a context without one: a few seconds)."""
+    left = getattr(ctx, "lease_remaining", None)
+    return float(left()) if callable(left) else 5.0
 
 
 class _Failure(Exception):

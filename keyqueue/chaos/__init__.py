@@ -1,9 +1,13 @@
 """Reusable parts of keyqueue's chaos harness: fault injection, a fenced store, a verdict.
 
-    proxy.FaultProxy      a TCP proxy per worker: blackhole/heal, reset, latency, bandwidth, refuse
-    proxy.FaultScript     a seeded sequence of those faults against a list of proxies
+    proxy.FaultProxy      a TCP proxy per worker (or per route): blackhole/heal, reset, latency, bandwidth, refuse
+    proxy.ProxyGroup      several proxies faulted as one (a worker's proxies to every node of a cluster)
+    proxy.FaultScript     a seeded sequence of those faults against a list of proxies or groups
     fenced.FencedStore    a downstream store on JetStream that refuses writes with stale fencing
-    checker.check         the verdict on a run log: overlaps, order, loss, duplicates, stale writes
+    checker.check         the verdict on a run log: overlaps, order, loss, duplicates, stale writes, liveness
+    liveness              strands (a request waiting for nobody) and hand-offs (a fault's keys moving), bounded
+    clock                 a worker process whose wall clock is tens of seconds off (the run log stays true)
+    fleet, injectors      the soak's worker processes and its fault injectors (process, server, cluster nodes)
 
 A soak wires them together: each worker process connects through its own ``FaultProxy``, its
 processor writes every run through a ``FencedStore`` and logs ``start`` / ``write`` / ``end``
@@ -23,14 +27,17 @@ from keyqueue.chaos.fenced import (
     Fencing,
     WriteOutcome,
 )
+from keyqueue.chaos.liveness import Distribution, Handoff, Liveness, LivenessBounds, Strand, measure_liveness
 from keyqueue.chaos.proxy import (
     DEFAULT_FAULTS,
+    Faultable,
     FaultKind,
     FaultProxy,
     FaultScript,
     FaultSpec,
     InjectedFault,
     PlannedFault,
+    ProxyGroup,
     ProxyStats,
 )
 
@@ -38,24 +45,32 @@ __all__ = [
     "DEFAULT_FAULTS",
     "FENCE_STREAM",
     "FENCE_SUBJECTS",
+    "Distribution",
     "FaultKind",
     "FaultProxy",
     "FaultScript",
     "FaultSpec",
+    "Faultable",
     "FenceSnapshot",
     "FencedRecord",
     "FencedStore",
     "Fencing",
+    "Handoff",
     "InjectedFault",
+    "Liveness",
+    "LivenessBounds",
     "OrderViolation",
     "Overlap",
     "PlannedFault",
+    "ProxyGroup",
     "ProxyStats",
     "Run",
     "StaleWrite",
+    "Strand",
     "Verdict",
     "WriteOutcome",
     "build_runs",
     "check",
+    "measure_liveness",
     "read_log",
 ]

@@ -1,4 +1,4 @@
-"""The verdict on a chaos run: exclusivity, order, loss, duplicates and fencing, from its log.
+"""The verdict on a chaos run: exclusivity, order, loss, duplicates, fencing and liveness, from its log.
 
 Pure functions over a JSON-lines run log that workers and the soak append to (one object per
 line, ``t`` is wall-clock ``time.time()``)::
@@ -9,25 +9,27 @@ line, ``t`` is wall-clock ``time.time()``)::
      "accepted": true, "seq": 12}                                     a fenced-store write and its outcome
     {"w": "w1", "kind": "ready", "t": ...}                            a worker process is up
     {"w": "w1", "kind": "killed", "t": ...}                           soak: w1 was SIGKILLed (and reaped)
+    {"w": "w1", "kind": "exited", "t": ...}                           soak: w1's process died (any cause)
     {"w": "w1", "kind": "paused", "t": ...}                           soak: w1 was SIGSTOPped
     {"w": "w1", "kind": "resumed", "t": ...}                          soak: w1 is about to get SIGCONT
 
-Other kinds are ignored. The soak writes ``paused`` after sending SIGSTOP and ``resumed`` before
+Other kinds are ignored here; liveness (strands and hand-offs) reads more of them, and its rules
+are :mod:`keyqueue.chaos.liveness`'s docstring. The soak writes ``paused`` after sending SIGSTOP and ``resumed`` before
 sending SIGCONT, so a logged pause never covers time in which the process ran.
 
 The rules, exactly:
 
 *Runs.* Records are taken in ``t`` order. A ``start`` opens a run of ``(w, key, tag)``; the next
 ``end`` of the same triple closes the earliest open one. A run left open (its end was never
-logged) ends at its worker's first ``killed`` record after its start (the process was dead by
-then), else at its worker's next ``ready`` (a new process under the same name: the soak never
+logged) ends at its worker's first ``killed``, ``exited`` or ``exit`` record after its start (the
+process was dead by then), else at its worker's next ``ready`` (a new process under the same name: the soak never
 reuses a name while the old process lives), else at the end of the log (the last ``t``). It is
 *not* ended by the worker's next record of another kind: a worker runs many keys at once, so
 its other records say nothing about this run. Processors should log ``end`` in a ``finally``
 (``"ok": false`` on failure or cancellation) so that only a dead process leaves a run open.
 
-*Pauses.* A ``paused`` record stops its worker until its next ``resumed``, ``killed``, or the
-end of the log. A run's *active time* is its ``[start, end]`` minus its worker's pauses.
+*Pauses.* A ``paused`` record stops its worker until its next ``resumed``, ``killed``,
+``exited``, ``exit``, or the end of the log. A run's *active time* is its ``[start, end]`` minus its worker's pauses.
 
 *Overlaps.* Two runs X, Y of one key, X starting first, *intersect* when Y starts before X ends.
 An intersection is *fenced* (a zombie, reported but not a failure) when X's worker was paused
@@ -67,7 +69,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
-__all__ = ["OrderViolation", "Overlap", "Run", "StaleWrite", "Verdict", "build_runs", "check", "read_log"]
+from keyqueue.chaos.liveness import SERVER_SIDE, Liveness, LivenessBounds, measure_liveness
+
+__all__ = ["Liveness", "LivenessBounds", "OrderViolation", "Overlap", "Run", "StaleWrite", "Verdict", "build_runs",
+           "check", "read_log"]
 
 Record = Mapping[str, Any]
 Interval = tuple[float, float]
@@ -139,12 +144,15 @@ class Verdict:
     writes_refused: int
     writes_unknown: int
     stale_accepted: tuple[StaleWrite, ...]
+    liveness: Liveness | None = None
+    """Strands and hand-offs (:mod:`keyqueue.chaos.liveness`); they fail the run only with bounds."""
 
     @property
     def ok(self) -> bool:
-        """No overlap, order violation, lost or unexpected request, or accepted stale write."""
+        """No overlap, order violation, lost or unexpected request, accepted stale write, or
+        strand or hand-off past its bound."""
         return not (self.overlaps or self.order_violations or self.lost or self.unexpected
-                    or self.stale_accepted)
+                    or self.stale_accepted) and (self.liveness is None or self.liveness.ok)
 
     def summary(self) -> str:
         """A one-screen report: the counts, then the first few of each problem."""
@@ -166,6 +174,8 @@ class Verdict:
         for s in self.stale_accepted[:_SHOWN]:
             lines.append(f"  stale write {s.key} ({s.source}): fencing {list(s.fencing)} accepted after "
                          f"{list(s.highest)} {s.w} {s.tag}".rstrip())
+        if self.liveness is not None:
+            lines.extend(self.liveness.summary(_SHOWN))
         return "\n".join(lines)
 
 
@@ -178,8 +188,9 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
 
 def check(records: Iterable[Record], expected: Mapping[str, Sequence[str]], *,
           store_history: Mapping[str, Sequence[Sequence[int]]] | None = None,
-          handover_after: float = 0.0) -> Verdict:
-    """The verdict on a run log, given each key's request tags in enqueue order."""
+          handover_after: float = 0.0, bounds: LivenessBounds | None = None) -> Verdict:
+    """The verdict on a run log, given each key's request tags in enqueue order. Liveness is
+    measured too; with ``bounds`` a strand or hand-off past them fails the verdict."""
     ordered = sorted(records, key=lambda r: float(r["t"]))
     runs = build_runs(ordered)
     overlaps, fenced = _overlaps(runs, _pauses(ordered), handover_after, _renewal_faults(ordered))
@@ -206,6 +217,7 @@ def check(records: Iterable[Record], expected: Mapping[str, Sequence[str]], *,
         writes_refused=sum(r.get("accepted") is False for r in writes),
         writes_unknown=sum(not isinstance(r.get("accepted"), bool) for r in writes),
         stale_accepted=tuple(stale),
+        liveness=measure_liveness(ordered, bounds),
     )
 
 
@@ -231,7 +243,7 @@ def build_runs(records: Iterable[Record]) -> list[Run]:
             starts = open_[w].get((r["key"], r["tag"]))
             if starts:
                 runs.append(Run(w, r["key"], r["tag"], starts.pop(0), t, completed=r.get("ok", True) is not False))
-        elif kind in ("killed", "ready"):
+        elif kind in ("killed", "exited", "exit", "ready"):
             end_open(w, t)
     for w in list(open_):
         end_open(w, end_of_log)
@@ -246,7 +258,7 @@ def _pauses(ordered: Sequence[Record]) -> dict[str, list[Interval]]:
         kind, w, t = r.get("kind"), str(r.get("w")), float(r["t"])
         if kind == "paused":
             paused_at.setdefault(w, t)
-        elif kind in ("resumed", "killed") and w in paused_at:
+        elif kind in ("resumed", "killed", "exited", "exit") and w in paused_at:
             pauses[w].append((paused_at.pop(w), t))
     for w, t in paused_at.items():
         pauses[w].append((t, end_of_log))
@@ -293,14 +305,15 @@ def _gave_up(x: Run, y: Run, shared: float, pauses: Sequence[Interval], faults: 
 
 
 def _renewal_faults(ordered: Sequence[Record]) -> dict[str, list[float]]:
-    """Per worker, when a fault began that can fail its lease renewals: every server fault (all
-    workers) and network faults on its own connection. Keyed ``"*"`` for every worker."""
+    """Per worker, when a fault began that can fail its lease renewals: every server-side fault (all
+    workers: a server restart or kill, a leader kill or stepdown, a node cut off, a rolling restart)
+    and network faults on its own connection. Keyed ``"*"`` for every worker."""
     faults: dict[str, list[float]] = defaultdict(list)
     for r in ordered:
         if r.get("kind") != "fault":
             continue
         name, t = str(r.get("fault", "")), float(r["t"])
-        if name.startswith(("server-", "leader-")):
+        if name.startswith(SERVER_SIDE):
             faults["*"].append(t)
         elif name.startswith("net-") and r.get("target"):
             faults[str(r["target"])].append(t)

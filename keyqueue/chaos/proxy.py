@@ -18,8 +18,11 @@ arrive, so a worker's ack written during the partition reaches the server second
 its lease may have passed to another worker. Held bytes are dropped only if their connection is
 reset or the proxy closed.
 
+``ProxyGroup`` applies each fault to several proxies at once: a worker connected to every node of
+a cluster through a proxy per node is cut off, slowed or reset as one.
+
 ``FaultScript`` draws a deterministic sequence of such faults from a seeded ``random.Random``
-and injects them into a list of proxies, recording each one for the soak's summary.
+and injects them into a list of proxies (or groups), recording each one for the soak's summary.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal, Self
+from typing import Final, Literal, Protocol, Self
 from urllib.parse import urlsplit
 
 __all__ = [
@@ -42,8 +45,10 @@ __all__ = [
     "FaultProxy",
     "FaultScript",
     "FaultSpec",
+    "Faultable",
     "InjectedFault",
     "PlannedFault",
+    "ProxyGroup",
     "ProxyStats",
 ]
 
@@ -257,6 +262,60 @@ class FaultProxy:
             self._handlers.discard(task)
 
 
+class Faultable(Protocol):
+    """What a fault script acts on: a :class:`FaultProxy` or a :class:`ProxyGroup`."""
+
+    def blackhole(self) -> None: ...
+
+    def heal(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def set_latency(self, seconds: float) -> None: ...
+
+    def set_bandwidth(self, bytes_per_second: float | None) -> None: ...
+
+    def refuse(self, refusing: bool = True) -> None: ...
+
+
+class ProxyGroup:
+    """Several proxies faulted as one: every method applies to each member, in order."""
+
+    def __init__(self, proxies: Sequence[FaultProxy]) -> None:
+        if not proxies:
+            raise ValueError("a proxy group needs at least one proxy")
+        self.proxies = tuple(proxies)
+
+    @property
+    def urls(self) -> list[str]:
+        """The members' URLs: a client given all of them reaches the upstream servers only through the group."""
+        return [proxy.url for proxy in self.proxies]
+
+    def blackhole(self) -> None:
+        for proxy in self.proxies:
+            proxy.blackhole()
+
+    def heal(self) -> None:
+        for proxy in self.proxies:
+            proxy.heal()
+
+    def reset(self) -> None:
+        for proxy in self.proxies:
+            proxy.reset()
+
+    def set_latency(self, seconds: float) -> None:
+        for proxy in self.proxies:
+            proxy.set_latency(seconds)
+
+    def set_bandwidth(self, bytes_per_second: float | None) -> None:
+        for proxy in self.proxies:
+            proxy.set_bandwidth(bytes_per_second)
+
+    def refuse(self, refusing: bool = True) -> None:
+        for proxy in self.proxies:
+            proxy.refuse(refusing)
+
+
 def _abort(writer: asyncio.StreamWriter) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None:
@@ -451,12 +510,14 @@ class FaultScript:
                 level=self.rng.uniform(*spec.level),
             )
 
-    async def run(self, proxies: Sequence[FaultProxy], *, duration: float | None = None,
-                  on_inject: Callable[[InjectedFault], None] | None = None) -> list[InjectedFault]:
+    async def run(self, proxies: Sequence[Faultable], *, duration: float | None = None,
+                  on_inject: Callable[[InjectedFault], None] | None = None,
+                  on_revert: Callable[[InjectedFault], None] | None = None) -> list[InjectedFault]:
         """Inject the plan until ``duration`` seconds pass or ``stop()``; return what was injected.
 
-        ``on_inject`` is called as each fault starts (to write it into a run log). Every fault
-        in progress is reverted before this returns, also when it is cancelled.
+        ``on_inject`` is called as each fault starts and ``on_revert`` once it has been reverted
+        (a reset: right after it), to write both into a run log. Every fault in progress is
+        reverted before this returns, also when it is cancelled.
         """
         self._ending = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -471,7 +532,8 @@ class FaultScript:
                         await previous
                         if self._ending.is_set():
                             break
-                    active[fault.proxy] = tg.create_task(self._inject(proxies[fault.proxy], fault, on_inject))
+                    active[fault.proxy] = tg.create_task(
+                        self._inject(proxies[fault.proxy], fault, on_inject, on_revert))
         finally:
             if timer is not None:
                 timer.cancel()
@@ -497,23 +559,28 @@ class FaultScript:
             await asyncio.wait_for(self._ending.wait(), seconds)
         return self._ending.is_set()
 
-    async def _inject(self, proxy: FaultProxy, fault: PlannedFault,
-                      on_inject: Callable[[InjectedFault], None] | None) -> None:
+    async def _inject(self, proxy: Faultable, fault: PlannedFault,
+                      on_inject: Callable[[InjectedFault], None] | None,
+                      on_revert: Callable[[InjectedFault], None] | None) -> None:
         record = InjectedFault(fault.kind, fault.proxy, time.time(), fault.duration, fault.level)
         self.injected.append(record)
         if on_inject is not None:
             on_inject(record)
-        if fault.kind == "reset":
-            proxy.reset()
-            return
-        revert = _apply(proxy, fault)
         try:
-            await self._ended_within(fault.duration)
+            if fault.kind == "reset":
+                proxy.reset()
+                return
+            revert = _apply(proxy, fault)
+            try:
+                await self._ended_within(fault.duration)
+            finally:
+                revert()
         finally:
-            revert()
+            if on_revert is not None:
+                on_revert(record)
 
 
-def _apply(proxy: FaultProxy, fault: PlannedFault) -> Callable[[], None]:
+def _apply(proxy: Faultable, fault: PlannedFault) -> Callable[[], None]:
     """Inject a lasting fault; return the call that reverts it."""
     if fault.kind == "blackhole":
         proxy.blackhole()

@@ -1,24 +1,30 @@
 """The soak: workers behind fault proxies, producers, seeded faults, and the checker's verdict.
 
-    python -m keyqueue.chaos --seed 7 --faults 500            (make chaos)
+    python -m keyqueue.chaos --seed 7 --faults 500                     (make chaos)
+    python -m keyqueue.chaos --seed 7 --faults 1000 --classes all      (make chaos-cluster)
 
-One embedded nats-server; ``workers`` worker processes (:mod:`keyqueue.chaos.worker`), each
-connected through its own :class:`~keyqueue.chaos.proxy.FaultProxy`; a producer that keeps
-enqueueing numbered requests on ``keys`` keys (retrying with the same request id until each is
-stored, so the expected order per key is exact); and fault injectors for the chosen classes:
+One embedded nats-server, or a 3-node cluster with R3 streams when a cluster class is chosen (or
+``nodes=3``); ``workers`` worker processes (:mod:`keyqueue.chaos.worker`), each connected through
+its own :class:`~keyqueue.chaos.proxy.FaultProxy` (on a cluster: one proxy per node, all given to
+the worker, faulted together as a :class:`~keyqueue.chaos.proxy.ProxyGroup`); a producer that
+keeps enqueueing numbered requests on ``keys`` keys (retrying with the same request id until each
+is stored, so the expected order per key is exact, and logging ``stored`` once it is); and fault
+injectors for the chosen classes (:data:`CLASSES`, any mix):
 
-- ``network``: per-proxy blackholes (bytes held 2-5 s, past the lease, then delivered), resets,
+- ``network``: per-worker blackholes (bytes held 2-5 s, past the lease, then delivered), resets,
   latency bursts, slow links (:data:`~keyqueue.chaos.proxy.DEFAULT_FAULTS`);
-- ``process``: event-loop stalls just under and just over the lease, SIGSTOP past the lease then
-  SIGCONT, kill -9 (and a new process under the same name), graceful drain (and a restart);
-- ``server``: nats-server restarts and kill -9 (then started again on the same store and port);
-- ``cluster`` (alone or with ``process``): a 3-node cluster with R3 streams instead of one
-  server, workers connected to all three nodes, and kill -9 of the leader of the inbox, token or
-  lease stream or of the token consumer, brought back after 1-3 s.
+- ``process``: loop stalls just under and just over the lease, SIGSTOP past the lease, kill -9,
+  graceful drain, and a request whose handler blocks the loop for 1.5x the lease;
+- ``server``: on one server, restarts and kill -9; on a cluster, rolling restarts;
+- ``cluster``: kill -9 of the node leading a queue stream or the token consumer;
+- ``partition``: one node cut off from the other two (its route proxies), then healed;
+- ``stepdown``: the leader of a queue stream or of the token consumer steps down;
+- ``clock``: each worker's wall clock runs 10-60 s ahead or behind (drawn per worker).
 
-The run ends after ``duration`` seconds or ``max_faults`` faults, whichever comes first; then
-every fault is reverted, producers stop, and the soak waits for every request to complete before
-it checks the log (:func:`keyqueue.chaos.checker.check`) and the fenced store's history.
+:mod:`keyqueue.chaos.injectors` says exactly what each fault does. The run ends after
+``duration`` seconds or ``max_faults`` faults, whichever comes first; then every fault is
+reverted, producers stop, and the soak waits for every request to complete before it checks the
+log (:func:`keyqueue.chaos.checker.check`, safety and liveness) and the fenced store's history.
 """
 
 from __future__ import annotations
@@ -26,31 +32,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keyqueue.chaos.checker import Verdict, check, read_log
+from keyqueue.chaos.checker import LivenessBounds, Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore
-from keyqueue.chaos.proxy import DEFAULT_FAULTS, FaultProxy, FaultScript, InjectedFault
-from keyqueue.errors import EnqueueError, KeyqueueError, TokenPublishFailed
+from keyqueue.chaos.fleet import Faults, Fleet, LogTail, WorkerSpec
+from keyqueue.chaos.injectors import NODE_FAULT_CLASSES, node_faults, process_faults, server_faults
+from keyqueue.chaos.proxy import DEFAULT_FAULTS, Faultable, FaultProxy, FaultScript, InjectedFault, ProxyGroup
+from keyqueue.errors import EnqueueError, TokenPublishFailed
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.server.cluster import EmbeddedCluster
-from keyqueue.server.embedded import EmbeddedServer
+from keyqueue.server.embedded import HOST, EmbeddedServer
 
 QUEUE = "chaos"
-CLASSES = ("network", "process", "server", "cluster")
+CLASSES = ("network", "process", "server", "cluster", "partition", "stepdown", "clock")
+"""Every fault class; ``all`` on the command line means all of them."""
 DEFAULT_CLASSES = ("network", "process", "server")
+CLUSTER_CLASSES = ("cluster", "partition", "stepdown")
+"""Classes that need a cluster: choosing one runs the soak on 3 nodes with R3 streams."""
 
 
 @dataclass
@@ -61,6 +68,8 @@ class SoakOptions:
     duration: float = 60.0
     max_faults: int | None = None
     classes: tuple[str, ...] = DEFAULT_CLASSES
+    nodes: int | None = None
+    """nats-servers: 1, or 3 (a cluster, R3 streams); None: 3 if a cluster class is chosen, else 1."""
     workers: int = 3
     keys: int = 12
     rate: float = 60.0
@@ -69,9 +78,17 @@ class SoakOptions:
     """Longest time a request's processor works (drawn uniformly from 0)."""
     ack_wait: float = 2.0
     concurrency: int = 8
+    clock_offsets: tuple[float, float] = (10.0, 60.0)
+    """With the ``clock`` class: each worker's offset is drawn from this range, ahead or behind."""
+    bounds: LivenessBounds | None = None
+    """The checker's liveness bounds; None: its defaults for ``ack_wait``."""
     settle_timeout: float = 90.0
     workdir: Path = field(default_factory=lambda: Path("chaos-run"))
     progress: Callable[[str], None] | None = print
+
+    @property
+    def clustered(self) -> bool:
+        return (self.nodes or (3 if set(CLUSTER_CLASSES) & set(self.classes) else 1)) > 1
 
 
 @dataclass
@@ -81,6 +98,7 @@ class SoakResult:
     elapsed: float
     enqueued: int
     log_path: Path
+    clock_offsets: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -88,213 +106,49 @@ class SoakResult:
 
     def summary(self) -> str:
         counts = ", ".join(f"{kind} {n}" for kind, n in sorted(self.faults.items())) or "none"
+        offsets = ", ".join(f"{w} {o:+.1f}s" for w, o in sorted(self.clock_offsets.items()) if o)
         return (f"faults injected: {sum(self.faults.values())} ({counts})\n"
-                f"requests enqueued: {self.enqueued}; run time {self.elapsed:.0f}s; log {self.log_path}\n"
+                + (f"clock offsets: {offsets}\n" if offsets else "")
+                + f"requests enqueued: {self.enqueued}; run time {self.elapsed:.0f}s; log {self.log_path}\n"
                 + self.verdict.summary())
 
 
-class _Fleet:
-    """The worker processes, each behind its proxy, writing one shared run log."""
+class _Producer:
+    """Enqueues requests at ``rate`` until ``ending``, each retried with its id until stored."""
 
-    def __init__(self, options: SoakOptions, urls: list[str], log_path: Path, replicas: int = 1) -> None:
-        self.options = options
-        self.urls = urls
-        self.replicas = replicas
-        self.log_path = log_path
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.paused: set[str] = set()
-        self.fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    def __init__(self, publisher: Publisher, options: SoakOptions, rng: random.Random, fleet: Fleet) -> None:
+        self.publisher, self.options, self.rng, self.fleet = publisher, options, rng, fleet
+        self.expected: dict[str, list[str]] = {f"k{i}": [] for i in range(options.keys)}
+        self.enqueued = 0
+        self._blocks: list[float] = []
 
-    def note(self, w: str, kind: str, **fields: object) -> None:
-        line = json.dumps({"w": w, "kind": kind, "t": time.time(), **fields}, default=str)
-        os.write(self.fd, (line + "\n").encode())
+    def flag_block(self, seconds: float) -> None:
+        """Make one of the next requests block its handler's event loop for ``seconds`` (once)."""
+        self._blocks.append(seconds)
 
-    def names(self) -> list[str]:
-        return [f"w{i}" for i in range(len(self.urls))]
+    async def run(self, ending: asyncio.Event) -> int:
+        options, rng = self.options, self.rng
+        keys = list(self.expected)
+        counter = dict.fromkeys(keys, 0)
+        while not ending.is_set():
+            batch = []
+            for key in rng.sample(keys, max(1, min(len(keys), int(options.rate / 10)))):
+                tag = f"{key}-{counter[key]}"
+                counter[key] += 1
+                work: dict[str, object] = {"tag": tag, "sleep": round(rng.uniform(0, options.work), 4)}
+                if self._blocks:
+                    work["block"] = self._blocks.pop()
+                rid = f"{options.seed}-{tag}"
+                batch.append(OutgoingRequest(key, {"Nats-Msg-Id": rid}, json.dumps(work).encode(), rid))
+            await self._enqueue(batch)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ending.wait(), 0.1)
+        return self.enqueued
 
-    def start(self, name: str) -> None:
-        url = self.urls[int(name[1:])]
-        o = self.options
-        stderr = open(self.log_path.with_suffix(f".{name}.stderr"), "ab")  # noqa: SIM115
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "keyqueue.chaos.worker", url, QUEUE, str(self.log_path), "--name", name,
-             "--ack-wait", str(o.ack_wait), "--concurrency", str(o.concurrency), "--replicas", str(self.replicas),
-             "--stall-under", str(round(o.ack_wait * 0.75, 3)), "--stall-over", str(round(o.ack_wait * 1.5, 3))],
-            stdout=subprocess.DEVNULL, stderr=stderr)
-
-    async def wait_ready(self, names: list[str], timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        pids = {name: self.procs[name].pid for name in names}
-        while True:
-            ready = {(r["w"], r.get("pid")) for r in read_log(self.log_path) if r["kind"] == "ready"}
-            if all((name, pid) in ready for name, pid in pids.items()):
-                return
-            for name in names:
-                if self.procs[name].poll() is not None:
-                    raise RuntimeError(f"chaos worker {name} exited with {self.procs[name].returncode}; see "
-                                       f"{self.log_path.with_suffix(f'.{name}.stderr')}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"chaos workers {names} not ready within {timeout}s")
-            await asyncio.sleep(0.1)
-
-    def signal(self, name: str, sig: int) -> None:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            os.kill(proc.pid, sig)
-
-    def pause(self, name: str) -> None:
-        self.signal(name, signal.SIGSTOP)
-        self.paused.add(name)
-        self.note(name, "paused", reason="sigstop")
-
-    def resume(self, name: str) -> None:
-        if name in self.paused:
-            self.paused.discard(name)
-            self.note(name, "resumed", reason="sigcont")
-            self.signal(name, signal.SIGCONT)
-
-    def kill(self, name: str) -> None:
-        self.signal(name, signal.SIGKILL)
-        self.procs[name].wait()
-        self.paused.discard(name)
-        self.note(name, "killed")
-
-    async def drain(self, name: str, timeout: float = 20.0) -> None:
-        self.signal(name, signal.SIGTERM)
-        proc = self.procs[name]
-        try:
-            await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout)
-        except TimeoutError:
-            self.kill(name)
-
-    def alive(self, name: str) -> bool:
-        return self.procs[name].poll() is None
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-        os.close(self.fd)
-
-
-async def _process_faults(fleet: _Fleet, rng: random.Random, counts: Counter[str], ending: asyncio.Event,
-                          ack_wait: float) -> None:
-    """Faults in worker processes, one at a time, on a random worker."""
-    kinds = ["stall-under", "stall-over", "sigstop", "kill-9", "drain"]
-    while not ending.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ending.wait(), rng.uniform(0.5, 2.0))
-        if ending.is_set():
-            return
-        for dead in [n for n in fleet.names() if not fleet.alive(n)]:
-            # A worker that could not start (its server was electing leaders, say): start it again.
-            fleet.note("soak", "restart", target=dead)
-            fleet.start(dead)
-        name = rng.choice(fleet.names())
-        kind = rng.choice(kinds)
-        if not fleet.alive(name):
-            continue
-        counts[kind] += 1
-        fleet.note("soak", "fault", fault=kind, target=name)
-        try:
-            await _process_fault(fleet, name, kind, rng, ack_wait)
-        except (RuntimeError, TimeoutError) as e:  # a worker that cannot come back: start it again
-            fleet.note("soak", "fault_error", fault=kind, target=name, error=repr(e))
-            if not fleet.alive(name):
-                fleet.start(name)
-
-
-async def _process_fault(fleet: _Fleet, name: str, kind: str, rng: random.Random, ack_wait: float) -> None:
-    if kind == "stall-under":
-        fleet.signal(name, signal.SIGUSR1)
-    elif kind == "stall-over":
-        fleet.signal(name, signal.SIGUSR2)
-    elif kind == "sigstop":
-        fleet.pause(name)
-        await asyncio.sleep(rng.uniform(ack_wait * 1.2, ack_wait * 2.5))
-        fleet.resume(name)
-    elif kind == "kill-9":
-        fleet.kill(name)
-        fleet.start(name)
-        await fleet.wait_ready([name], timeout=90)
-    else:
-        await fleet.drain(name)
-        fleet.note(name, "killed", reason="drained")
-        fleet.start(name)
-        await fleet.wait_ready([name], timeout=90)
-
-
-async def _server_faults(server: EmbeddedServer, fleet: _Fleet, rng: random.Random, counts: Counter[str],
-                         ending: asyncio.Event) -> None:
-    """Restarts and kill -9 of the nats-server, spaced out so work goes on between them."""
-    while not ending.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ending.wait(), rng.uniform(4.0, 8.0))
-        if ending.is_set():
-            return
-        kind = rng.choice(["server-restart", "server-kill-9"])
-        counts[kind] += 1
-        fleet.note("soak", "fault", fault=kind)
-        if kind == "server-restart":
-            await server.restart()
-        else:
-            server.kill()
-            await asyncio.sleep(rng.uniform(0.2, 1.5))
-            await server.start()
-
-
-async def _cluster_faults(cluster: EmbeddedCluster, api: JetStreamApi, fleet: _Fleet, rng: random.Random,
-                          counts: Counter[str], ending: asyncio.Event) -> None:
-    """kill -9 of the node leading one of the queue's streams or its consumer, then bring it back."""
-    names = QueueConfig(QUEUE).names
-    targets = {"inbox": names.inbox_stream, "tokens": names.token_stream, "leases": names.lease_stream,
-               "consumer": names.consumer}
-    while not ending.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ending.wait(), rng.uniform(4.0, 8.0))
-        if ending.is_set():
-            return
-        target = rng.choice(sorted(targets))
-        try:
-            if target == "consumer":
-                info = await api.consumer_info(names.token_stream, names.consumer)
-            else:
-                info = await api.stream_info(targets[target])
-            leader = str(info.get("cluster", {}).get("leader", ""))
-        except KeyqueueError as e:
-            fleet.note("soak", "fault_error", fault=f"leader-kill-9-{target}", error=repr(e))
-            continue
-        index = next((i for i, server in enumerate(cluster.servers) if server.name == leader), None)
-        if index is None:
-            continue
-        counts[f"leader-kill-9-{target}"] += 1
-        fleet.note("soak", "fault", fault=f"leader-kill-9-{target}", target=leader)
-        cluster.kill(index)
-        await asyncio.sleep(rng.uniform(1.0, 3.0))
-        await cluster.restart(index)
-
-
-async def _produce(publisher: Publisher, options: SoakOptions, rng: random.Random, expected: dict[str, list[str]],
-                   ending: asyncio.Event) -> int:
-    """Enqueue requests at ``rate`` until ``ending``; each is retried with its id until stored."""
-    keys = [f"k{i}" for i in range(options.keys)]
-    counter = dict.fromkeys(keys, 0)
-    enqueued = 0
-    while not ending.is_set():
-        batch = []
-        for key in rng.sample(keys, max(1, min(len(keys), int(options.rate / 10)))):
-            tag = f"{key}-{counter[key]}"
-            counter[key] += 1
-            body = json.dumps({"tag": tag, "sleep": round(rng.uniform(0, options.work), 4)}).encode()
-            rid = f"{options.seed}-{tag}"
-            batch.append(OutgoingRequest(key, {"Nats-Msg-Id": rid}, body, rid))
-        pending = batch
+    async def _enqueue(self, pending: list[OutgoingRequest]) -> None:
         while pending:
             try:
-                results = await publisher.enqueue_many(pending)
+                results = await self.publisher.enqueue_many(pending)
             except EnqueueError as e:  # the whole call failed (the server is down): retry it
                 results = [e] * len(pending)
             except Exception as e:  # connection errors of any kind: retry the same ids
@@ -303,115 +157,136 @@ async def _produce(publisher: Publisher, options: SoakOptions, rng: random.Rando
             for request, result in zip(pending, results, strict=True):
                 # A failed token publish still stored the request (the reconciler schedules it).
                 if isinstance(result, Enqueued | TokenPublishFailed):
-                    expected[request.key].append(json.loads(request.body)["tag"])
-                    enqueued += 1
+                    tag = json.loads(request.body)["tag"]
+                    self.expected[request.key].append(tag)
+                    self.fleet.note("producer", "stored", key=request.key, tag=tag)
+                    self.enqueued += 1
                 else:
                     retry.append(request)
             pending = retry
             if pending:
                 await asyncio.sleep(0.2)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ending.wait(), 0.1)
-    return enqueued
 
 
 async def soak(options: SoakOptions) -> SoakResult:
     """Run one soak; the result's ``ok`` is the verdict."""
     say = options.progress or (lambda _: None)
+    unknown = set(options.classes) - set(CLASSES)
+    if unknown:
+        raise ValueError(f"unknown fault class(es) {sorted(unknown)}; choose from {', '.join(CLASSES)}")
     workdir = options.workdir
     workdir.mkdir(parents=True, exist_ok=True)
+    for marker in workdir.glob("blocked-*"):
+        marker.unlink()
     log_path = workdir / "run.jsonl"
     log_path.unlink(missing_ok=True)
     began = time.monotonic()
-    clustered = "cluster" in options.classes
-    if clustered and {"network", "server"} & set(options.classes):
-        raise ValueError("the cluster class runs alone or with process faults (its workers use no proxies)")
+    clustered = options.clustered
     replicas = 3 if clustered else 1
-    server = EmbeddedServer(store_dir=workdir / "store", log_file=workdir / "nats-server.log")
-    cluster = EmbeddedCluster(3, store_root=workdir / "cluster") if clustered else None
-    if cluster is not None:
+    server: EmbeddedServer | None = None
+    cluster: EmbeddedCluster | None = None
+    if clustered:
+        cluster = EmbeddedCluster(3, store_root=workdir / "cluster", advertise_clients=False,
+                                  route_proxy=lambda _i, _j, upstream, port: FaultProxy(HOST, upstream, port=port))
         await cluster.start()
+        node_urls = cluster.urls
     else:
+        server = EmbeddedServer(store_dir=workdir / "store", log_file=workdir / "nats-server.log")
         await server.start()
-    url = cluster.url if cluster is not None else server.url
-    proxies = [] if clustered else [FaultProxy.for_url(server.url) for _ in range(options.workers)]
-    fleet: _Fleet | None = None
+        node_urls = [server.url]
+    names = [f"w{i}" for i in range(options.workers)]
+    groups = {name: ProxyGroup([FaultProxy.for_url(url) for url in node_urls]) for name in names}
+    rng = random.Random(options.seed + 6)
+    offsets = ({name: rng.choice((-1, 1)) * round(rng.uniform(*options.clock_offsets), 1) for name in names}
+               if "clock" in options.classes else {})
+    fleet: Fleet | None = None
     try:
-        for proxy in proxies:
-            await proxy.start()
-        nc = await connect(url, name="chaos-soak")
+        for group in groups.values():
+            for proxy in group.proxies:
+                await proxy.start()
+        nc = await connect(",".join(node_urls), name="chaos-soak")
         config = QueueConfig(QUEUE, ack_wait=options.ack_wait, replicas=replicas)
         await Topology(Publisher(nc, config.names).api, config).ensure()
         store = FencedStore(nc, replicas=replicas)
         await store.ensure()
-        worker_urls = [proxy.url for proxy in proxies] or [url] * options.workers
-        fleet = _Fleet(options, worker_urls, log_path, replicas)
+        fleet = Fleet(WorkerSpec(QUEUE, options.ack_wait, options.concurrency, replicas),
+                      {name: ",".join(group.urls) for name, group in groups.items()}, log_path, offsets)
+        for name, offset in offsets.items():
+            fleet.note(name, "clock", offset=offset)
         for name in fleet.names():
             fleet.start(name)
-        await fleet.wait_ready(fleet.names())
-        say(f"chaos: {options.workers} workers, {options.keys} keys, seed {options.seed}, classes "
-            f"{','.join(options.classes)}, up to {options.duration:.0f}s / {options.max_faults or 'no'} fault limit")
+        await fleet.wait_ready(fleet.names(), timeout=60)
+        say(f"chaos: {options.workers} workers, {options.keys} keys, seed {options.seed}, "
+            f"{'3-node R3 cluster' if clustered else 'one server'}, classes {','.join(options.classes)}, "
+            f"up to {options.duration:.0f}s / {options.max_faults or 'no'} fault limit")
 
-        counts: Counter[str] = Counter()
-        expected: dict[str, list[str]] = {f"k{i}": [] for i in range(options.keys)}
+        faults = Faults(fleet)
         ending = asyncio.Event()
         script = FaultScript(random.Random(options.seed + 1), DEFAULT_FAULTS, gap=(0.3, 1.5))
+        network_ids: dict[int, int] = {}
 
         def injected(fault: InjectedFault) -> None:
-            assert fleet is not None
-            counts[f"net-{fault.kind}"] += 1
-            fleet.note("soak", "fault", fault=f"net-{fault.kind}", target=f"w{fault.proxy}",
-                       duration=fault.duration, level=fault.level)
+            network_ids[id(fault)] = faults.begin(f"net-{fault.kind}", names[fault.proxy], duration=fault.duration,
+                                                  level=fault.level)
 
-        producer = asyncio.create_task(_produce(Publisher(nc, config.names), options, random.Random(options.seed + 2),
-                                                expected, ending))
-        injectors: list[asyncio.Task[object]] = []
+        def reverted(fault: InjectedFault) -> None:
+            faults.end(network_ids.pop(id(fault)))
+
+        producer = _Producer(Publisher(nc, config.names), options, random.Random(options.seed + 2), fleet)
+        producing = asyncio.create_task(producer.run(ending))
+        tasks: list[asyncio.Task[object]] = [asyncio.create_task(fleet.supervise(ending))]
         if "network" in options.classes:
-            injectors.append(asyncio.create_task(script.run(proxies, on_inject=injected)))
+            targets: list[Faultable] = [groups[name] for name in names]
+            tasks.append(asyncio.create_task(script.run(targets, on_inject=injected, on_revert=reverted)))
         if "process" in options.classes:
-            injectors.append(asyncio.create_task(
-                _process_faults(fleet, random.Random(options.seed + 3), counts, ending, options.ack_wait)))
-        if "server" in options.classes:
-            injectors.append(asyncio.create_task(
-                _server_faults(server, fleet, random.Random(options.seed + 4), counts, ending)))
-        if cluster is not None:
-            injectors.append(asyncio.create_task(
-                _cluster_faults(cluster, JetStreamApi(nc), fleet, random.Random(options.seed + 5), counts, ending)))
+            tasks.append(asyncio.create_task(process_faults(
+                fleet, faults, random.Random(options.seed + 3), ending, options.ack_wait, producer.flag_block)))
+        if server is not None and "server" in options.classes:
+            tasks.append(asyncio.create_task(server_faults(server, faults, random.Random(options.seed + 4), ending)))
+        if cluster is not None and set(NODE_FAULT_CLASSES) & set(options.classes):
+            tasks.append(asyncio.create_task(node_faults(cluster, JetStreamApi(nc), config, options.classes, faults,
+                                                         random.Random(options.seed + 5), ending)))
         deadline = time.monotonic() + options.duration
         last_report = time.monotonic()
-        while time.monotonic() < deadline and (options.max_faults is None
-                                               or sum(counts.values()) < options.max_faults):
+        while time.monotonic() < deadline and (options.max_faults is None or faults.total < options.max_faults):
             await asyncio.sleep(0.2)
             if time.monotonic() - last_report >= 10:
                 last_report = time.monotonic()
-                say(f"chaos: {time.monotonic() - began:.0f}s, {sum(counts.values())} faults, "
-                    f"{sum(map(len, expected.values()))} requests enqueued")
+                say(f"chaos: {time.monotonic() - began:.0f}s, {faults.total} faults, {producer.enqueued} "
+                    f"requests enqueued")
         ending.set()
         script.stop()
-        for task in injectors:
+        for task in tasks:
             with contextlib.suppress(Exception):
                 await task
         for name in fleet.names():
             fleet.resume(name)
-        if cluster is None and not server.running:
+        if server is not None and not server.running:
             await server.start()
+        if cluster is not None:
+            for node in cluster.servers:
+                if not node.running:
+                    await node.start(timeout=60)
         for name in fleet.names():
             if not fleet.alive(name):
                 fleet.start(name)
-        enqueued = await producer
+        enqueued = await producing
         say(f"chaos: faults stopped after {time.monotonic() - began:.0f}s; waiting for {enqueued} requests")
-        await _settle(log_path, expected, options.settle_timeout)
+        await _settle(log_path, producer.expected, options.settle_timeout)
         snapshot = await store.snapshot()
-        verdict = check(read_log(log_path), expected, store_history=snapshot.history(),
-                        handover_after=options.ack_wait / 2)
+        verdict = check(read_log(log_path), producer.expected, store_history=snapshot.history(),
+                        handover_after=options.ack_wait / 2,
+                        bounds=options.bounds or LivenessBounds.for_lease(options.ack_wait))
         await nc.close()
-        return SoakResult(verdict, counts, time.monotonic() - began, enqueued, log_path)
+        return SoakResult(verdict, faults.counts, time.monotonic() - began, enqueued, log_path, offsets)
     finally:
         if fleet is not None:
             fleet.stop_all()
-        for proxy in proxies:
-            await proxy.close()
-        await server.aclose()
+        for group in groups.values():
+            for proxy in group.proxies:
+                await proxy.close()
+        if server is not None:
+            await server.aclose()
         if cluster is not None:
             await cluster.aclose()
 
@@ -419,9 +294,10 @@ async def soak(options: SoakOptions) -> SoakResult:
 async def _settle(log_path: Path, expected: dict[str, list[str]], timeout: float) -> None:
     """Wait until every expected request has completed (or ``timeout``: the checker reports the rest)."""
     wanted = {(key, tag) for key, tags in expected.items() for tag in tags}
+    tail = LogTail(log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = {(r["key"], r["tag"]) for r in read_log(log_path) if r["kind"] == "end" and r.get("ok", True)}
-        if wanted <= done:
+        wanted -= {(r["key"], r["tag"]) for r in tail.new_records() if r["kind"] == "end" and r.get("ok", True)}
+        if not wanted:
             return
         await asyncio.sleep(0.25)

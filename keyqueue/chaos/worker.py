@@ -1,14 +1,23 @@
 """A worker process for chaos runs: a real ``QueueWorker`` whose processor logs every run.
 
-    python -m keyqueue.chaos.worker URL QUEUE LOGFILE --name w1 [--ack-wait S] [--concurrency N]
+    python -m keyqueue.chaos.worker URL[,URL...] QUEUE LOGFILE --name w1 [--ack-wait S] [--concurrency N]
+        [--clock-offset S]
 
-Each request body is JSON ``{"tag": ..., "sleep": seconds}``. The processor logs ``start``, waits
-``sleep`` seconds, checks its lease, writes the tag to the :class:`~keyqueue.chaos.fenced.FencedStore`
-under the session's fencing token (logging the ``write`` and whether it was accepted), and logs
-``end`` (``"ok": false`` when it did not finish). A refused write means this holder is a former
-one: the run ends with ``LeaseLost`` and leaves the request to the current holder.
+Each request body is JSON ``{"tag": ..., "sleep": seconds}``, optionally with ``"block": seconds``.
+The processor logs ``start``, waits ``sleep`` seconds (with ``block``: first blocks its event loop
+that long with ``time.sleep``, the way blocking code in an ``async def`` does, logging
+``blocked`` / ``unblocked`` records; only the first run of the request in
+the whole fleet blocks, claimed with a marker file beside the log), checks its lease, writes the
+tag to the :class:`~keyqueue.chaos.fenced.FencedStore` under the session's fencing token (logging
+the ``write`` and whether it was accepted), and logs ``end`` (``"ok": false`` when it did not
+finish). A refused write means this holder is a former one: the run ends with ``LeaseLost`` and
+leaves the request to the current holder.
 
-Every step of every key session is logged too, as an ``event`` record (:class:`EventLog`).
+Every step of every key session is logged too, as an ``event`` record (:class:`EventLog`). The
+``ready`` record says the process's ``pid``, its ``concurrency`` (keys it may hold at once) and its
+``clock_offset``: with ``--clock-offset``, the process's wall clock runs that many seconds ahead
+(or behind) of the true one (:func:`~keyqueue.chaos.clock.skew_wall_clock`); every record's ``t``
+stays on the true clock.
 
 Signals inject faults into this process: SIGUSR1 blocks the event loop for ``--stall-under``
 seconds, SIGUSR2 for ``--stall-over`` (each logged as ``paused`` / ``resumed``, since nothing in
@@ -24,8 +33,10 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
+from keyqueue.chaos.clock import TRUE_TIME, skew_wall_clock
 from keyqueue.chaos.fenced import FencedStore
 from keyqueue.core.observer import KeyHold, NullObserver, Outcome, RequestAttempt, SessionEnd, describe
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
@@ -45,7 +56,7 @@ class RunLog:
         self.worker = worker
 
     def write(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"w": self.worker, "kind": kind, "t": time.time(), **fields}, default=str)
+        line = json.dumps({"w": self.worker, "kind": kind, "t": TRUE_TIME(), **fields}, default=str)
         os.write(self.fd, (line + "\n").encode())
 
 
@@ -111,9 +122,10 @@ class EventLog(NullObserver):
 class FencedWriter(BaseProcessor):
     """Logs each run and writes its tag to the fenced store under the session's fencing token."""
 
-    def __init__(self, log: RunLog, store: FencedStore) -> None:
+    def __init__(self, log: RunLog, store: FencedStore, markers: Path) -> None:
         self.log = log
         self.store = store
+        self.markers = markers
 
     async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
         work = json.loads(request.data)
@@ -122,6 +134,11 @@ class FencedWriter(BaseProcessor):
                        attempt=ctx.attempt)
         ok = False
         try:
+            if work.get("block") and self._first_to_block(tag):
+                seconds = float(work["block"])
+                self.log.write("blocked", key=request.key, tag=tag, seconds=seconds)
+                time.sleep(seconds)  # noqa: ASYNC251  # blocking code in an async handler, on purpose
+                self.log.write("unblocked", key=request.key, tag=tag)
             await asyncio.sleep(float(work.get("sleep", 0.0)))
             ctx.check_lease()
             outcome = await self.store.attempt(request.key, ctx.fencing, {"tag": tag})
@@ -133,6 +150,14 @@ class FencedWriter(BaseProcessor):
             return None
         finally:
             self.log.write("end", key=request.key, tag=tag, ok=ok)
+
+    def _first_to_block(self, tag: str) -> bool:
+        """Whether this run claims the request's one blocking run (a rerun elsewhere does not block)."""
+        try:
+            os.close(os.open(self.markers / f"blocked-{tag}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
 
 
 def _stall(log: RunLog, seconds: float) -> None:
@@ -154,7 +179,13 @@ async def main() -> None:
     p.add_argument("--stall-under", type=float, default=1.5)
     p.add_argument("--stall-over", type=float, default=3.0)
     p.add_argument("--replicas", type=int, default=1, help="3 on a cluster (the soak's cluster class)")
+    p.add_argument("--no-watchdog", dest="watchdog", action="store_false",
+                   help="run without the loop watchdog (keyqueue worker runs with it): a stall past the lease "
+                        "then leaves a zombie the fencing token must catch, instead of ending the process")
+    p.add_argument("--clock-offset", type=float, default=0.0,
+                   help="run this process's wall clock this many seconds ahead (negative: behind)")
     args = p.parse_args()
+    skew_wall_clock(args.clock_offset)
     logging.basicConfig(level=logging.WARNING, format=f"{args.name} %(levelname)s %(name)s: %(message)s")
     log = RunLog(args.logfile, args.name)
     worker: QueueWorker | None = None
@@ -176,9 +207,10 @@ async def main() -> None:
     config = QueueConfig(args.queue, ack_wait=args.ack_wait, replicas=args.replicas)
     settings = SessionSettings(ack_wait=args.ack_wait, linger=args.linger, drain_timeout=args.drain_timeout,
                                retry=RetryPolicy(max_attempts=1000, base_delay=0.05, max_delay=0.5))
-    worker = QueueWorker(nc, config, lambda key: FencedWriter(log, store), concurrency=args.concurrency,
+    markers = Path(args.logfile).parent
+    worker = QueueWorker(nc, config, lambda key: FencedWriter(log, store, markers), concurrency=args.concurrency,
                          settings=settings, name=args.name, reconcile_interval=5.0,
-                         observer=EventLog(log, args.name))
+                         observer=EventLog(log, args.name), watchdog=args.watchdog)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, _stall, log, args.stall_under)
     loop.add_signal_handler(signal.SIGUSR2, _stall, log, args.stall_over)
@@ -193,7 +225,7 @@ async def main() -> None:
     loop.add_signal_handler(signal.SIGTERM, on_term)
     run = asyncio.create_task(worker.run())
     await worker.started()
-    log.write("ready", pid=os.getpid())
+    log.write("ready", pid=os.getpid(), concurrency=args.concurrency, clock_offset=args.clock_offset)
     await run
     log.write("exit", counts=worker.counts)
     await nc.close()

@@ -6,6 +6,7 @@
 - ``worker``: serve an app's queues (``supervisor``: ``--processes N``, a parent of N workers).
 - ``enqueue``: enqueue a task by name.
 - ``queues``: ``inspect``, ``configure``, ``unpin``, ``recreate-consumer``.
+- ``release``: hand on the keys of a worker that is gone.
 - ``dlq``: list, show, replay, delete, purge.       ``watch``: follow a key's progress.
 - ``plugins``: loaded plugins and their hooks.      ``server``: ``dev-server``, a local nats-server.
 - ``events``: ``events tail``, added by the built-in events plugin.

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from keyqueue.errors import ConnectionFailed
-from keyqueue.server.embedded import EmbeddedServer
+from keyqueue.errors import ConfigError, ConnectionFailed
+from keyqueue.server.embedded import EmbeddedServer, check_sync_interval
 
 __all__ = ["dev_server"]
 
@@ -28,7 +28,15 @@ __all__ = ["dev_server"]
     type=click.Path(file_okay=False, path_type=Path),
     help="Keep JetStream data in this directory across runs (default: a temporary one, deleted on exit).",
 )
-def dev_server(port: int, store_dir: Path | None) -> None:
+@click.option(
+    "--sync",
+    "sync_interval",
+    metavar="always|DURATION",
+    help="How often JetStream fsyncs (nats-server's sync_interval): 'always' writes every message to disk "
+         "before acknowledging it, so an acknowledged write survives a power loss; a duration such as 10s; "
+         "default: the server's (every 2 minutes). See docs/decisions.md, \"Durability\".",
+)
+def dev_server(port: int, store_dir: Path | None, sync_interval: str | None) -> None:
     """Run a local nats-server with JetStream in the foreground, for development.
 
     It listens on 127.0.0.1 only and stops cleanly on Ctrl-C or SIGTERM.
@@ -40,7 +48,12 @@ def dev_server(port: int, store_dir: Path | None) -> None:
       export KEYQUEUE_URL=nats://127.0.0.1:4222
       $ # in another terminal: paste the export line, then run workers and enqueue tasks
     """
-    asyncio.run(_serve(EmbeddedServer(port=port, store_dir=store_dir), persistent=store_dir is not None))
+    try:
+        check_sync_interval(sync_interval)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--sync") from None
+    server = EmbeddedServer(port=port, store_dir=store_dir, sync_interval=sync_interval)
+    asyncio.run(_serve(server, persistent=store_dir is not None))
 
 
 async def _serve(server: EmbeddedServer, *, persistent: bool) -> None:
@@ -53,6 +66,8 @@ async def _serve(server: EmbeddedServer, *, persistent: bool) -> None:
             kept = "kept" if persistent else "temporary, deleted on exit"
             click.echo(f"nats-server with JetStream on {server.url}")
             click.echo(f"store: {server.store_dir} ({kept}); log: {server.log_file}")
+            sync = server.sync_interval or "the server's default, every 2 minutes"
+            click.echo(f"fsync: {sync}; monitoring: {server.monitoring_url}")
             click.echo(f"export KEYQUEUE_URL={server.url}")
             click.echo("Press Ctrl-C to stop.", err=True)
             while not stop.is_set() and server.running:

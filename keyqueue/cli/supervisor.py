@@ -7,8 +7,9 @@ on each line, and:
 * forwards SIGINT/SIGTERM: the first drains every child, a second stops them now; it exits 0 once
   every child has exited cleanly;
 * restarts a child that dies (a non-zero status, or a signal it was not sent), after a backoff,
-  logging one line naming the child and how it ended. The others go on; the dead child's keys
-  pass to them when its leases run out (within the queue's ``ack_wait``);
+  logging one line naming the child and how it ended. The others go on. The parent saw the child
+  die, so it releases the child's keys at once (``on_death``: ``keyqueue.admin.release``, for
+  the records of that child's process only) rather than leaving them until its leases run out;
 * gives up when one child dies soon after its start several times in a row (a configuration
   error, typically): it drains the others and fails with one line saying why.
 
@@ -98,7 +99,8 @@ class Supervisor:
     """
 
     def __init__(self, count: int, name: str, *, json_lines: bool = False,
-                 policy: RestartPolicy = RestartPolicy()) -> None:
+                 policy: RestartPolicy = RestartPolicy(),
+                 on_death: Callable[[str, int], Awaitable[None]] | None = None) -> None:
         if count < 1:
             raise KeyqueueError(f"--processes must be at least 1, got {count}")
         self.command = WorkerCommand((), {})
@@ -106,6 +108,9 @@ class Supervisor:
         self.name = name
         self.json_lines = json_lines
         self.policy = policy
+        self.on_death = on_death
+        """Called with a child's name and pid when it died (not when it stopped as asked), before
+        it is started again: what its keys need (their release). Its failures are logged."""
         self._children: dict[int, _Child] = {}
         self._stopping = asyncio.Event()
         self._signals: list[signal.Signals] = []
@@ -197,13 +202,24 @@ class Supervisor:
                 last = f" (its last line: {child.last_error_line})" if child.last_error_line else ""
                 self._give_up(f"{ended}, dying within {self.policy.quick:g}s of its start {quick_deaths} times "
                               f"in a row{last}: not restarting it")
+                await self._died(child)
                 return
             log.warning("%s; restarting it in %.1fs", ended, delay)
+            await self._died(child)  # said first: the keys it held move on from here
             try:
                 await asyncio.wait_for(self._stopping.wait(), delay)
             except TimeoutError:
                 pass
             delay = min(self.policy.max_delay, delay * 2)
+
+    async def _died(self, child: _Child) -> None:
+        if self.on_death is None:
+            return
+        try:
+            await self.on_death(child.name, child.proc.pid)
+        except Exception as e:  # the keys then move when their leases run out
+            log.warning("could not release the keys of worker process %s (pid %d): %s", child.name, child.proc.pid,
+                        e)
 
     async def _spawn(self, index: int, name: str) -> _Child:
         proc = await asyncio.create_subprocess_exec(

@@ -13,13 +13,19 @@ import os
 import socket
 import sys
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import click
 
+from keyqueue.admin.release import release_keys
 from keyqueue.app.application import App
 from keyqueue.cli.common import LOG_FORMATS, configure_logging, load_app, url_option
 from keyqueue.cli.supervisor import Supervisor, WorkerCommand
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.connect import connect
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
 
 __all__ = ["ProcessCount", "worker"]
 
@@ -68,6 +74,10 @@ class ProcessCount(click.ParamType[int, Any]):
 @click.option("--connect-timeout", type=click.FloatRange(0), default=None, metavar="SECONDS",
               help="How long to wait for an unreachable server at start, retrying with a backoff and "
                    "logging each attempt (default: wait forever).")
+@click.option("--watchdog/--no-watchdog", default=True, show_default=True,
+              help="End the process (exit status 75) before an event loop blocked by a handler (sync code in an "
+                   "async def) outlives a key's lease, so that no other worker runs the key beside it; the "
+                   "blocked attempt counts toward the task's max_attempts.")
 @click.option("--processes", "-p", type=ProcessCount(), default="1", show_default=True,
               help="Worker processes to run, each with these options, under a parent that restarts them "
                    "(auto: one per CPU).")
@@ -87,7 +97,8 @@ class ProcessCount(click.ParamType[int, Any]):
                    "queue, key, request_id, attempt).")
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
            drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
-           priority: int | None, connect_timeout: float | None, processes: int, metrics_port: int | None,
+           priority: int | None, connect_timeout: float | None, watchdog: bool, processes: int,
+           metrics_port: int | None,
            metrics_host: str, url: str | None, log_level: str, log_format: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
@@ -129,7 +140,7 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     serving = app.worker(queues=list(queues) or None, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
                          drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
                          overflow_min_ack_pending=overflow_min_ack_pending, priority=priority,
-                         connect_timeout=connect_timeout)
+                         connect_timeout=connect_timeout, watchdog=watchdog)
 
     async def run() -> None:
         try:
@@ -171,6 +182,12 @@ def _worker_options(ctx: click.Context) -> list[str]:
         value = ctx.params.get(param.name or "")
         if not isinstance(param, click.Option) or param.name in _NOT_PASSED_ON or value is None:
             continue
+        if param.is_flag:  # --watchdog/--no-watchdog: the form that says the value
+            if value:
+                args.append(param.opts[0])
+            elif param.secondary_opts:
+                args.append(param.secondary_opts[0])
+            continue
         flag = max(param.opts, key=len)
         for item in value if param.multiple else (value,):
             args += [flag, str(item)]
@@ -190,8 +207,39 @@ async def _supervise(app: App, ctx: click.Context, processes: int, name: str | N
                              # Worker k of N serves its metrics on port + k - 1 (the parent serves none).
                              child_args=None if port is None else lambda k: ["--metrics-port", str(port + k - 1)])
 
-    supervisor = Supervisor(processes, name or f"{socket.gethostname()}:{os.getpid()}", json_lines=json_lines)
+    served = list(ctx.params.get("queues") or ()) or app.queues
+    releaser = _Releaser(app, served)
+    supervisor = Supervisor(processes, name or f"{socket.gethostname()}:{os.getpid()}", json_lines=json_lines,
+                            on_death=releaser.release)
     try:
         await supervisor.run(command())
     finally:
+        await releaser.close()
         await app.close()
+
+
+class _Releaser:
+    """Releases the keys of a worker process that died (the parent saw it), on one connection made
+    on first use: its lease records of that process only, so its restarted successor (same name,
+    another pid) keeps what it has taken meanwhile."""
+
+    def __init__(self, app: App, queues: list[str]) -> None:
+        self.app = app
+        self.queues = queues
+        self._nc: Client | None = None
+
+    async def release(self, worker: str, pid: int) -> None:
+        if self._nc is None or self._nc.is_closed:
+            self._nc = await connect(await self.app.url(), name="keyqueue-supervisor")
+        api = JetStreamApi(self._nc)
+        for queue in self.queues:
+            released = await release_keys(api, queue, worker=worker, pid=pid, force=True)
+            if released:
+                logging.getLogger("keyqueue.supervisor").warning(
+                    "released %d key(s) of queue %s that %s (pid %d) held: %s", len(released), queue, worker, pid,
+                    ", ".join(r.key for r in released[:10]) + (" ..." if len(released) > 10 else ""))
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()

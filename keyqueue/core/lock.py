@@ -6,22 +6,30 @@ holder's late ack or nak (docs/architecture.md, "Fencing"). The lock is one reco
 compare-and-set (``Nats-Expected-Last-Subject-Sequence``) with a per-message TTL:
 
 - *acquire*: write with expected sequence 0. It succeeds only while no live record exists; its
-  sequence is the holder's fencing number, strictly increasing per key.
+  sequence is the holder's fencing number, strictly increasing per key. A loser gets 10071, or
+  10164 on a replicated stream (another write to the subject is still being replicated): both
+  are :class:`~keyqueue.errors.WrongLastSequence`, a lost race.
 - *renew*: write with the expected sequence of the holder's last record. A renewal that finds
   another record there tells the holder it lost the key.
 - *release*: delete the holder's record by sequence; a record since written by someone else is
-  untouched.
+  untouched. A write whose reply never came (the connection dropped, the request timed out) may
+  have stored a newer record of this holder: the release then also removes whatever record
+  carries this claim's nonce, so no orphan outlives the holder.
 - *expire*: the server removes a record ``ttl`` seconds after it was stored, so a holder that
   died or was cut off frees the key without anyone's help. nats-server 2.15 does not always do so
   after a kill -9 and restart (found by the chaos soak: records outlived their TTL by minutes; see
-  nats-server issue 7256), so a worker kept waiting by a record older than twice its TTL, by the
-  server's timestamp, deletes that record by its sequence (:meth:`KeyLock.clear_expired`). A live
-  holder rewrites its record every ``ttl/3``, so this needs clocks that agree within a TTL.
+  nats-server issue 7256), so a worker kept waiting by a record deletes it by its sequence once it
+  has itself seen the *same* record (same sequence) for twice its TTL on its own monotonic clock
+  (:class:`StaleRecordWatch`): a live holder rewrites its record every ``ttl/3``, so an unchanged
+  sequence means nobody renewed it. No wall clock of any host is compared with another's.
 
 The holder's :class:`~keyqueue.core.lease.Lease` runs from when each confirmed write was *sent*,
 on its own clock, less a margin; the server keeps the record at least ``ttl`` >= ``ack_wait``
 from when it *stored* it, which is later. So while the holder believes its lease is valid, no
-other worker can acquire the key, whatever arrives late and in whatever order.
+other worker can acquire the key, whatever arrives late and in whatever order. What this still
+assumes of time: the server's own wall clock does not jump forward by more than the margin while
+a record lives (it expires records by it), and clock *rates* on the hosts agree within a factor
+of two (docs/architecture.md, "What depends on time").
 """
 
 from __future__ import annotations
@@ -36,8 +44,11 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from keyqueue.core.lease import Lease
-from keyqueue.errors import LeaseLost, WrongLastSequence
+from keyqueue.errors import ConnectionFailed, KeyqueueTimeout, LeaseLost, ReplyLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
+
+_UNANSWERED = (ReplyLost, KeyqueueTimeout)
+"""A write was sent but its reply never came: it may or may not have been stored."""
 
 
 class RecordStore(Protocol):
@@ -50,11 +61,39 @@ class RecordStore(Protocol):
 
     async def remove_record(self, seq: int) -> None: ...
 
+    async def wait_connected(self, timeout: float) -> bool: ...
+
+
+class StaleRecordWatch:
+    """Tells a waiter when the record in its way has not been rewritten for twice its TTL.
+
+    Only what the waiter itself observes counts: the record's sequence, and when it first saw that
+    sequence, on its own monotonic clock. A live holder rewrites its record every third of the TTL
+    (a new sequence each time), so one sequence seen for twice the TTL belongs to nobody alive,
+    whatever the hosts' wall clocks say. Pure logic; the clock is injectable.
+    """
+
+    __slots__ = ("clock", "seq", "since")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.seq = 0
+        self.since = 0.0
+
+    def stale(self, seq: int, ttl: float) -> bool:
+        """Note that the current record has ``seq``; True once that same sequence has been seen for ``2 * ttl``."""
+        now = self.clock()
+        if seq != self.seq:
+            self.seq, self.since = seq, now
+            return False
+        return now - self.since > 2 * ttl
+
 
 class KeyLock:
     """One worker's claim on one key (or on a fleet role such as the reconciler's)."""
 
-    __slots__ = ("ack_wait", "clock", "fence", "holder", "lease", "nonce", "seq", "since", "store", "subject", "ttl")
+    __slots__ = ("ack_wait", "clock", "expiry", "fence", "holder", "lease", "nonce", "seq", "since", "store", "subject",
+                 "ttl", "unsettled")
 
     def __init__(self, store: RecordStore, subject: str, ack_wait: float, *, holder: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -73,6 +112,10 @@ class KeyLock:
         """The sequence of this holder's newest record (the expected sequence of its next write)."""
         self.lease: Lease | None = None
         self.since = ""
+        self.unsettled = False
+        """A write of this claim was sent and its reply never came: a newer record of ours may exist."""
+        self.expiry = StaleRecordWatch(clock)
+        """What this claim saw of another holder's record while it waited (see :meth:`clear_expired`)."""
 
     @property
     def held(self) -> bool:
@@ -91,19 +134,51 @@ class KeyLock:
             return False
 
     async def try_acquire(self) -> bool:
-        """Write the first record; False while another live record holds the key."""
+        """Write the first record; False while another live record holds the key.
+
+        An acquire whose reply was lost is settled by looking: the record there is ours (the write
+        was stored: the key is ours, its lease running from when the write was sent) or it is not.
+        Raises a connection error only when that cannot be known before such a lease would end
+        (then a record of ours, if stored, expires by itself)."""
         sent = self.clock()
         self.since = datetime.now(UTC).isoformat(timespec="milliseconds")
         try:
             seq = await self.store.compare_and_set(self.subject, 0, self._body(), self.ttl)
         except WrongLastSequence:
             return False
+        except asyncio.CancelledError:
+            self.unsettled = True  # sent, maybe stored: release() looks for it
+            raise
+        except _UNANSWERED:
+            lease = Lease(self.ack_wait, sent, clock=self.clock)
+            found = await self._find_mine(lease)
+            if found is None:
+                return False
+            seq = found.seq
         self.fence = self.seq = seq
         self.lease = Lease(self.ack_wait, sent, clock=self.clock)
         return True
 
-    async def renew(self) -> None:
-        """Extend the lease; raise :class:`~keyqueue.errors.LeaseLost` if the key is no longer ours."""
+    async def _find_mine(self, lease: Lease) -> StoredMsg | None:
+        """The key's current record if it is one of this claim's, looking (again after a reconnect)
+        while ``lease`` lasts; raises the last connection error if no look succeeded in time."""
+        while True:
+            try:
+                async with asyncio.timeout(max(0.001, lease.remaining())):
+                    current = await self.store.last_record(self.subject)
+            except (ConnectionFailed, KeyqueueTimeout, TimeoutError) as e:
+                if lease.remaining() <= 0 or not await self.store.wait_connected(lease.remaining()):
+                    self.unsettled = True
+                    raise KeyqueueTimeout(f"could not learn whether a write to {self.subject} was stored "
+                                          "before the lease it would give ended") from e
+                continue
+            self.unsettled = False
+            return current if self._mine(current) else None
+
+    async def renew(self) -> bool:
+        """Extend the lease; True if it was extended, False if the record is still ours but this
+        write lost a race to it (try again soon). Raises :class:`~keyqueue.errors.LeaseLost` if the
+        key is no longer ours, and a connection error if the write's fate is unknown."""
         lease = self._lease()
         lease.check()  # a resumed process must not renew a lapsed lease
         sent = self.clock()
@@ -114,52 +189,55 @@ class KeyLock:
                                                    timeout=lease.remaining())
         except WrongLastSequence:
             try:
-                async with asyncio.timeout(lease.remaining()):
+                async with asyncio.timeout(max(0.001, lease.remaining())):
                     current = await self.store.last_record(self.subject)
             except TimeoutError:
                 current = None
             if self._mine(current) and current is not None:
-                # One of our own renewals landed after we gave up waiting for its reply: the
-                # record is still ours. The lease is extended by the next confirmed renewal.
+                # One of our own writes landed after we gave up waiting for its reply, or (on a
+                # replicated stream, 10164) another worker's acquire was in flight and will fail:
+                # the record is still ours. The next confirmed renewal extends the lease.
                 self.seq = current.seq
-                return
+                self.unsettled = False
+                return False
             lease.lose("another worker acquired the key's lease record")
             raise LeaseLost(lease.lost_reason) from None
+        except (*_UNANSWERED, asyncio.CancelledError):
+            self.unsettled = True
+            raise
         self.seq = seq
-        lease.confirmed(sent, self.clock())
+        self.unsettled = False
+        return lease.confirmed(sent, self.clock())
 
-    async def clear_expired(self, now: float | None = None) -> bool:
-        """Delete the key's current record if it is older than twice its TTL (the server failed to
-        expire it); True if one was deleted. A record rewritten meanwhile has another sequence and
-        is untouched."""
+    async def clear_expired(self) -> bool:
+        """Look at the record in this waiter's way; delete it if this waiter has seen that same
+        record (same sequence) for twice its TTL (the server failed to expire it): True if one was
+        deleted. A record rewritten meanwhile has another sequence and is untouched."""
         record = await self.store.last_record(self.subject)
-        if record is None or not record.timestamp:
+        if record is None:
             return False
         try:
             ttl = float(json.loads(record.data).get("ttl", self.ttl))
         except (ValueError, AttributeError):
             ttl = float(self.ttl)
-        age = (time.time() if now is None else now) - _unix(record.timestamp)
-        if age <= 2 * ttl:
+        if not self.expiry.stale(record.seq, ttl):
             return False
         await self.store.remove_record(record.seq)
         return True
 
     async def release(self) -> None:
-        """Remove this holder's record so the key can be acquired at once (not after the TTL)."""
+        """Remove this holder's record so the key can be acquired at once (not after the TTL); and,
+        if a write of ours went unanswered, whatever newer record carries our nonce."""
         if self.seq:
             await self.store.remove_record(self.seq)
+        if self.unsettled:
+            current = await self.store.last_record(self.subject)
+            if self._mine(current) and current is not None and current.seq != self.seq:
+                await self.store.remove_record(current.seq)
+            self.unsettled = False
 
     def _lease(self) -> Lease:
         if self.lease is None:
             raise LeaseLost("the key's lease record was never acquired")
         return self.lease
 
-
-def _unix(timestamp: str) -> float:
-    """Seconds since the epoch of a JetStream RFC 3339 timestamp (nanoseconds cut to micro)."""
-    stamp = timestamp.rstrip("Z")
-    if "." in stamp:
-        whole, fraction = stamp.split(".", 1)
-        stamp = f"{whole}.{fraction[:6]}"
-    return datetime.fromisoformat(stamp).replace(tzinfo=UTC).timestamp()

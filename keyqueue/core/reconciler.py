@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from keyqueue.core.lock import KeyLock
+from keyqueue.core.lock import KeyLock, StaleRecordWatch
 from keyqueue.errors import KeyqueueError, LeaseLost
 from keyqueue.jetstream.queue_io import QueueIO
 
@@ -30,11 +30,15 @@ class Reconciler:
         self.scheduled_total = 0
         self.passes = 0
         """Passes this worker ran (only while elected)."""
+        self._expiry = StaleRecordWatch()
+        """What this worker saw of the elected worker's record, across its tries to be elected."""
         self._lock = self._new_claim()
 
     def _new_claim(self) -> KeyLock:
-        return KeyLock(self.io, self.io.names.role("reconciler"), max(1.0, 2 * self.interval),
-                       holder={"worker": self.worker, "role": "reconciler"})
+        claim = KeyLock(self.io, self.io.names.role("reconciler"), max(1.0, 2 * self.interval),
+                        holder={"worker": self.worker, "role": "reconciler"})
+        claim.expiry = self._expiry
+        return claim
 
     async def elected(self) -> bool:
         """True while this worker holds the queue's reconciler role (acquiring it if free)."""

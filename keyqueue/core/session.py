@@ -28,12 +28,13 @@ import functools
 import inspect
 import json
 import logging
+import os
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from keyqueue.core.lease import Lease
 from keyqueue.core.lock import KeyLock
@@ -41,10 +42,19 @@ from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd,
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.turns import Turns
-from keyqueue.errors import KeyqueueError, LeaseLost, Reject, WireError
+from keyqueue.errors import (
+    ConnectionFailed,
+    Disconnected,
+    KeyqueueError,
+    KeyqueueTimeout,
+    LeaseLost,
+    Reject,
+    ReplyLost,
+    WireError,
+)
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
-from keyqueue.jetstream.queue_io import HEAD_TTL, QueueIO, Watch
+from keyqueue.jetstream.queue_io import QueueIO, Watch
 from keyqueue.wire import headers as H
 
 log = logging.getLogger("keyqueue.session")
@@ -73,6 +83,18 @@ FAILED_SESSION_DELAY: Final = 1.0
 HAND_BACK_TIMEOUT: Final = 5.0
 """Bound, in seconds, on each step of giving a key back (settling deletes, the ack)."""
 
+RETRY_PAUSE: Final = (0.02, 1.0)
+"""First and longest pause, in seconds, before a NATS step that got no answer on a live connection
+(a replicated stream electing a leader, say) is tried again."""
+
+RENEW_AGAIN: Final = 0.05
+"""Seconds before a renewal is tried again after it lost a race to the record (which is still ours)."""
+
+_RETRIED: Final = (ConnectionFailed, KeyqueueTimeout)
+"""What a session's NATS steps are tried again after: the connection down or dropped (``Disconnected``,
+``ReplyLost``), no responders, no reply in time."""
+
+T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class SessionSettings:
     """How key sessions behave; one value per worker."""
@@ -105,6 +127,10 @@ class _Context:
 
     def lease_valid(self) -> bool:
         return self._session.lease.valid()
+
+    def lease_remaining(self) -> float:
+        """Seconds the lease has left (0 once lost)."""
+        return max(0.0, self._session.lease.remaining()) if self._session.lease.valid() else 0.0
 
 
     def check_lease(self) -> None:
@@ -148,6 +174,7 @@ class KeySession:
         "more",
         "observer",
         "processed",
+        "recheck_later",
         "republished",
         "settings",
         "should_yield",
@@ -158,7 +185,8 @@ class KeySession:
 
     def __init__(self, io: QueueIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
                  observer: SessionObserver, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
-                 worker: str = "", turns: Turns | None = None, idle: dict[str, KeySession] | None = None) -> None:
+                 worker: str = "", turns: Turns | None = None, idle: dict[str, KeySession] | None = None,
+                 recheck_later: Callable[[Token, int], None] | None = None) -> None:
         self.io = io
         self.token = token
         self.key = token.key
@@ -174,8 +202,12 @@ class KeySession:
         """Shared by the worker's sessions: those waiting for a request, longest waiting first. The
         worker wakes them (:meth:`wake`) to give their keys back when more keys wait for a worker
         than it has free slots."""
+        self.recheck_later = recheck_later
+        """Who re-checks the key's inbox (and removes this token) once the connection allows, when
+        this session could not (the worker: :meth:`~keyqueue.core.worker.QueueWorker.recheck_later`)."""
         self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
-                            holder={"worker": worker, "token": token.stream_seq, "delivered": token.delivered})
+                            holder={"worker": worker, "pid": os.getpid(), "token": token.stream_seq,
+                                    "delivered": token.delivered, "ack": token.reply})
         self.lease = Lease(settings.ack_wait, token.received_at)
         self.lease.lose("the key's lease record is not acquired yet")
         self.cursor = 1
@@ -244,6 +276,7 @@ class KeySession:
         if self.acquired and not self.lease.valid():
             return False
         self.token = token
+        self.lock.holder.update(delivered=token.delivered, ack=token.reply)
         return True
 
     # --- the whole session -----------------------------------------------------------------------
@@ -279,9 +312,10 @@ class KeySession:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.shield(self._giving_back)
             elif not self.acquired:
-                # Cut off while waiting for the key: hand the token back for another worker now.
+                # Cut off while waiting for the key: hand the token back for another worker now
+                # (and remove our record, should the acquire cut off have been stored).
                 with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await asyncio.shield(self.io.nak(self.token))
+                    await asyncio.shield(asyncio.gather(self.io.nak(self.token), self.lock.release()))
             raise
         finally:
             self._hurry(False)
@@ -299,6 +333,8 @@ class KeySession:
         # one only when it has waited that long here.
         next_keepalive = self.token.received_at + self.settings.ack_wait / 3
         first = True
+        pause, longest_pause = RETRY_PAUSE
+        give_up = time.monotonic() + 2 * self.settings.ack_wait
         while True:
             if self.draining.is_set():
                 with contextlib.suppress(Exception):
@@ -320,6 +356,22 @@ class KeySession:
             first = False
             try:
                 acquired = await self.lock.try_acquire()
+            except _RETRIED as e:
+                if first_read is not None:
+                    first_read.cancel()
+                    first_read.add_done_callback(lambda f: f.cancelled() or f.exception())
+                # The connection is down, or the server did not answer (a replicated stream
+                # electing a leader): try again once it is back. The record decides who holds
+                # the key, so trying for longer than the token is ours to keep is harmless.
+                if time.monotonic() >= give_up:
+                    raise
+                self._hurry(False)
+                if await self.io.wait_connected(max(0.0, give_up - time.monotonic())) and not isinstance(
+                        e, Disconnected | ReplyLost):
+                    await asyncio.sleep(pause)
+                    pause = min(longest_pause, pause * 2)
+                self._hurry(True)
+                continue
             except BaseException:
                 if first_read is not None:
                     first_read.cancel()
@@ -394,8 +446,8 @@ class KeySession:
         await self._give_back_shielded(outcome)
         return outcome
 
-    def _schedule_renewal(self) -> None:
-        delay = min(self.lease.interval, max(0.0, self.lease.remaining()))
+    def _schedule_renewal(self, after: float | None = None) -> None:
+        delay = min(self.lease.interval if after is None else after, max(0.0, self.lease.remaining()))
         self._renewal_timer = asyncio.get_running_loop().call_later(delay, self._start_renewal)
 
     def _start_renewal(self) -> None:
@@ -404,22 +456,60 @@ class KeySession:
 
     async def _renew(self) -> None:
         """One renewal of the lease record (and a ``+WPI`` for the token); the next is scheduled
-        after it. A lost lease cancels the work."""
-        try:
-            await self.lock.renew()
-        except LeaseLost:
-            pass
-        except Exception as e:
-            log.debug("lease renewal for %s failed: %r", self.key, e)
+        after it. A lost lease cancels the work.
+
+        A renewal that could not be sent, or whose reply never came, is tried again as soon as the
+        connection is up (within the lease): a holder that reconnects while its lease is valid
+        keeps its key under its own record. One that lost a race to its still-own record (a
+        replicated stream's 10164) is tried again shortly."""
+        again: float | None = None
+        while True:
+            try:
+                extended = await self.lock.renew()
+                again = None if extended else RENEW_AGAIN
+                break
+            except LeaseLost:
+                break
+            except Exception as e:
+                log.debug("lease renewal for %s failed: %r", self.key, e)
+                if not isinstance(e, _RETRIED) or not self.lease.valid():
+                    break
+                connected = await self.io.wait_connected(self.lease.remaining())
+                if not self.lease.valid():
+                    break
+                if connected and not isinstance(e, Disconnected | ReplyLost):
+                    again = RENEW_AGAIN  # the server did not answer in time: soon, not at once
+                    break
         if not self.lease.valid():
             self._cut_by_renewal = True
             if self._work_task is not None:
                 self._work_task.cancel()
             return
-        with contextlib.suppress(Exception):
-            await self.io.keepalive(self.token)
+        if again is None:
+            with contextlib.suppress(Exception):
+                await self.io.keepalive(self.token)
         if self._work_task is not None:
-            self._schedule_renewal()
+            self._schedule_renewal(again)
+
+    async def _steady(self, step: Callable[[], Awaitable[T]]) -> T:
+        """Run an idempotent NATS step of this session, and again after a lost connection, a lost
+        reply or no answer (a replicated stream electing a leader) for as long as the lease holds.
+        Raises :class:`~keyqueue.errors.LeaseLost` once it does not: an outage shorter than the
+        lease costs a pause, not the key."""
+        pause, longest = RETRY_PAUSE
+        while True:
+            try:
+                return await step()
+            except _RETRIED as e:
+                self.lease.check()
+                while not await self.io.wait_connected(self.lease.remaining()):
+                    self.lease.check()  # the lease ended while the connection was down
+                    if self.io.closed:
+                        raise
+                if not isinstance(e, Disconnected | ReplyLost):  # connected, yet no answer: not at once
+                    await asyncio.sleep(min(pause, max(0.0, self.lease.remaining())))
+                    pause = min(longest, pause * 2)
+                self.lease.check()
 
     async def _stop_renewals(self) -> None:
         self._work_task = None  # no renewal is scheduled after this
@@ -542,7 +632,8 @@ class KeySession:
         want = max(1, getattr(processor, "batch_size", 0))
         while len(self.buffer) < want:
             start = self.buffer[-1].seq + 1 if self.buffer else self.cursor
-            msgs, self.more = await self.io.read(self.key, start, max(want - len(self.buffer), READ_AHEAD))
+            read = functools.partial(self.io.read, self.key, start, max(want - len(self.buffer), READ_AHEAD))
+            msgs, self.more = await self._steady(read)
             self.buffer.extend(msgs)
             if not self.more:
                 break
@@ -553,15 +644,26 @@ class KeySession:
     # --- processing with retries -----------------------------------------------------------------
 
     async def _process(self, processor: KeyProcessor, batch: list[StoredMsg]) -> None:
+        killed = 0
         if not self.counted_head and self.token.delivered > 1:
             # A redelivered token: the previous holder may have died on this very request.
             self.counted_head = True
-            runs = await self._count_head_run(batch[0])
+            runs, killed = await self._count_head_run(batch[0])
             if runs > self.settings.crash_loop_limit:
                 self.buffer[0:0] = batch[1:]
                 error = KeyqueueError(f"this request was at the head of {runs} sessions of redelivered tokens: "
                                       "workers keep dying or losing the lease on it")
                 await self._dead_letter([batch[0]], error, runs, reason="crash-loop")
+                return
+            head_policy = processor.retry_policy(Request(self.key, batch[0].seq, batch[0].subject, batch[0].headers,
+                                                         batch[0].data)) or self.settings.retry
+            if killed and head_policy.exhausted(killed):
+                # Each of its attempts blocked the event loop until the loop watchdog stopped its
+                # worker (core/watchdog.py): they count toward max_attempts like failed ones.
+                self.buffer[0:0] = batch[1:]
+                error = KeyqueueError(f"its attempt blocked the event loop past the lease {killed} time(s), and the "
+                                      "worker was stopped each time: a handler is blocking the loop")
+                await self._dead_letter([batch[0]], error, killed, reason="max-attempts")
                 return
         self._hurry(False)
         requests = [Request(self.key, m.seq, m.subject, m.headers, m.data) for m in batch]
@@ -570,7 +672,7 @@ class KeySession:
         if self._unpurged and self._purge_timer is None:
             self._purge_timer = asyncio.get_running_loop().call_later(PURGE_WINDOW, self._purge_soon)
         policy = processor.retry_policy(head) or self.settings.retry
-        attempt = 0
+        attempt = killed  # attempts a watchdog stopped count as made
         while True:
             attempt += 1
             await self.observer.wait_for_room()
@@ -652,15 +754,15 @@ class KeySession:
                 if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
                     await self._settle_deletes()
         else:
-            await self.io.purge_through(self.key, through)
+            await self._steady(functools.partial(self.io.purge_through, self.key, through))
         self._in_hand = 0
         self.processed += len(batch)
         for request, reply in zip(requests, replies, strict=False):
             if request.reply_inbox:
                 self.lease.check()
-                await self.io.reply(request.reply_inbox, {H.STATUS: "ok", H.REQUEST_ID: request.request_id,
-                                                          **(reply.headers if reply else {})},
-                                    reply.data if reply else b"")
+                headers = {H.STATUS: "ok", H.REQUEST_ID: request.request_id, **(reply.headers if reply else {})}
+                await self._steady(functools.partial(self.io.reply, request.reply_inbox, headers,
+                                                     reply.data if reply else b""))
             superseded_by = None
             if reply is not None and reply.headers.get(H.STATUS) == H.STATUS_SUPERSEDED:
                 superseded_by = reply.headers.get(H.SUPERSEDED_BY, "")
@@ -675,8 +777,9 @@ class KeySession:
         done, self._unpurged = self._unpurged, 0  # requests done while the purge is sent count for the next
         if not done:
             return
+        through = self.cursor - 1
         try:
-            self.deletes.append(await self.io.purge_soon(self.key, self.cursor - 1))
+            self.deletes.append(await self._steady(functools.partial(self.io.purge_soon, self.key, through)))
         except BaseException:
             self._unpurged += done  # still stored: the settle sends it again
             raise
@@ -707,7 +810,13 @@ class KeySession:
             self._purge_timer.cancel()
             self._purge_timer = None
         deletes, self.deletes = self.deletes, []
-        await self.io.settle(deletes)
+        try:
+            await self.io.settle(deletes)
+        except _RETRIED:
+            # A removal's reply was lost with the connection, or is late: remove everything done
+            # again, in one purge, once connected (a purge is safe to repeat).
+            if self.cursor > 1:
+                await self._steady(functools.partial(self.io.purge_through, self.key, self.cursor - 1))
 
     async def _dead_letter(self, batch: list[StoredMsg], error: BaseException, attempts: int, *,
                            reason: str) -> None:
@@ -724,23 +833,26 @@ class KeySession:
             }
             if reason != "rejected":  # a rejection is expected input: its traceback says nothing
                 why[H.DLQ_TRACEBACK] = _traceback_header(error)
-            await self.io.dead_letter(self.key, msg, why)
+            # The copy is stored once however often it is sent (its id is the inbox sequence), and
+            # the delete is safe to repeat: both are tried again after a lost connection.
+            await self._steady(functools.partial(self.io.dead_letter, self.key, msg, why))
             self.lease.check()
-            await self.io.delete(msg.seq)
+            await self._steady(functools.partial(self.io.delete, msg.seq))
             self.cursor = msg.seq + 1
             self._in_hand = 0
             inbox = msg.headers.get(H.REPLY_INBOX)
             if inbox:
                 self.lease.check()
-                await self.io.reply(inbox, {H.STATUS: "dead-lettered", H.REQUEST_ID: msg.headers.get(H.MSG_ID, ""),
-                                            H.ERROR_TYPE: type(error).__name__,
-                                            H.ERROR_MESSAGE: H.header_safe(str(error)),
-                                            H.DLQ_REASON: reason}, b"")
+                answer = {H.STATUS: "dead-lettered", H.REQUEST_ID: msg.headers.get(H.MSG_ID, ""),
+                          H.ERROR_TYPE: type(error).__name__, H.ERROR_MESSAGE: H.header_safe(str(error)),
+                          H.DLQ_REASON: reason}
+                await self._steady(functools.partial(self.io.reply, inbox, answer, b""))
             self.observer.request_dead_lettered(self._attempt(msg.seq, msg.headers, attempts, len(batch)), reason,
                                                 error)
 
-    async def _count_head_run(self, head: StoredMsg) -> int:
-        """Count one more session that starts with ``head`` on a redelivered token; the count."""
+    async def _count_head_run(self, head: StoredMsg) -> tuple[int, int]:
+        """Count one more session that starts with ``head`` on a redelivered token; the counts of
+        such sessions and of its attempts a loop watchdog stopped."""
         return await self._add_head_runs(head.seq, +1)
 
     async def _forgive_head(self) -> None:
@@ -749,20 +861,14 @@ class KeySession:
         if self._in_hand:
             await self._add_head_runs(self._in_hand, -1)
 
-    async def _add_head_runs(self, seq: int, delta: int) -> int:
+    async def _add_head_runs(self, seq: int, delta: int) -> tuple[int, int]:
         """Add ``delta`` to the crash-loop count of request ``seq`` (a count of another request
-        starts over); the new count. A counter is a heuristic: a failure never blocks the key."""
-        subject = self.io.names.head(self.key)
+        starts over); the new counts. A counter is a heuristic: a failure never blocks the key."""
         try:
-            record = await self.io.last_record(subject)
-            last = json.loads(record.data) if record is not None else {}
-            runs = (int(last.get("runs", 0)) if last.get("seq") == seq else 0) + delta
-            await self.io.compare_and_set(subject, record.seq if record else 0,
-                                          json.dumps({"seq": seq, "runs": runs}).encode(), HEAD_TTL)
+            return await self.io.add_head_runs(self.key, seq, runs=delta)
         except (KeyqueueError, ValueError) as e:
             log.debug("crash-loop counter for %s: %r", self.key, e)
-            return max(1, delta)
-        return runs
+            return max(1, delta), 0
 
     # --- release ---------------------------------------------------------------------------------
 
@@ -784,13 +890,16 @@ class KeySession:
         await asyncio.shield(self._giving_back)
 
     async def _give_back(self, outcome: Outcome) -> None:
-        """Settle deletes, remove the lease record, ack (or, after a failure, nak) the token, and
-        re-check the inbox. Never raises: whatever fails here, the record's TTL frees the key."""
+        """Settle deletes, remove the lease record, release (or, after a failure, nak) the token,
+        and re-check the inbox. Each step is tried again after a lost connection while the lease
+        holds. Never raises: whatever fails here, the record's TTL frees the key, and a key whose
+        token may be gone with a request left is handed to the worker to re-check."""
         if not self.lease.valid():
             return  # another worker may own the key now: nothing more is sent for it
         try:
-            async with asyncio.timeout(HAND_BACK_TIMEOUT):
-                await self._settle_deletes()
+            await self._settle_deletes()
+        except LeaseLost:
+            return
         except Exception as e:
             # Unconfirmed deletes may land or not: a request not deleted runs again (at least once).
             log.warning("queue %s key %s: %d delete(s) unconfirmed at release: %r", self.io.names.queue,
@@ -803,21 +912,55 @@ class KeySession:
             # delay (a failure, so that it cannot spin).
             await self._forgive_head()
             delay = FAILED_SESSION_DELAY if outcome == Outcome.FAILED else 0.0
-            await asyncio.gather(self.lock.release(), self.io.nak(self.token, delay), return_exceptions=True)
+            await asyncio.gather(self._steady(self.lock.release),
+                                 self._steady(functools.partial(self.io.nak, self.token, delay)),
+                                 return_exceptions=True)
             return
-        released, acked = await asyncio.gather(self.lock.release(), self.io.ack(self.token, HAND_BACK_TIMEOUT),
-                                               return_exceptions=True)
-        for what, result in (("lease record", released), ("token", acked)):
+        released, gone = await asyncio.gather(
+            self._steady(self.lock.release),
+            self._steady(functools.partial(self.io.release_token, self.token, HAND_BACK_TIMEOUT)),
+            return_exceptions=True)
+        for what, result in (("lease record", released), ("token", gone)):
             if isinstance(result, BaseException):
                 log.debug("queue %s key %s: releasing the %s: %r", self.io.names.queue, self.key, what, result)
-        # A request stored after our last read had its token publish rejected (ours still
-        # existed): look again now that our token is gone, and schedule the key if one remains.
-        try:
-            if await self.io.next_request(self.key, self.cursor) is not None:
-                self.republished = await self.io.schedule(self.key)
-        except Exception as e:
-            log.warning("queue %s key %s: re-check after release failed (the reconciler schedules the key): "
-                        "%r", self.io.names.queue, self.key, e)
+        if isinstance(gone, BaseException):
+            # The token may still be stored (then it comes back), or our ack may have removed it
+            # unconfirmed: the worker removes it for sure and re-checks once it can.
+            self._recheck_later()
+            return
+        await self._recheck()
+
+    async def _recheck(self) -> None:
+        """A request stored after our last read had its token publish refused (ours still existed):
+        look again now that our token is gone, and schedule the key if one remains. Harmless at any
+        time (a token is a hint), so it is tried again after a lost connection, lease or not, and
+        handed to the worker if the connection stays down."""
+        give_up = time.monotonic() + self.settings.ack_wait
+        pause, longest = RETRY_PAUSE
+        while True:
+            try:
+                if await self.io.next_request(self.key, self.cursor) is not None:
+                    self.republished = await self.io.schedule(self.key)
+                return
+            except _RETRIED as e:
+                left = give_up - time.monotonic()
+                if left <= 0 or not await self.io.wait_connected(left):
+                    log.warning("queue %s key %s: re-check after release failed (%r); the worker re-checks the "
+                                "key once connected", self.io.names.queue, self.key, e)
+                    self._recheck_later()
+                    return
+                if not isinstance(e, Disconnected | ReplyLost):
+                    await asyncio.sleep(pause)
+                    pause = min(longest, pause * 2)
+            except Exception as e:
+                log.warning("queue %s key %s: re-check after release failed (the worker re-checks the key): %r",
+                            self.io.names.queue, self.key, e)
+                self._recheck_later()
+                return
+
+    def _recheck_later(self) -> None:
+        if self.recheck_later is not None:
+            self.recheck_later(self.token, self.cursor)
 
 
 def _message_type(headers: Mapping[str, str]) -> str:

@@ -1,7 +1,8 @@
 """The worker runtime for one queue: slots, the token pull loop, sessions, drain.
 
 One asyncio task per key session, owned by a TaskGroup; the puller, the reconciler, the
-loop-lag monitor and the backlog probe are owned tasks too, cancelled and awaited on exit.
+loop-lag monitor, the backlog probe and the re-checks of keys whose release was cut short are
+owned tasks too, cancelled and awaited on exit.
 
 The sessions' steps are counted, told to the worker's
 :class:`~keyqueue.core.observer.SessionObserver` (whose failures are logged and never reach a
@@ -49,11 +50,12 @@ from keyqueue.core.processor import ProcessorFactory, Request, RequestContext
 from keyqueue.core.reconciler import Reconciler
 from keyqueue.core.session import KeySession, SessionSettings
 from keyqueue.core.turns import Turns
+from keyqueue.core.watchdog import HeldLease, LoopWatchdog
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import LogThrottle
 from keyqueue.jetstream.pull import PullOptions, Token, TokenPuller
-from keyqueue.jetstream.queue_io import QueueIO
+from keyqueue.jetstream.queue_io import QueueIO, count_killed_attempts
 from keyqueue.jetstream.topology import Change, QueueConfig, Topology
 
 log = logging.getLogger("keyqueue.worker")
@@ -80,7 +82,7 @@ class QueueWorker:
                  concurrency: int = 16, settings: SessionSettings | None = None,
                  pull: PullOptions | None = None, reconcile_interval: float = 30.0,
                  name: str | None = None, observer: SessionObserver | None = None,
-                 follow_lease: bool = False) -> None:
+                 follow_lease: bool = False, watchdog: bool = False) -> None:
         self.nc = nc
         self.config = config
         self.factory = factory
@@ -128,6 +130,16 @@ class QueueWorker:
         self._last_tick = time.monotonic()
         self._stale_after = self.settings.ack_wait - Lease.default_margin(self.settings.ack_wait)
         """A stall this long may have outlived every lease this worker held."""
+        self.watchdog: LoopWatchdog | None = None
+        """With ``watchdog``: the thread that ends this process before a blocked loop outlives a
+        lease (core/watchdog.py). Started with the worker; it is for processes that run workers,
+        not for a process the worker is a guest in."""
+        if watchdog:
+            self.watchdog = LoopWatchdog(self.settings.ack_wait, self._held_leases, count_killed=self._count_killed)
+        self._rechecks: dict[str, tuple[Token, int]] = {}
+        """Keys whose session could not finish its release (the connection was down): the token it
+        released (maybe unconfirmed) and the inbox sequence to re-check from."""
+        self._recheck_wanted = asyncio.Event()
 
     # --- slots -----------------------------------------------------------------------------------
 
@@ -188,7 +200,7 @@ class QueueWorker:
             return
         session = KeySession(self.io, token, self.factory, self.settings, observer=self.report,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name,
-                             turns=self.turns, idle=self._idle)
+                             turns=self.turns, idle=self._idle, recheck_later=self.recheck_later)
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session
@@ -238,8 +250,11 @@ class QueueWorker:
                     tg.create_task(self.reconciler.run(), name="reconciler"),
                     tg.create_task(self._watch_loop_lag(), name="loop-lag"),
                     tg.create_task(self._probe_waiting_tokens(), name="waiting-tokens"),
+                    tg.create_task(self._recheck_keys(), name="rechecks"),
                 ]
                 self._started.set()
+                if self.watchdog is not None:
+                    self.watchdog.start()
                 try:
                     await self.draining.wait()
                 except asyncio.CancelledError:
@@ -250,6 +265,8 @@ class QueueWorker:
                 await _cancel_all(helpers)
         finally:
             self._tg = None
+            if self.watchdog is not None:
+                self.watchdog.stop()
         log.debug("worker %s stopped serving queue %s: %s", self.name, self.config.name, self.summary())
 
     async def _ensure_topology(self) -> None:
@@ -318,11 +335,50 @@ class QueueWorker:
     def reconnected(self) -> None:
         self.puller.reconnected()
 
+    # --- keys whose release was cut short ----------------------------------------------------------
+
+    def recheck_later(self, token: Token, cursor: int) -> None:
+        """A session released its key without knowing its token is gone, or could not re-check the
+        key's inbox after (the connection was down): remove that token for sure and re-check the
+        inbox once connected, so a request stored meanwhile is not left without a token until a
+        reconciler pass. Safe at any time: a token is a hint, and a newer one has another sequence."""
+        self._rechecks[token.key] = (token, cursor)
+        self._recheck_wanted.set()
+
+    async def _recheck_keys(self) -> None:
+        while True:
+            await self._recheck_wanted.wait()
+            self._recheck_wanted.clear()
+            while self._rechecks:
+                if not await self.io.wait_connected(self.settings.ack_wait):
+                    continue
+                key, (token, cursor) = next(iter(self._rechecks.items()))
+                try:
+                    await self.io.delete_token(token)
+                    if await self.io.next_request(key, cursor) is not None:
+                        await self.io.schedule(key)
+                except KeyqueueError as e:
+                    log.debug("queue %s key %s: re-check failed, trying again: %r", self.config.name, key, e)
+                    await asyncio.sleep(0.5)
+                    continue
+                if self._rechecks.get(key) == (token, cursor):
+                    del self._rechecks[key]
+
+    def _held_leases(self) -> list[HeldLease]:
+        """The keys held under a valid lease (read by the watchdog's thread)."""
+        return [HeldLease(s.key, s.lease.deadline, s._in_hand) for s in list(self._held.values())
+                if s.acquired and s.lease.lost_reason is None]
+
+    def _count_killed(self, held: Sequence[HeldLease], budget: float) -> None:
+        count_killed_attempts(self.nc, self.config, [(h.key, h.in_hand) for h in held], budget)
+
     async def _watch_loop_lag(self) -> None:
         """Track when the loop last ran freely, and warn when it stalls past ``ack_wait / 3``."""
         limit = self.settings.ack_wait / 3
         while True:
             self._last_tick = time.monotonic()
+            if self.watchdog is not None:
+                self.watchdog.beat()
             await asyncio.sleep(LOOP_TICK)
             lag = time.monotonic() - self._last_tick - LOOP_TICK
             if lag >= self._stale_after:

@@ -27,7 +27,7 @@ from keyqueue.errors import (
     StreamNotFound,
     from_api_error,
 )
-from keyqueue.jetstream.connect import CONNECTION_DOWN, disconnected, not_sent
+from keyqueue.jetstream.connect import CONNECTION_DOWN, disconnected, link_of, not_sent
 
 API_TIMEOUT: Final = 5.0
 """Seconds to wait for a JetStream API reply before raising KeyqueueTimeout."""
@@ -116,7 +116,10 @@ class JetStreamApi:
             # nats-py would refuse it too, but leave the request's reply future in its map for good.
             raise disconnected(f"the request to {subject}")
         try:
-            return await self.nc.request(subject, data, timeout=timeout or self.timeout, headers=headers)
+            request = self.nc.request(subject, data, timeout=timeout or self.timeout, headers=headers)
+            link = link_of(self.nc)
+            # A reply the connection took with it never comes: say so at once, not after the timeout.
+            return await (request if link is None else link.until_dropped(request, f"the request to {subject}"))
         except nats.errors.NoRespondersError as e:
             raise ConnectionFailed(
                 f"no responders for {subject}: JetStream is not enabled on the server at "

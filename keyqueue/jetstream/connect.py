@@ -13,22 +13,29 @@
 * **What nats-py reports is logged** (:class:`NatsErrorLog`).
 * **Headers are parsed faster** (:class:`KeyqueueClient`): a worker receives every request with
   its headers, and nats-py 2.16 (the newest) checks each header name character by character.
+* **Who needs to know, knows when it drops and comes back** (:class:`Link`): a request whose reply
+  was still awaited when the connection dropped fails at once (its reply will never come), and a
+  key's holder, a producer or a mover waits for the reconnect (within its own bound) instead of
+  failing: a short outage costs a short pause, not a lease.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 import nats.errors
 from nats.aio.client import Client
 
-from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout
+from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout, ReplyLost
 
 log = logging.getLogger("keyqueue.connection")
+
+T = TypeVar("T")
 
 PING_INTERVAL: Final = 5.0
 """Seconds between client PINGs (nats-py's default is 120 s). A half-open connection (a peer or a
@@ -98,12 +105,128 @@ def _parse_header_lines_bytes(raw: bytes) -> dict[str, str]:
     return out
 
 
+class Link:
+    """Whether a connection is up, for code that must wait for it to come back or must know it dropped.
+
+    ``connect`` keeps one per connection (:func:`link_of`) and tells it of every drop
+    (:meth:`down`) and reconnect (:meth:`up`). A drop calls every :meth:`on_down` listener at once
+    (a request mux fails the requests whose replies it still awaited: they will never come).
+    """
+
+    __slots__ = ("_drop_waiters", "_listeners", "_up", "closed", "drops")
+
+    def __init__(self) -> None:
+        self._up: asyncio.Event | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self._drop_waiters: set[asyncio.Future[None]] = set()
+        self.drops = 0
+        """How many times the connection dropped (a request sent before a drop has no reply coming)."""
+        self.closed = False
+
+    def _event(self) -> asyncio.Event:
+        if self._up is None:
+            self._up = asyncio.Event()
+            self._up.set()
+        return self._up
+
+    @property
+    def is_up(self) -> bool:
+        return not self.closed and self._event().is_set()
+
+    def on_down(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` (no arguments, on the loop) at every drop; returns its removal."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def down(self, *, closed: bool = False) -> None:
+        self.drops += 1
+        self.closed = self.closed or closed
+        self._event().clear()
+        for listener in list(self._listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("a connection-drop listener failed")
+        for waiter in self._drop_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        if self.closed:
+            self._event().set()  # wake whoever waits: it is not coming back
+
+    def up(self) -> None:
+        if not self.closed:
+            self._event().set()
+
+    async def until_dropped(self, work: Awaitable[T], what: str) -> T:
+        """Await ``work`` (a request whose reply is awaited); raise :class:`~keyqueue.errors.ReplyLost`
+        at once if the connection drops first (``work`` is then cancelled: its reply will not come)."""
+        task: asyncio.Future[T] = asyncio.ensure_future(work)
+        dropped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._drop_waiters.add(dropped)
+        either: set[asyncio.Future[Any]] = {task, dropped}
+        try:
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            self._drop_waiters.discard(dropped)
+        if task.done():
+            return task.result()
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise ReplyLost(f"the connection to NATS dropped before the reply to {what} came")
+
+    async def wait_up(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the connection; whether it is up."""
+        if self.is_up:
+            return True
+        if self.closed or timeout <= 0:
+            return False
+        try:
+            async with asyncio.timeout(timeout):
+                await self._event().wait()
+        except TimeoutError:
+            return False
+        return self.is_up
+
+
+_POLL: Final = 0.05
+"""Seconds between looks at a plain nats-py client's state (one not opened by :func:`connect`)."""
+
+
+def link_of(nc: Client) -> Link | None:
+    """The :class:`Link` of a connection opened by :func:`connect`; None for a plain nats-py client."""
+    return getattr(nc, "link", None)
+
+
+async def wait_connected(nc: Client, timeout: float) -> bool:
+    """Wait at most ``timeout`` seconds for ``nc`` to be connected; whether it is (never for a closed one)."""
+    link = link_of(nc)
+    if link is not None:
+        return await link.wait_up(timeout)
+    deadline = time.monotonic() + timeout
+    while not nc.is_connected:
+        if nc.is_closed or time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(min(_POLL, max(0.0, deadline - time.monotonic())))
+    return True
+
+
 class KeyqueueClient(Client):
-    """nats-py's client, reading message headers with :func:`parse_header_lines` (the same result, faster).
+    """nats-py's client, reading message headers with :func:`parse_header_lines` (the same result, faster),
+    with a :class:`Link` that says when it drops and comes back.
 
     It overrides nats-py's private ``_parse_header_lines``, which ``_process_headers`` calls for
     every message with headers; a test fails if nats-py stops calling it.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.link = Link()
+        self.target: str | ConnectOptions | None = None
+        """What :func:`connect` was given: another connection to the same servers, with the same
+        credentials, can be opened with it (the loop watchdog does, from its own thread)."""
 
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -226,11 +349,13 @@ async def connect(target: str | ConnectOptions, *, name: str = "keyqueue",
     options.setdefault("max_outstanding_pings", MAX_OUTSTANDING_PINGS)
     where = ",".join(options.get("servers") or []) or "the configured server"
     nc = KeyqueueClient()
+    nc.target = target
 
     async def quiet(e: Exception) -> None:
         return None  # the probe's failure is raised as ConnectionFailed
 
     async def on_reconnect() -> None:
+        nc.link.up()
         log.info("NATS connection %s: reconnected to %s", options["name"],
                  nc.connected_url.netloc if nc.connected_url else where)
         if reconnected is not None:
@@ -239,6 +364,7 @@ async def connect(target: str | ConnectOptions, *, name: str = "keyqueue",
     async def on_disconnect() -> None:
         # nats-py calls this before its first reconnect attempt (and on close, after flushing).
         dropped = discard_unsent(nc)
+        nc.link.down(closed=nc.is_closed)
         if not nc.is_closed:
             log.warning("NATS connection %s: lost, reconnecting; publishes fail with Disconnected until it is "
                         "back%s", options["name"],

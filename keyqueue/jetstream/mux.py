@@ -9,6 +9,10 @@ A request nobody waits for any more (its caller gave up, or never awaited the fu
 be remembered for ever: every request expires ``expire_after`` seconds after it was sent, its
 future failing with :class:`~keyqueue.errors.KeyqueueTimeout`. Requests expire in the order they
 were sent, so one timer, armed for the oldest, is enough.
+
+When the connection drops (a connection opened by ``keyqueue.jetstream.connect``), every request
+still awaiting its reply fails at once with :class:`~keyqueue.errors.ReplyLost`: its reply will
+never come, and its sender may retry once reconnected instead of waiting out a timeout.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from typing import Any, Final
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from keyqueue.errors import ConnectionFailed, KeyqueueTimeout
-from keyqueue.jetstream.connect import CONNECTION_DOWN, not_sent
+from keyqueue.errors import ConnectionFailed, KeyqueueTimeout, ReplyLost
+from keyqueue.jetstream.connect import CONNECTION_DOWN, link_of, not_sent
 
 STATUS = "Status"
 
@@ -54,6 +58,7 @@ class RequestMux:
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
         self._timer: asyncio.TimerHandle | None = None
+        self._unlisten: Any = None
 
     @property
     def in_flight(self) -> int:
@@ -66,6 +71,18 @@ class RequestMux:
                 if self._sub is None:
                     self._prefix = self.nc.new_inbox() + "."
                     self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._on_reply)
+                    link = link_of(self.nc)
+                    if link is not None:
+                        self._unlisten = link.on_down(self._dropped)
+
+    def _dropped(self) -> None:
+        """The connection dropped: no request sent before has a reply coming."""
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            if not entry.future.done():
+                entry.future.set_exception(ReplyLost(
+                    f"the connection to NATS dropped before the reply to a request to {entry.subject} came"))
+                entry.future.exception()  # retrieved: a future nobody awaits must not log it
 
     async def _on_reply(self, msg: Msg) -> None:
         pending = self._pending.get(msg.subject)
@@ -128,6 +145,9 @@ class RequestMux:
         return await wait(future, timeout, subject)
 
     async def close(self) -> None:
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -97,8 +97,13 @@ def parse_ack_subject(reply: str) -> tuple[int, int, float, int]:
 class PullOptions:
     """What every pull request carries: expiry, heartbeats, and ADR-42 priority-group fields."""
 
-    expires: float = 10.0
-    heartbeat: float = 2.0
+    expires: float = 5.0
+    """Seconds a pull request waits on the server. A worker stopped (SIGSTOP, a frozen VM) with one
+    outstanding can be handed tokens it cannot act on until then (they come back after their ack
+    wait), so this is kept short."""
+    heartbeat: float = 1.0
+    """Seconds between the server's idle heartbeats; two missed (a consumer leader gone) and the
+    worker pulls afresh from the new leader."""
     group: str | None = None
     min_pending: int = 0
     min_ack_pending: int = 0
@@ -311,8 +316,14 @@ class TokenPuller:
 
     async def _on_msg(self, msg: Msg, generation: int) -> None:
         if generation != self._generation:
+            # A token delivered while this process was stalled: hand it back at once rather than
+            # leave it until its ack wait ends (nobody would start its key meanwhile). Harmless if it
+            # went to another worker since: a token is a hint, the lease record decides.
             self.dropped += 1
-            log.warning("queue %s: ignoring a delivery to an abandoned pull request", self.names.queue)
+            if msg.reply and not (msg.headers or {}).get(STATUS):
+                log.warning("queue %s: handing back a token delivered to an abandoned pull request", self.names.queue)
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(msg.reply, b"-NAK")
             return
         now = self.clock()
         headers = msg.headers or {}

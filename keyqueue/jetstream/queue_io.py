@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import nats.errors
@@ -27,7 +27,7 @@ from keyqueue.jetstream.api import (
     raise_for_reply,
     stored_from_direct,
 )
-from keyqueue.jetstream.connect import disconnected
+from keyqueue.jetstream.connect import connect, disconnected, wait_connected
 from keyqueue.jetstream.dlq_copy import dead_letter_copy, minimal_dead_letter_copy
 from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.publish import Publisher
@@ -96,6 +96,9 @@ class QueueIO:
         self.api = JetStreamApi(nc)
         self.publisher = Publisher(nc, self.names)
         self.direct = config.replicas == 1
+        self.replicated = config.replicas > 1
+        """On a replicated stream the server answers some requests before it has done their work
+        (a double ack before the token is removed: docs/architecture.md, "Replicated streams")."""
         # Two reply subscriptions: nats-py hands one subscription's messages to its callback one
         # at a time, so a read's reply would otherwise queue behind thousands of pipelined
         # deletes' replies, and a new key would wait for every busy key's deletes.
@@ -265,6 +268,24 @@ class QueueIO:
         wait_for = self.timeout if timeout is None else max(0.001, timeout)
         return parse_pub_ack((await wait(future, wait_for, f"a lease write to {subject}"))[0]).seq
 
+    async def add_head_runs(self, key: str, seq: int, *, runs: int = 0, killed: int = 0) -> tuple[int, int]:
+        """Add to the crash-loop counts of the key's head request ``seq`` (``kq.<queue>.head.<key>``,
+        a compare-and-set record; the counts of another request start over): ``runs``, sessions of
+        redelivered tokens that started on it, and ``killed``, attempts of it that a loop watchdog
+        stopped. Returns both counts. Raises ``WrongLastSequence`` if another write came first."""
+        subject = self.names.head(key)
+        record = await self.last_record(subject)
+        try:
+            last = json.loads(record.data) if record is not None else {}
+        except ValueError:
+            last = {}
+        same = isinstance(last, dict) and last.get("seq") == seq
+        new_runs = (int(last.get("runs", 0)) if same else 0) + runs
+        new_killed = (int(last.get("killed", 0)) if same else 0) + killed
+        body = json.dumps({"seq": seq, "runs": new_runs, "killed": new_killed}, separators=(",", ":")).encode()
+        await self.compare_and_set(subject, record.seq if record is not None else 0, body, HEAD_TTL)
+        return new_runs, new_killed
+
     async def last_record(self, subject: str) -> StoredMsg | None:
         """The live record on ``subject`` in the lease stream, if any (from the leader)."""
         return await self.api.get_msg(self.names.lease_stream, last_by_subject=subject, direct=self.direct)
@@ -295,8 +316,40 @@ class QueueIO:
         await self.nc.publish(token.reply, b"+WPI")
 
     async def ack(self, token: Token, timeout: float = 5.0) -> None:
-        """Double ack: returns once the server confirmed the token is gone."""
+        """Double ack: returns once the server confirmed the ack (on one server, the token is gone
+        then; on a replicated stream not yet: see :meth:`release_token`)."""
         await self._ask(token.reply, b"+ACK", f"the ack of key {token.key}'s token", timeout)
+
+    async def delete_token(self, token: Token) -> None:
+        """Remove the token's message from the token stream by its sequence; returns once the stream
+        leader has removed it (a message already gone is fine). The consumer takes a removed
+        message as done, and a newer token of the key has another sequence and stays."""
+        reply = await self._ask(f"{self.api.prefix}.STREAM.MSG.DELETE.{self.names.token_stream}",
+                                b'{"seq":%d,"no_erase":true}' % token.stream_seq,
+                                f"the removal of key {token.key}'s token")
+        try:
+            raise_for_reply(json.loads(reply.data))
+        except JetStreamError as e:
+            if e.err_code != NO_MESSAGE_FOUND:
+                raise
+
+    async def release_token(self, token: Token, timeout: float = 5.0) -> None:
+        """Ack the token, returning once it is gone from the token stream, so that a token published
+        from now on for the key is stored (not refused with 10077 by the one being released).
+
+        One server removes the token before it answers a double ack. A replicated stream answers
+        once the consumer's group has applied the ack and removes the token after: a token
+        published in between is refused. So there the token is also deleted by its sequence, a
+        stream operation the leader answers only once it has applied it."""
+        if not self.replicated:
+            await self.ack(token, timeout)
+            return
+        acked, deleted = await asyncio.gather(self.ack(token, timeout), self.delete_token(token),
+                                              return_exceptions=True)
+        if isinstance(deleted, BaseException):
+            raise deleted
+        if isinstance(acked, BaseException) and not isinstance(acked, Exception):
+            raise acked
 
     async def nak(self, token: Token, delay: float = 0.0) -> None:
         """Hand the token back for redelivery, after ``delay`` seconds."""
@@ -307,6 +360,15 @@ class QueueIO:
     async def schedule(self, key: str) -> bool:
         """Publish the key's token; False if it already exists (held or scheduled)."""
         return await self.publisher.schedule(key)
+
+    @property
+    def closed(self) -> bool:
+        """The connection is closed for good (it will not come back)."""
+        return bool(self.nc.is_closed)
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the connection to be up; whether it is."""
+        return await wait_connected(self.nc, timeout)
 
     # --- fleet-wide views ------------------------------------------------------------------------
 
@@ -323,3 +385,23 @@ class QueueIO:
         info = await self.api.consumer_info(self.names.token_stream, self.names.consumer)
         return int(info.get("num_pending", 0))
 
+
+def count_killed_attempts(nc: Client, config: QueueConfig, marks: Sequence[tuple[str, int]], budget: float) -> None:
+    """For a loop watchdog, from its own thread while the worker's event loop is blocked: add one
+    killed attempt to the head record of each ``(key, inbox sequence)``, on a connection of its own
+    to the servers ``nc`` was opened for, within ``budget`` seconds (``TimeoutError`` past it)."""
+    target = getattr(nc, "target", None)
+    if target is None:
+        raise ConnectionFailed("the worker's connection was not opened by keyqueue.jetstream.connect: cannot open "
+                               "another to count the blocked attempts")
+
+    async def count() -> None:
+        async with asyncio.timeout(budget):
+            other = await connect(target, name="keyqueue-loop-watchdog")
+            try:
+                io = QueueIO(other, config)
+                await asyncio.gather(*(io.add_head_runs(key, seq, killed=1) for key, seq in marks))
+            finally:
+                await other.close()
+
+    asyncio.run(count())

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final
 
-from keyqueue.errors import StreamNotFound, TopologyMismatch
+from keyqueue.errors import JetStreamError, StreamNotFound, TopologyMismatch, WrongLastSequence
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg, parse_pub_ack
 from keyqueue.jetstream.kv import EXPECTED_LAST_SUBJECT_SEQUENCE
 from keyqueue.jetstream.subjects import request_id_token, validate_queue_name
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
 
 __all__ = ["CANCEL_STATE", "CANCEL_TTL", "EXPIRED_MARKER_TTL", "RequestRecords"]
+
+CAS_TRIES: Final = 10
+"""Tries of a compare-and-set on a record that others write too, reading again after each lost race."""
 
 EXPIRED_MARKER_TTL: Final = 24 * 3600
 """Seconds the server keeps the marker it leaves where a kept result expired ("expired", not "missing")."""
@@ -181,14 +184,25 @@ class RequestRecords:
     # --- cancels ---
 
     async def request_cancel(self, request_id: str) -> tuple[str, int]:
-        """Record a cancel request unless one exists: ``(state, seq)`` of the record now stored."""
+        """Record a cancel request unless one exists: ``(state, seq)`` of the record now stored.
+
+        Another write may come first (another canceller, or the holder answering); on a replicated
+        stream it may still be in flight when ours is refused (10164): read again after a pause."""
         subject = self.cancel_subject(request_id)
-        existing = await self._last(subject)
-        if existing is not None and existing.headers.get(CANCEL_STATE):
-            return existing.headers[CANCEL_STATE], existing.seq
-        seq = await self._publish(subject, {CANCEL_STATE: "requested", H.REQUEST_ID: request_id}, b"",
-                                  CANCEL_TTL, expected_last=existing.seq if existing is not None else 0)
-        return "requested", seq
+        pause = 0.01
+        for _ in range(CAS_TRIES):
+            existing = await self._last(subject)
+            if existing is not None and existing.headers.get(CANCEL_STATE):
+                return existing.headers[CANCEL_STATE], existing.seq
+            try:
+                seq = await self._publish(subject, {CANCEL_STATE: "requested", H.REQUEST_ID: request_id}, b"",
+                                          CANCEL_TTL, expected_last=existing.seq if existing is not None else 0)
+            except WrongLastSequence:
+                await asyncio.sleep(pause)
+                pause = min(0.5, pause * 2)
+                continue
+            return "requested", seq
+        raise JetStreamError(f"the cancel record of request {request_id} kept changing while it was being written")
 
     async def answer_cancel(self, request_id: str, state: str, expected_last: int) -> int:
         """The holder's answer to a cancel request, written only over the record it read

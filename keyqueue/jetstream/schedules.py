@@ -19,6 +19,7 @@ core subscriber: so schedules fire into a stream of their own, and a durable con
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 from collections.abc import Mapping
@@ -289,7 +290,8 @@ class ScheduleStore:
         """
         require_version(self.nc, PERIODIC_VERSION, "periodic schedules")
         subject = self.names.periodic(wanted.name)
-        for _ in range(5):
+        pause = 0.01
+        for _ in range(10):
             current = await self._read_periodic(subject)
             if current is not None and current.same_as(wanted):
                 return False
@@ -306,7 +308,11 @@ class ScheduleStore:
                 parse_pub_ack(await self.api._request(subject, wanted.body, self.timeout, headers))
                 return True
             except WrongLastSequence:
-                continue  # another worker wrote it meanwhile: compare again
+                # Another worker wrote it meanwhile (on a replicated stream its write may still be in
+                # flight, 10164): compare again after a pause.
+                await asyncio.sleep(pause)
+                pause = min(0.5, pause * 2)
+                continue
         raise JetStreamError(f"periodic schedule {wanted.name!r} kept changing while it was being stored")
 
     async def remove_periodic(self, name: str) -> bool:

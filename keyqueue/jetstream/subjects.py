@@ -165,6 +165,10 @@ class QueueNames:
     def role(self, name: str) -> str:
         return self.role_prefix + name
 
+    def parked(self, key: str) -> str:
+        """The record of a key whose due requests wait for room in its backlog (``keyqueue.jetstream.due``)."""
+        return self.role_prefix + "parked." + key
+
     def progress(self, key: str) -> str:
         return self.progress_prefix + key
 

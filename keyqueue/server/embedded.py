@@ -48,6 +48,7 @@ __all__ = [
     "MIN_SERVER_VERSION",
     "ClusterSpec",
     "EmbeddedServer",
+    "check_sync_interval",
     "find_nats_server",
     "free_tcp_port",
     "server_version",
@@ -143,6 +144,20 @@ def free_tcp_port() -> int:
         return port
 
 
+_DURATION_RE: Final = re.compile(r"^\d+(\.\d+)?(ms|s|m|h)$")
+
+
+def check_sync_interval(value: str | None) -> str | None:
+    """``value`` if nats-server takes it as ``jetstream.sync_interval`` (``always`` or a duration
+    such as ``500ms``, ``10s``, ``2m``), else raise ``ConfigError``; None (the default) passes."""
+    if value is None:
+        return None
+    shown = value.strip().lower()
+    if shown == "always" or _DURATION_RE.match(shown):
+        return shown
+    raise ConfigError(f"sync interval {value!r} is neither 'always' nor a duration such as 500ms, 10s or 2m")
+
+
 # --- one server --------------------------------------------------------------------------------
 
 
@@ -153,6 +168,13 @@ class ClusterSpec:
     name: str
     port: int
     routes: Sequence[str] = ()
+    advertise: str | None = None
+    """``host:port`` the server gossips to its peers as its route address (``cluster.advertise``),
+    instead of its listen address; a peer that learns of it opens an *implicit* route there. With
+    routes through proxies, an address that refuses connections keeps every route on its proxy."""
+    advertise_clients: bool = True
+    """Whether the server tells clients its peers' client URLs (``cluster.no_advertise`` when
+    False). A client behind a proxy must not learn, and reconnect to, the servers' own ports."""
 
 
 @dataclass
@@ -204,6 +226,7 @@ class EmbeddedServer:
         cluster: ClusterSpec | None = None,
         max_payload: int | None = None,
         log_file: Path | None = None,
+        sync_interval: str | None = None,
     ) -> None:
         if cluster is not None and name is None:
             raise ConfigError("a clustered server needs a name (JetStream requires a server_name)")
@@ -213,6 +236,7 @@ class EmbeddedServer:
         self._name = name
         self._cluster = cluster
         self._max_payload = max_payload
+        self._sync_interval = check_sync_interval(sync_interval)
         self._process = _Process(temp_dir=Path(tempfile.mkdtemp(prefix="keyqueue-nats-")))
         self._finalizer = weakref.finalize(self, self._process.release)
         self._store_dir = Path(store_dir) if store_dir is not None else self._work_dir / "store"
@@ -252,6 +276,12 @@ class EmbeddedServer:
     def log_file(self) -> Path:
         """Where the server's output goes (appended to across restarts)."""
         return self._log_file
+
+    @property
+    def sync_interval(self) -> str | None:
+        """How often JetStream fsyncs its files: ``"always"`` (every write, before its ack), a
+        duration such as ``"10s"``, or None for the server's default (every 2 minutes)."""
+        return self._sync_interval
 
     @property
     def name(self) -> str | None:
@@ -429,6 +459,7 @@ class EmbeddedServer:
             f"  store_dir: {json.dumps(str(self._store_dir))}",
             "  max_memory_store: 256MB",
             "  max_file_store: 4GB",
+            *([f"  sync_interval: {json.dumps(self._sync_interval)}"] if self._sync_interval else []),
             "}",
         ]
         if self._name is not None:
@@ -442,6 +473,8 @@ class EmbeddedServer:
                 f"  name: {json.dumps(self._cluster.name)}",
                 f"  listen: {json.dumps(f'{HOST}:{self._cluster.port}')}",
                 f"  routes: [{routes}]",
+                *([f"  advertise: {json.dumps(self._cluster.advertise)}"] if self._cluster.advertise else []),
+                *([] if self._cluster.advertise_clients else ["  no_advertise: true"]),
                 "}",
             ]
         return "\n".join(lines) + "\n"

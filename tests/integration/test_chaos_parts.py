@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 
 from keyqueue.chaos.checker import check
 from keyqueue.chaos.fenced import FencedRecord, FencedStore
-from keyqueue.chaos.proxy import FaultProxy, FaultScript, FaultSpec
+from keyqueue.chaos.proxy import FaultProxy, FaultScript, FaultSpec, ProxyGroup
 
 NO_DELIVERY = 0.3
 """How long a held message is watched for *not* arriving (it must arrive only after heal)."""
@@ -278,6 +278,35 @@ async def test_a_script_injects_its_plan_and_leaves_every_proxy_healed(nats_url:
         finally:
             for client in clients:
                 await client.close()
+
+
+async def test_a_group_is_faulted_as_one_and_the_script_reports_each_revert(nats_url: str) -> None:
+    async with FaultProxy.for_url(nats_url) as p0, FaultProxy.for_url(nats_url) as p1:
+        group = ProxyGroup([p0, p1])
+        assert group.urls == [p0.url, p1.url]
+        client = await nats.connect(group.urls, connect_timeout=2, reconnect_time_wait=0.1,
+                                    max_reconnect_attempts=-1, error_cb=quiet)
+        try:
+            script = FaultScript(random.Random(2), [FaultSpec("blackhole", duration=(0.2, 0.2))], gap=(0.0, 0.0))
+            events: list[tuple[str, str, bool]] = []
+
+            def saw(what: str) -> Callable[[Any], None]:
+                return lambda fault: events.append((what, fault.kind, p0.blackholed and p1.blackholed))
+
+            running = asyncio.create_task(script.run([group], on_inject=saw("inject"), on_revert=saw("revert")))
+            await p0.wait_until(lambda p: p.blackholed, timeout=5)
+            assert p1.blackholed  # every member at once
+            script.stop()
+            [fault] = await asyncio.wait_for(running, 5)
+            assert fault.kind == "blackhole"
+            # The revert is reported after both members healed.
+            assert events == [("inject", "blackhole", False), ("revert", "blackhole", False)]
+            assert not (p0.blackholed or p1.blackholed)
+            group.reset()
+            await p0.wait_until(lambda p: p.stats.faults["reset"] == 1)
+            assert p1.stats.faults["reset"] == 1
+        finally:
+            await client.close()
 
 
 async def test_stop_ends_a_running_script_and_heals(proxy: FaultProxy) -> None:

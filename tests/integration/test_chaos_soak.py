@@ -1,8 +1,9 @@
-"""Short soaks of each fault class (the full soak is ``make chaos``; see README and docs/chaos.md).
+"""Short soaks of each fault class, and of every class at once on a cluster (the full soaks are
+``make chaos`` and ``make chaos-cluster``; see README and docs/chaos.md).
 
-Three worker processes, each behind its own fault proxy (on a 3-node cluster: connected to all
-nodes), a producer on twelve keys, seeded faults of one class; the checker must find no overlap,
-no order violation, no lost request and no stale write accepted by the fenced store.
+Three worker processes, each behind its own fault proxy (on a 3-node cluster: a proxy per node), a
+producer on twelve keys, seeded faults; the checker must find no overlap, no order violation, no
+lost request, no stale write accepted by the fenced store, and no strand or hand-off past its bound.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from keyqueue.chaos.soak import SoakOptions, soak
+from keyqueue.chaos.checker import read_log
+from keyqueue.chaos.soak import CLASSES, SoakOptions, soak
 
 EXPECTED_KINDS = {
     "network": {"net-blackhole", "net-reset"},
-    "process": {"stall-over", "sigstop", "kill-9"},
+    "process": {"stall-over", "sigstop", "kill-9", "block-loop"},
     "server": {"server-restart", "server-kill-9"},
     "cluster": {f"leader-kill-9-{target}" for target in ("inbox", "tokens", "leases", "consumer")},
 }
@@ -34,5 +36,24 @@ async def test_short_soak(fault_class: str, tmp_path: Path) -> None:
     injected = set(result.faults)
     assert injected, "no fault was injected"
     assert injected <= EXPECTED_KINDS[fault_class] | {"net-latency", "net-bandwidth", "stall-under", "drain"}
-    # (the cluster soak's faults are spaced 4-8 s apart, so a short run injects few of them)
+    # (the cluster soak's faults are spaced 2-5 s apart, so a short run injects few of them)
     assert EXPECTED_KINDS[fault_class] & injected, f"none of {EXPECTED_KINDS[fault_class]} was injected"
+
+
+async def test_short_cluster_soak_mixing_every_class(tmp_path: Path) -> None:
+    options = SoakOptions(seed=3, duration=25.0, classes=CLASSES, workdir=tmp_path, progress=None)
+    assert options.clustered
+    result = await soak(options)
+    print(result.summary())
+    records = read_log(result.log_path)
+    # Every worker ran with its wall clock tens of seconds off, and logged on the true clock.
+    offsets = {r["w"]: r["clock_offset"] for r in records if r["kind"] == "ready"}
+    assert len(offsets) == 3 and all(10 <= abs(offset) <= 60 for offset in offsets.values())
+    assert offsets == result.clock_offsets
+    # Faults of the worker's network, the nodes and the processes were all injected.
+    kinds = set(result.faults)
+    assert {kind for kind in kinds if kind.startswith("net-")}
+    assert kinds & {"rolling-restart", "node-cut"} or any(k.startswith(("stepdown-", "leader-")) for k in kinds)
+    assert result.verdict.liveness is not None
+    assert len(result.verdict.liveness.strands) == result.verdict.requests > 100
+    assert result.ok, result.summary()

@@ -197,6 +197,41 @@ async def test_enqueue_command_with_countdown_and_eta(nats_url: str) -> None:
     assert code == 1 and "countdown must be >= 0" in out
 
 
+async def test_a_due_request_refused_by_a_full_backlog_is_not_overtaken_by_a_later_one_of_its_key(
+        nats_url: str) -> None:
+    """Before, a refused due request was due again 5 s later, and a later due request of its key
+    that found room in the backlog meanwhile ran first. Now the key is parked behind it."""
+    import logging
+
+    def capped(app: keyqueue.App) -> None:
+        app.configure_queue(QueueConfig(QUEUE, max_backlog_per_key=1))
+
+    refused = asyncio.Event()
+
+    class Refusals(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "backlog is full" in record.getMessage():
+                refused.set()
+
+    handler = Refusals()
+    logging.getLogger("keyqueue.schedules").addHandler(handler)
+    runs = Runs()
+    producer = make_app(nats_url, runs, extra=capped)
+    work = producer.tasks["work"]
+    try:
+        async with fleet(nats_url, runs, 2, extra=capped):
+            await work.enqueue(key="full", tag="wait-holding")  # the key's one slot, until the gate opens
+            await work.options(countdown=0.2).enqueue(key="full", tag="first")
+            await work.options(countdown=1.5).enqueue(key="full", tag="second")
+            await asyncio.wait_for(refused.wait(), 20)  # "first" came due and found no room
+            runs.gate.set()  # room again: "second" falls due while "first" waits to be due again
+            await runs.count(3, timeout=30)
+        assert runs.tags("full") == ["wait-holding", "first", "second"]
+    finally:
+        logging.getLogger("keyqueue.schedules").removeHandler(handler)
+        await producer.close()
+
+
 async def test_a_full_backlog_holds_up_no_other_key(nats_url: str) -> None:
     """A due request its key's backlog cap refuses is due again a little later; the fleet moves the
     others meanwhile (it moves one due request at a time, so waiting for the full key would stop all)."""

@@ -136,3 +136,44 @@ async def test_an_unacknowledged_enqueue_is_retried_with_its_id_and_says_how_to_
     again = await Publisher(nc, config.names).enqueue(lost)
     assert again.duplicate and (await api.stream_info(stream))["state"]["messages"] == 1
     await publisher.close()
+
+
+async def test_enqueue_many_rides_out_a_dropped_connection_and_keeps_each_keys_order(nc: Client, nats_url: str) -> None:
+    """Issue 22: before, a bulk enqueue cut by a dropped connection raised (or sent a lost publish
+    again after later ones were stored). Now it waits for the connection and sends again, in order,
+    what got no acknowledgement: every request is stored once, in each key's order."""
+    from keyqueue.jetstream.connect import connect
+
+    config = QueueConfig("bulkdrop")
+    await Topology(JetStreamApi(nc), config).ensure()
+    proxy = FaultProxy.for_url(nats_url)
+    await proxy.start()
+    producer = await connect(proxy.url, name="bulk-producer")
+    try:
+        proxy.set_bandwidth(300_000)  # slow enough to cut it in the middle
+        keys = [f"k{i}" for i in range(10)]
+        items = [request(keys[n % len(keys)], str(n).encode()) for n in range(4000)]
+        bulk = asyncio.create_task(Publisher(producer, config.names).enqueue_many(items))
+        api = JetStreamApi(nc)
+        while (await api.stream_info(config.names.inbox_stream))["state"]["messages"] < 500:
+            assert not bulk.done(), "the bulk enqueue ended before it could be cut"
+            await asyncio.sleep(0.02)
+        proxy.refuse(True)
+        proxy.reset()
+        await asyncio.sleep(0.5)  # the producer is disconnected meanwhile
+        proxy.refuse(False)
+        proxy.set_bandwidth(None)
+        results = await asyncio.wait_for(bulk, 60)
+    finally:
+        await producer.close()
+        await proxy.close()
+    assert [str(r) for r in results if not hasattr(r, "seq")][:3] == []  # no request left out
+    stored = (await api.stream_info(config.names.inbox_stream))["state"]["messages"]
+    assert stored == len(items), f"{stored} stored for {len(items)} requests"
+    for key in keys:  # each key's requests are stored in the order given
+        bodies, seq = [], 1
+        while (msg := await api.get_msg(config.names.inbox_stream, seq=seq, next_by_subject=config.names.inbox(key),
+                                        direct=False)) is not None:
+            bodies.append(int(msg.data))
+            seq = msg.seq + 1
+        assert bodies == sorted(bodies) and len(bodies) == len(items) // len(keys), key

@@ -13,6 +13,7 @@ import socket
 import stat
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import StreamConfig
 
+from keyqueue.chaos.proxy import FaultProxy
 from keyqueue.errors import ConfigError, KeyqueueTimeout, ServerNotFound
 from keyqueue.server.cluster import EmbeddedCluster
 from keyqueue.server.embedded import LOCK_FILE, EmbeddedServer, find_nats_server
@@ -194,6 +196,27 @@ def test_binary_beside_python_comes_first(tmp_path: Path, monkeypatch: pytest.Mo
     assert find_nats_server() == str(beside)
 
 
+def _monitor(monitoring_url: str, endpoint: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{monitoring_url}/{endpoint}", timeout=5) as response:
+        body: dict[str, Any] = json.loads(response.read())
+        return body
+
+
+@pytest.mark.parametrize(("sync", "always", "interval"), [("always", True, None), ("10s", False, 10 * 10**9),
+                                                          (None, False, 120 * 10**9)])
+async def test_the_sync_interval_reaches_the_server(sync: str | None, always: bool, interval: int | None) -> None:
+    async with EmbeddedServer(sync_interval=sync) as server:
+        config = _monitor(server.monitoring_url, "varz")["jetstream"]["config"]
+        assert config.get("sync_always", False) is always
+        if interval is not None:
+            assert config["sync_interval"] == interval
+
+
+def test_a_sync_interval_the_server_would_refuse_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="neither 'always' nor a duration"):
+        EmbeddedServer(sync_interval="sometimes")
+
+
 # --- a cluster ---------------------------------------------------------------------------------
 
 
@@ -255,6 +278,57 @@ async def _until_stream_leader(js: Any, stream: str, timeout: float = 20.0) -> N
         await asyncio.sleep(0.05)
 
 
+async def _routes(server: EmbeddedServer) -> set[str]:
+    """The names of the peers ``server`` has a route to right now."""
+    routes = (await asyncio.to_thread(_monitor, server.monitoring_url, "routez"))["routes"]
+    return {str(route["remote_name"]) for route in routes}
+
+
+async def _eventually(predicate: Any, timeout: float = 30.0) -> None:
+    """Poll the servers' state (they announce no change) until ``predicate()`` holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        if await predicate():
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"{predicate.__name__} never held"
+        await asyncio.sleep(0.1)
+
+
+async def test_routes_through_proxies_cut_a_server_off_and_heal(tmp_path: Path) -> None:
+    cluster = EmbeddedCluster(3, store_root=tmp_path, advertise_clients=False, sync_interval="always",
+                              route_proxy=lambda _i, _j, upstream, port: FaultProxy("127.0.0.1", upstream, port=port))
+    proxies = [proxy for proxy in cluster.route_proxies.values() if isinstance(proxy, FaultProxy)]
+    assert len(proxies) == 6 and len(cluster.routes_of(1)) == 4
+    async with cluster:
+        names = [server.name for server in cluster.servers]
+        varz = _monitor(cluster.servers[0].monitoring_url, "varz")
+        assert varz["jetstream"]["config"]["sync_always"] is True
+        assert not varz.get("connect_urls"), "clients behind proxies must not learn the servers' own ports"
+        # Each pair of servers keeps the routes one of them solicited, through its proxy.
+        assert sum(proxy.stats.accepted > 0 for proxy in proxies) >= 3
+
+        for proxy in cluster.routes_of(1):
+            assert isinstance(proxy, FaultProxy)
+            proxy.reset()
+            proxy.refuse(True)
+
+        async def cut_off() -> bool:
+            routes = [await _routes(server) for server in cluster.servers]
+            return routes == [{names[2]}, set(), {names[0]}]
+
+        # No implicit route bypasses the proxies: n1 stays alone while its proxies refuse.
+        await _eventually(cut_off)
+        for proxy in cluster.routes_of(1):
+            assert isinstance(proxy, FaultProxy)
+            proxy.refuse(False)
+
+        async def healed() -> bool:
+            return [await _routes(server) for server in cluster.servers] == [
+                set(names) - {name} for name in names]
+
+        await _eventually(healed)
+
+
 # --- the CLI -----------------------------------------------------------------------------------
 
 
@@ -278,6 +352,28 @@ def test_dev_server_command_serves_until_sigint(tmp_path: Path) -> None:
         host, port = url.removeprefix("nats://").split(":")
         with socket.create_connection((host, int(port)), timeout=2) as conn:
             assert conn.recv(4) == b"INFO"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_dev_server_sync_always_reaches_the_server(tmp_path: Path) -> None:
+    keyqueue = Path(sys.executable).parent / "keyqueue"
+    proc = subprocess.Popen([str(keyqueue), "dev-server", "--port", "0", "--sync", "always"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        monitoring = None
+        for line in proc.stdout:
+            if line.startswith("fsync: always; monitoring: "):
+                monitoring = line.strip().rsplit(" ", 1)[1]
+                break
+        assert monitoring is not None, proc.stderr
+        assert _monitor(monitoring, "varz")["jetstream"]["config"]["sync_always"] is True
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0
     finally:

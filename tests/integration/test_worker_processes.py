@@ -168,6 +168,23 @@ async def test_a_killed_child_is_restarted_and_its_keys_move_on(
     assert verdict.ok, verdict.summary()  # a re-run of the killed child's request is allowed
 
 
+async def test_the_parent_releases_a_dead_childs_keys_at_once(
+        app_dir: Path, nats_url: str, producer: ModuleType) -> None:
+    """Issue 22: the parent saw its child die, yet the child's keys waited out its leases (30 s
+    here). Now the parent releases them as it reaps the child, and another child takes them."""
+    async with parent("--processes", "2", "--ack-wait", "30", cwd=app_dir,
+                      env=environment(KEYQUEUE_URL=nats_url), ready=2) as proc:
+        await producer.step.enqueue(key="held", tag="held-0", sleep=3600)  # runs until its worker dies
+        [first] = await proc.wait_for(r"^\[(\S+)\] start held held-0")
+        victim = proc.child_pids()[first[1]]
+        os.kill(victim, signal.SIGKILL)
+        await proc.wait_for(rf"released 1 key\(s\) of queue procs that {re.escape(first[1])} \(pid {victim}\) "
+                            r"held: held")
+        # Run again (at least once) by a live child long before the 30 s lease would have ended.
+        await proc.wait_for(r"^\[(\S+)\] start held held-0", count=2, timeout=15)
+        assert await proc.stop() == 0, proc.output
+
+
 async def test_sigterm_drains_every_child_on_the_shared_embedded_server(app_dir: Path) -> None:
     data = app_dir / "data"
     env = environment(KEYQUEUE_DATA_DIR=str(data))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from keyqueue.chaos.checker import Verdict, build_runs, check, read_log
+from keyqueue.chaos.liveness import Distribution, LivenessBounds
 
 
 def rec(kind: str, w: str, t: float, key: str = "", tag: str = "", **fields: Any) -> dict[str, Any]:
@@ -272,3 +273,141 @@ def test_a_holder_whose_renewals_a_fault_cut_gives_up_during_its_pause_and_is_fe
     elsewhere = [*paused_log(resume=8.0, b_start=2.5, b_end=6.0), rec("fault", "soak", 1.5, fault="net-reset",
                                                                        target="w3")]
     assert len(check(elsewhere, EXPECTED, handover_after=1.0).overlaps) == 1
+
+
+# --- liveness: strands -------------------------------------------------------------------------
+
+BOUNDS = LivenessBounds(lease=2.0)
+"""strand 2 s, resume 2 s, a lost holder's keys move within ceil(2) + 1 = 3 s."""
+
+
+def ready(w: str, t: float, concurrency: int = 4) -> dict[str, Any]:
+    return rec("ready", w, t, concurrency=concurrency)
+
+
+def stored(t: float, key: str, tag: str) -> dict[str, Any]:
+    return rec("stored", "producer", t, key, tag)
+
+
+def event(name: str, w: str, t: float, key: str, **fields: Any) -> dict[str, Any]:
+    return {"kind": "event", "event": name, "w": w, "t": t, "key": key, **fields}
+
+
+def fault(t: float, kind: str, target: str | None, fault_id: int) -> dict[str, Any]:
+    return rec("fault", "soak", t, fault=kind, target=target, id=fault_id)
+
+
+def fault_end(t: float, fault_id: int) -> dict[str, Any]:
+    return rec("fault_end", "soak", t, id=fault_id)
+
+
+def session(w: str, key: str, tag: str, acquired: float, start: float, end: float, released: float,
+            delivered: int = 1) -> list[dict[str, Any]]:
+    return [event("acquired", w, acquired, key, delivered=delivered), *run(w, key, tag, start, end),
+            event("released", w, released, key)]
+
+
+def test_a_request_waiting_with_its_key_and_a_worker_free_is_stranded() -> None:
+    log = [ready("w1", 0.0), stored(1.0, "k", "a"), *session("w1", "k", "a", 3.9, 4.0, 4.1, 4.2)]
+    verdict = check(log, {"k": ["a"]}, bounds=BOUNDS)
+    assert verdict.liveness is not None
+    [worst, *_] = verdict.liveness.strands
+    assert (worst.key, worst.tag, round(worst.seconds, 6)) == ("k", "a", 2.9)
+    assert worst.longest == (1.0, 3.9)
+    assert not verdict.ok and verdict.liveness.strands_over == (worst,)
+    assert "strand k a: 2.900s" in verdict.summary()
+    # Without bounds it is reported, and fails nothing.
+    assert check(log, {"k": ["a"]}).ok
+
+
+def test_time_the_key_was_held_is_no_strand() -> None:
+    # w1 holds k from 0.5 to 3.5 (its processor busy); a waits in the key's queue, then starts at 3.6.
+    log = [ready("w1", 0.0), event("acquired", "w1", 0.5, "k"), stored(1.0, "k", "a"),
+           event("released", "w1", 3.5, "k"), *session("w1", "k", "a", 3.55, 3.6, 3.7, 3.8)]
+    verdict = check(log, {"k": ["a"]}, bounds=BOUNDS)
+    assert verdict.ok, verdict.summary()
+    assert verdict.liveness is not None and round(verdict.liveness.strand.max, 6) == 0.05
+
+
+def test_time_with_every_worker_full_paused_or_dead_is_no_strand() -> None:
+    full = [ready("w1", 0.0, concurrency=1), event("acquired", "w1", 0.0, "j"), stored(1.0, "k", "a"),
+            event("released", "w1", 3.0, "j"), *session("w1", "k", "a", 3.1, 3.2, 3.3, 3.4)]
+    dead = [ready("w1", 0.0), rec("exited", "w1", 0.5), stored(1.0, "k", "a"), ready("w1", 3.0),
+            *session("w1", "k", "a", 3.1, 3.2, 3.3, 3.4)]
+    # (Acquired over a lease after the pause: a token its pull could have swallowed is no excuse.)
+    paused = [ready("w1", 0.0), rec("paused", "w1", 0.5), stored(1.0, "k", "a"), rec("resumed", "w1", 3.0),
+              *session("w1", "k", "a", 6.1, 6.2, 6.3, 6.4)]
+    for log, strand in ((full, 0.1), (dead, 0.1), (paused, 3.1)):
+        verdict = check(log, {"k": ["a"]}, bounds=BOUNDS)
+        assert verdict.liveness is not None and round(verdict.liveness.strand.max, 6) == strand, verdict.summary()
+
+
+def test_a_server_fault_disturbs_every_key_while_it_lasts() -> None:
+    log = [ready("w1", 0.0), fault(2.0, "server-restart", None, 1), stored(2.1, "k", "a"), fault_end(3.0, 1),
+           *session("w1", "k", "a", 3.2, 3.3, 3.4, 3.5)]
+    verdict = check(log, {"k": ["a"]}, bounds=BOUNDS)
+    assert verdict.liveness is not None and round(verdict.liveness.strand.max, 6) == 0.2
+
+
+def killed_holder(next_start: float) -> list[dict[str, Any]]:
+    """w1 holds k, runs a, and is killed at 2 with b pending; w2 takes k at ``next_start``."""
+    return [ready("w1", 0.0), ready("w2", 0.0), event("acquired", "w1", 1.0, "k"), rec("start", "w1", 1.1, "k", "a"),
+            stored(1.5, "k", "b"), fault(2.0, "kill-9", "w1", 1), rec("killed", "w1", 2.0), ready("w1", 2.5),
+            fault_end(2.5, 1), *session("w2", "k", "a", next_start - 0.1, next_start, next_start + 0.1,
+                                        next_start + 0.3, delivered=2),
+            *run("w2", "k", "b", next_start + 0.15, next_start + 0.2)]
+
+
+def test_a_killed_holders_keys_may_wait_for_its_lease_and_no_longer() -> None:
+    verdict = check(killed_holder(next_start=5.0), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert verdict.ok, verdict.summary()
+    assert verdict.liveness is not None
+    [handoff] = verdict.liveness.handoffs
+    assert (handoff.fault, handoff.key, handoff.seconds, handoff.bound) == ("kill-9", "k", 3.0, 3.0)
+    assert str(verdict.liveness.handoffs_by_kind["kill-9"]) == "n 1, p50 3.000s, p99 3.000s, max 3.000s"
+
+    late = check(killed_holder(next_start=6.0), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert late.liveness is not None and not late.ok
+    assert [(h.key, h.seconds) for h in late.liveness.late_handoffs] == [("k", 4.0)]
+    assert "late hand-off kill-9#1 on w1" in late.summary()
+
+
+def reset_holder(next_start: float, kind: str = "net-reset") -> list[dict[str, Any]]:
+    """w1's connection is reset at 2 while it holds k with b pending; b starts at ``next_start``."""
+    return [ready("w1", 0.0), event("acquired", "w1", 1.0, "k"), *run("w1", "k", "a", 1.1, 1.2),
+            stored(1.5, "k", "b"), fault(2.0, kind, "w1", 1), fault_end(2.0, 1),
+            rec("start", "w1", next_start, "k", "b"), rec("end", "w1", next_start + 0.1, "k", "b"),
+            event("released", "w1", next_start + 0.2, "k")]
+
+
+def test_a_holder_that_reconnects_within_its_lease_must_resume_within_the_bound() -> None:
+    assert check(reset_holder(3.5), {"k": ["a", "b"]}, bounds=BOUNDS).ok
+    late = check(reset_holder(4.5), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert late.liveness is not None and [(h.seconds, h.alone) for h in late.liveness.late_handoffs] == [(2.5, True)]
+    # Another fault before the key moved may own part of the time: still late, but not alone.
+    confounded = check([*reset_holder(4.5), fault(3.0, "net-blackhole", "w1", 2), fault_end(3.5, 2)],
+                       {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert confounded.liveness is not None
+    assert [(h.fault, h.alone) for h in confounded.liveness.late_handoffs] == [("net-reset", False)]
+    assert "late 1 (0 with no other fault before the key moved)" in confounded.summary()
+    # A slowed link has no bound: its hand-off is only reported.
+    slowed = check(reset_holder(9.0, "net-latency"), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert slowed.ok and slowed.liveness is not None and slowed.liveness.handoffs[0].seconds == 7.0
+
+
+def test_a_token_swallowed_by_a_stopped_workers_pull_is_no_strand() -> None:
+    # w2 is paused from 1 to 4; k's token, published at 1.5, went to w2's pull and came back a lease
+    # later (delivered 2), so w1, free all along, took k only at 4.
+    def log(delivered: int) -> list[dict[str, Any]]:
+        return [ready("w1", 0.0), ready("w2", 0.0), rec("paused", "w2", 1.0), stored(1.5, "k", "a"),
+                rec("resumed", "w2", 4.0), *session("w1", "k", "a", 4.0, 4.1, 4.2, 4.3, delivered=delivered)]
+
+    assert check(log(2), {"k": ["a"]}, bounds=BOUNDS).ok
+    first_delivery = check(log(1), {"k": ["a"]}, bounds=BOUNDS)  # nobody else had it: stranded
+    assert first_delivery.liveness is not None and round(first_delivery.liveness.strand.max, 6) == 2.5
+
+
+def test_distributions_are_nearest_rank() -> None:
+    dist = Distribution.of([float(n) for n in range(1, 101)])
+    assert (dist.count, dist.p50, dist.p99, dist.max) == (100, 50.0, 99.0, 100.0)
+    assert Distribution.of([]) == Distribution(0, 0.0, 0.0, 0.0)

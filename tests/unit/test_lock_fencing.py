@@ -1,7 +1,9 @@
 """KeyLock's fencing with a fake lease stream and a fake clock (the real server: test_key_lock.py).
 
 What a record says, that fencing numbers only grow from one holder to the next, that a holder
-only ever removes its own record, the TTL's rounding, and when a stuck record counts as expired.
+only ever removes its own record (and every record of its own, even one whose write went
+unanswered), the TTL's rounding, and when a stuck record counts as expired: by what the waiter
+saw on its own clock, never by comparing wall clocks.
 test_lock_bookkeeping.py covers when the lease runs from and how a renewal settles.
 """
 
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -18,8 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from keyqueue.core.lock import KeyLock, _unix
-from keyqueue.errors import LeaseLost, WrongLastSequence
+from keyqueue.core.lock import KeyLock, StaleRecordWatch
+from keyqueue.errors import Disconnected, KeyqueueTimeout, LeaseLost, ReplyLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 
 SUBJECT = "kq.q.lease.order-17"
@@ -57,22 +58,38 @@ class Store:
         self.delay = 0.0
         """Seconds of the fake clock each write takes."""
         self.reads_hang = False
+        self.reply_lost: type[Exception] | None = None
+        """The next write is stored (or refused) but its reply is lost with this error."""
+        self.reads_fail = 0
+        """How many reads fail (the connection is down) before they succeed again."""
+        self.connected = True
 
     async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
                               timeout: float | None = None) -> int:
         self.writes.append(Write(subject, expected, json.loads(body), ttl, timeout))
         self.clock.now += self.delay
+        lost, self.reply_lost = self.reply_lost, None
         current = self.records.get(subject)
         if (current.seq if current else 0) != expected:
+            if lost is not None:
+                raise lost("reply lost")
             raise WrongLastSequence("wrong last sequence", 400, 10071)
         self.seq += 1
         self.records[subject] = StoredMsg(subject, self.seq, {}, body, WRITTEN)
+        if lost is not None:
+            raise lost("reply lost")
         return self.seq
 
     async def last_record(self, subject: str) -> StoredMsg | None:
         if self.reads_hang:
             await asyncio.Event().wait()
+        if self.reads_fail:
+            self.reads_fail -= 1
+            raise Disconnected("down")
         return self.records.get(subject)
+
+    async def wait_connected(self, timeout: float) -> bool:
+        return self.connected
 
     async def remove_record(self, seq: int) -> None:
         self.removed.append(seq)
@@ -302,53 +319,142 @@ def test_the_record_never_expires_before_the_lease(ack_wait: float) -> None:
 # --- records the server failed to expire ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("age", "cleared"), [(0.0, False), (20.0, False), (20.001, True), (3600.0, True)])
-async def test_a_record_is_cleared_only_once_older_than_twice_its_ttl(
-        store: Store, age: float, cleared: bool) -> None:
+async def test_a_record_is_cleared_only_once_the_waiter_saw_the_same_one_for_twice_its_ttl(
+        store: Store, clock: Clock) -> None:
     record = store.put(json.dumps({"ttl": 10}).encode())
     lock = new_lock(store, 3.0)  # the record's own ttl counts, not this worker's
-    assert await lock.clear_expired(now=WRITTEN_UNIX + age) is cleared
-    assert store.removed == ([record.seq] if cleared else [])
-    assert (SUBJECT in store.records) is not cleared
+    assert not await lock.clear_expired()  # first sight, at 100
+    clock.now = 120.0
+    assert not await lock.clear_expired()
+    clock.now = 120.001
+    assert await lock.clear_expired()
+    assert store.removed == [record.seq]
+    assert SUBJECT not in store.records
 
 
-@pytest.mark.parametrize("data", [b"{}", b"not json", b"[]"])
-async def test_a_record_without_a_readable_ttl_is_judged_by_this_workers_ttl(store: Store, data: bytes) -> None:
-    store.put(data)
-    lock = new_lock(store, 3.0)
-    assert not await lock.clear_expired(now=WRITTEN_UNIX + 6.0)
-    assert await lock.clear_expired(now=WRITTEN_UNIX + 6.001)
-
-
-async def test_no_record_or_no_server_timestamp_clears_nothing(store: Store) -> None:
+async def test_a_record_rewritten_meanwhile_starts_the_count_again(store: Store, clock: Clock) -> None:
+    store.put(json.dumps({"ttl": 10}).encode())
     lock = new_lock(store)
-    assert not await lock.clear_expired(now=WRITTEN_UNIX + 1e6)
-    store.put(b"{}", timestamp="")
-    assert not await lock.clear_expired(now=WRITTEN_UNIX + 1e6)
+    assert not await lock.clear_expired()
+    clock.now = 115.0
+    renewed = store.put(json.dumps({"ttl": 10}).encode())  # its holder renewed it: alive
+    assert not await lock.clear_expired()
+    clock.now = 130.0  # 30 s after the first sight, but only 15 s after this record
+    assert not await lock.clear_expired()
+    clock.now = 135.001
+    assert await lock.clear_expired()
+    assert store.removed == [renewed.seq]
+
+
+async def test_a_record_stamped_long_ago_by_the_servers_clock_is_not_cleared_on_sight(store: Store) -> None:
+    """The defect: a waiter compared the record's server timestamp with its own wall clock, so a
+    worker whose clock ran ahead took a live holder's record for expired and deleted it."""
+    store.put(json.dumps({"ttl": 3}).encode(), timestamp="1999-01-01T00:00:00Z")
+    lock = new_lock(store, 3.0)
+    assert not await lock.clear_expired()
+    assert not await lock.clear_expired()
     assert store.removed == []
 
 
-@pytest.mark.parametrize(("stamp", "unix"), [
-    ("2025-01-01T00:00:00Z", WRITTEN_UNIX),
-    ("2025-01-01T00:00:00.5Z", WRITTEN_UNIX + 0.5),
-    ("2025-01-01T00:00:00.123456789Z", WRITTEN_UNIX + 0.123456),  # nanoseconds cut, not rounded
-    ("2025-01-01T00:00:00.999999999Z", WRITTEN_UNIX + 0.999999),
-])
-def test_server_timestamps_are_read_as_utc_to_the_microsecond(stamp: str, unix: float) -> None:
-    assert _unix(stamp) == pytest.approx(unix, abs=1e-7)
+@pytest.mark.parametrize("data", [b"{}", b"not json", b"[]"])
+async def test_a_record_without_a_readable_ttl_is_judged_by_this_workers_ttl(
+        store: Store, clock: Clock, data: bytes) -> None:
+    store.put(data)
+    lock = new_lock(store, 3.0)
+    assert not await lock.clear_expired()
+    clock.now += 6.0
+    assert not await lock.clear_expired()
+    clock.now += 0.001
+    assert await lock.clear_expired()
 
 
-def test_server_timestamps_are_utc_whatever_the_local_zone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TZ", "IST-5:30")  # POSIX: needs no zone database
-    time.tzset()
-    try:
-        assert _unix(WRITTEN) == WRITTEN_UNIX
-    finally:
-        monkeypatch.undo()
-        time.tzset()
+async def test_no_record_clears_nothing(store: Store, clock: Clock) -> None:
+    lock = new_lock(store)
+    assert not await lock.clear_expired()
+    clock.now += 1e6
+    assert not await lock.clear_expired()
+    assert store.removed == []
 
 
-@given(st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2200, 1, 1)), st.integers(0, 999))
-def test_a_nanosecond_timestamp_reads_as_its_microsecond(moment: datetime, nanos: int) -> None:
-    stamp = moment.strftime("%Y-%m-%dT%H:%M:%S.%f") + f"{nanos:03d}Z"
-    assert _unix(stamp) == moment.replace(tzinfo=UTC).timestamp()
+def test_the_stale_watch_needs_two_looks_at_one_sequence() -> None:
+    clock = Clock()
+    watch = StaleRecordWatch(clock)
+    assert not watch.stale(5, ttl=1.0)
+    clock.now += 100.0
+    assert watch.stale(5, ttl=1.0)
+    assert not watch.stale(6, ttl=1.0)  # another record: a new first sight
+    clock.now += 2.0
+    assert not watch.stale(6, ttl=1.0)
+    clock.now += 0.001
+    assert watch.stale(6, ttl=1.0)
+
+
+# --- writes whose reply never came ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lost", [ReplyLost, KeyqueueTimeout])
+async def test_an_acquire_stored_with_its_reply_lost_is_found_to_be_ours(
+        store: Store, lost: type[Exception]) -> None:
+    lock = new_lock(store)
+    store.reply_lost = lost
+    assert await lock.try_acquire()
+    assert (lock.fence, lock.seq) == (store.records[SUBJECT].seq, store.records[SUBJECT].seq)
+    assert lock.held and lock.lease is not None
+    assert lock.lease.deadline == 100.0 + 10.0 - 1.0  # from when the write was sent
+    assert not lock.unsettled
+
+
+async def test_an_acquire_refused_with_its_reply_lost_is_not_ours(store: Store) -> None:
+    other = store.put(b'{"nonce": "someone else"}')
+    lock = new_lock(store)
+    store.reply_lost = ReplyLost
+    assert not await lock.try_acquire()
+    assert lock.lease is None
+    assert store.records[SUBJECT] == other
+
+
+async def test_an_acquire_whose_fate_cannot_be_learnt_in_time_raises_and_its_release_removes_it(
+        store: Store) -> None:
+    lock = new_lock(store)
+    store.reply_lost = ReplyLost
+    store.reads_fail = 1
+    store.connected = False
+    with pytest.raises(KeyqueueTimeout, match="could not learn"):
+        await lock.try_acquire()
+    assert lock.unsettled and lock.lease is None
+    stored = store.records[SUBJECT]
+    await lock.release()  # later, once connected: the orphan is found by its nonce and removed
+    assert store.removed == [stored.seq]
+    assert SUBJECT not in store.records
+
+
+async def test_a_release_after_a_renewal_whose_reply_was_lost_leaves_no_orphan(store: Store) -> None:
+    """The defect: the renewal was stored, its reply came late, and the release deleted only the
+    old sequence; the renewed record lived out its TTL with nobody holding the key."""
+    lock = new_lock(store)
+    assert await lock.try_acquire()
+    first = lock.seq
+    store.reply_lost = ReplyLost
+    with pytest.raises(ReplyLost):
+        await lock.renew()
+    assert lock.unsettled and lock.seq == first
+    renewed = store.records[SUBJECT].seq
+    assert renewed != first
+    await lock.release()
+    assert store.removed == [first, renewed]
+    assert SUBJECT not in store.records
+
+
+async def test_a_renewal_that_loses_a_race_to_its_own_record_keeps_the_key_and_says_not_extended(
+        store: Store, clock: Clock) -> None:
+    lock = new_lock(store)
+    assert await lock.try_acquire()
+    assert lock.lease is not None
+    deadline = lock.lease.deadline
+    store.put(lock._body())  # one of ours landed unanswered (or, on R3, a 10164 while another write was in flight)
+    clock.now = 103.0
+    assert await lock.renew() is False
+    assert lock.held and lock.lease.deadline == deadline
+    assert lock.seq == store.records[SUBJECT].seq
+    assert await lock.renew() is True
+    assert lock.lease.deadline == 103.0 + 10.0 - 1.0

@@ -277,10 +277,10 @@ def test_pull_requests_carry_expiry_and_heartbeat_in_nanoseconds_and_no_group_fi
 
 def test_a_group_pull_carries_the_set_priority_fields_and_the_pin() -> None:
     assert PullOptions(group="g").request(4, None) == {
-        "batch": 4, "expires": 10 * NS, "idle_heartbeat": 2 * NS, "group": "g"}
+        "batch": 4, "expires": 5 * NS, "idle_heartbeat": 1 * NS, "group": "g"}
     options = PullOptions(group="g", min_pending=3, min_ack_pending=2, priority=0)
     assert options.request(4, "pin-1") == {
-        "batch": 4, "expires": 10 * NS, "idle_heartbeat": 2 * NS, "group": "g", "min_pending": 3,
+        "batch": 4, "expires": 5 * NS, "idle_heartbeat": 1 * NS, "group": "g", "min_pending": 3,
         "min_ack_pending": 2, "priority": 0, "id": "pin-1"}  # priority 0 is the best tier, not unset
 
 

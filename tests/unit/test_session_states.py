@@ -105,6 +105,9 @@ class FakeIO:
     async def last_record(self, subject: str) -> StoredMsg | None:
         return self.records.get(subject)
 
+    async def add_head_runs(self, key: str, seq: int, *, runs: int = 0, killed: int = 0) -> tuple[int, int]:
+        return await QueueIO.add_head_runs(cast(QueueIO, self), key, seq, runs=runs, killed=killed)
+
     async def remove_record(self, seq: int) -> None:
         for subject, record in list(self.records.items()):
             if record.seq == seq:
@@ -122,6 +125,17 @@ class FakeIO:
 
     async def ack(self, token: Token, timeout: float = 5.0) -> None:
         self.writes.append(("ack", token.reply))
+
+    async def release_token(self, token: Token, timeout: float = 5.0) -> None:
+        await self.ack(token, timeout)
+
+    async def delete_token(self, token: Token) -> None:
+        self.writes.append(("delete_token", token.stream_seq))
+
+    async def wait_connected(self, timeout: float) -> bool:
+        return True
+
+    closed = False
 
     async def nak(self, token: Token, delay: float = 0.0) -> None:
         self.writes.append(("nak", token.reply))
@@ -434,3 +448,96 @@ async def test_a_request_done_before_a_slow_one_is_removed_while_the_slow_one_ru
     assert await session(io, SlowSecond(steps), steps).run() is Outcome.RELEASED
     assert removed.is_set()
     assert sent(io, "purge", "delete", "ack") == [("purge", 1), ("purge", 2), ("ack", "$JS.ACK.token.1")]
+
+
+# --- outages: a lost connection costs a pause, not the key ------------------------------------------
+
+
+class Outage(FakeIO):
+    """A FakeIO whose named steps fail (the connection dropped) as many times as asked; the
+    connection is back after ``down_for`` seconds of ``wait_connected`` (never, if None)."""
+
+    def __init__(self, *requests: StoredMsg, fail: Mapping[str, list[Exception]], down_for: float | None = 0.0) -> None:
+        super().__init__(*requests)
+        self.fail = {step: list(errors) for step, errors in fail.items()}
+        self.down_for = down_for
+        self.waits = 0
+
+    def _maybe_fail(self, step: str) -> None:
+        errors = self.fail.get(step)
+        if errors:
+            raise errors.pop(0)
+
+    async def wait_connected(self, timeout: float) -> bool:
+        self.waits += 1
+        if self.down_for is None or self.down_for > timeout:
+            await asyncio.sleep(max(0.0, timeout))
+            return False
+        await asyncio.sleep(self.down_for)
+        return True
+
+    async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
+        self._maybe_fail("read")
+        return await super().read(key, from_seq, limit)
+
+    async def reply(self, inbox: str, headers: Mapping[str, str], body: bytes) -> None:
+        self._maybe_fail("reply")
+        await super().reply(inbox, headers, body)
+
+    async def release_token(self, token: Token, timeout: float = 5.0) -> None:
+        self._maybe_fail("release_token")
+        await super().release_token(token, timeout)
+
+    async def next_request(self, key: str, from_seq: int) -> StoredMsg | None:
+        self._maybe_fail("next_request")
+        return await super().next_request(key, from_seq)
+
+    async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
+                              timeout: float | None = None) -> int:
+        if expected:
+            self._maybe_fail("renew")
+        return await super().compare_and_set(subject, expected, body, ttl, timeout)
+
+
+async def test_a_holder_whose_connection_drops_and_comes_back_within_the_lease_carries_on() -> None:
+    from keyqueue.errors import Disconnected, ReplyLost
+
+    io = Outage(stored(1, b"a", reply=True), stored(2, b"b"),
+                # the first read goes with the acquire and is simply read again: the second one fails too
+                fail={"read": [ReplyLost("dropped")] * 2, "reply": [Disconnected("down")],
+                      "release_token": [ReplyLost("dropped")], "next_request": [Disconnected("down")]},
+                down_for=0.05)
+    steps = Steps()
+    assert await session(io, Handles(steps), steps).run() is Outcome.RELEASED
+    assert [s for s in steps.steps if s[0] == "succeeded"] == [("succeeded", 1, "Work", None),
+                                                              ("succeeded", 2, "Work", None)]
+    assert io.waits == 4  # each failed step waited for the connection, then was sent again
+    assert sent(io, "reply", "ack") == [("reply", "_INBOX.r1", "ok"), ("ack", "$JS.ACK.token.1")]
+    assert io.inbox == {} and io.records == {}
+
+
+async def test_a_connection_down_past_the_lease_loses_the_key_and_sends_nothing_more() -> None:
+    from keyqueue.errors import Disconnected
+
+    down = [Disconnected("down")] * 100
+    io = Outage(stored(1, b"a"), fail={"read": list(down), "renew": list(down)}, down_for=None)
+    steps = Steps()
+    s = session(io, Handles(steps), steps, ack_wait=0.3)
+    assert await asyncio.wait_for(s.run(), 5) is Outcome.LEASE_LOST
+    assert sent(io, "ack", "nak", "purge", "reply", "schedule", "delete_token") == []
+    assert 1 in io.inbox
+
+
+async def test_a_release_that_cannot_confirm_its_token_is_gone_hands_the_re_check_to_the_worker() -> None:
+    from keyqueue.errors import Disconnected
+
+    io = Outage(stored(1, b"a"), fail={"release_token": [Disconnected("down")] * 100}, down_for=None)
+    # (renewals go through: the lease holds, and the release waits for the connection until it ends)
+    steps = Steps()
+    handed: list[tuple[int, int]] = []
+    s = session(io, Handles(steps), steps, ack_wait=0.3)
+    s.recheck_later = lambda tok, cursor: handed.append((tok.stream_seq, cursor))
+    assert await asyncio.wait_for(s.run(), 5) is Outcome.RELEASED
+    assert handed == [(7, 2)]
+    assert sent(io, "schedule") == []  # not re-checked while the token may still be there
+    assert io.records == {}, "the lease record was removed"

@@ -1,0 +1,151 @@
+"""The loop watchdog: a thread that ends the worker process before a blocked event loop outlives a lease.
+
+A worker renews its keys' leases on its event loop. A handler that blocks the loop (CPU-bound
+work or sync I/O in an ``async def``) starves the renewals; its lease ends on the server while
+its code still runs, another worker acquires the key and runs the same request beside it. The
+fencing token keeps a stale writer out of the stores that check it, but the user's other side
+effects would happen twice.
+
+So a thread watches the loop. When the loop has been blocked for a while *and* some held key's
+lease is about to end (a quarter of ``ack_wait`` before its deadline: a loop that runs renews
+every third of ``ack_wait``, so a healthy worker never gets that close), it
+
+1. counts the attempt that blocked: for each key with a request in hand, one more killed attempt
+   of that request in the key's head record (``kq.<queue>.head.<key>``), on a connection of its
+   own, within a short budget; the next holder counts it toward the task's ``max_attempts``
+   (:meth:`~keyqueue.core.session.KeySession`), so a request that always blocks ends in the DLQ;
+2. logs one critical line naming the keys and the requests, and
+3. ends the process at once (``os._exit``, status :data:`EXIT_BLOCKED`), before any lease
+   could have ended: the next holder starts only after the record expires, or after a
+   supervisor that saw the process exit released its keys. Nothing of it runs beside the next.
+
+A process stopped as a whole (SIGSTOP, a suspended VM) stops this thread too: that holder comes
+back as a zombie whose late writes the fencing token refuses (docs/architecture.md, "What depends
+on time").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+log = logging.getLogger("keyqueue.worker")
+
+__all__ = ["EXIT_BLOCKED", "HeldLease", "LoopWatchdog"]
+
+EXIT_BLOCKED: Final = 75
+"""The status a worker process ends with when its watchdog stopped it (a supervisor restarts it)."""
+
+CHECK_EVERY: Final = 0.05
+"""Seconds between the watchdog's looks."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLease:
+    """One key held by the worker, as the watchdog sees it."""
+
+    key: str
+    deadline: float
+    """When its lease ends (``time.monotonic()``)."""
+    in_hand: int
+    """The inbox sequence of the request being processed, 0 between requests."""
+
+
+class LoopWatchdog:
+    """Watches one event loop (its :meth:`beat` is called from the loop) and the leases held under it.
+
+    ``leases`` is called from the watchdog's thread: it must tolerate the loop's thread mutating
+    what it reads (a blocked loop mutates nothing; a loop that runs is not the watchdog's concern).
+    ``count_killed`` and ``exit`` are what it does when it fires (injectable for tests).
+    """
+
+    def __init__(self, ack_wait: float, leases: Callable[[], Sequence[HeldLease]], *,
+                 count_killed: Callable[[Sequence[HeldLease], float], None] | None = None,
+                 exit: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.monotonic,
+                 check_every: float = CHECK_EVERY) -> None:
+        self.ack_wait = ack_wait
+        self.leases = leases
+        self.count_killed = count_killed
+        self.exit = exit
+        self.clock = clock
+        self.check_every = check_every
+        self.ahead = ack_wait / 4
+        """Fire this long before the earliest deadline of a held lease."""
+        self.blocked_after = min(1.0, ack_wait / 8)
+        """The loop counts as blocked once it has not beaten for this long."""
+        self.last_beat = clock()
+        self.fired = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self) -> None:
+        """The loop ran: call this from the loop, often (the worker's loop-lag monitor does, every 0.1 s)."""
+        self.last_beat = self.clock()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self.last_beat = self.clock()
+            self._thread = threading.Thread(target=self._run, name="keyqueue-loop-watchdog", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.check_every):
+            if self.check():
+                return
+
+    def due(self) -> list[HeldLease] | None:
+        """The held leases, if the watchdog must fire now; else None."""
+        now = self.clock()
+        if now - self.last_beat < self.blocked_after:
+            return None
+        for _ in range(3):  # the loop's thread may change the sessions while we read them
+            try:
+                held = list(self.leases())
+                break
+            except RuntimeError:
+                continue
+        else:
+            return None
+        if not held or min(h.deadline for h in held) - now > self.ahead:
+            return None
+        return held
+
+    def check(self) -> bool:
+        """One look; True if it fired (the process is ending)."""
+        held = self.due()
+        if held is None:
+            return False
+        self.fired = True
+        blocked = self.clock() - self.last_beat
+        earliest = min(h.deadline for h in held) - self.clock()
+        in_hand = [h for h in held if h.in_hand]
+        if self.count_killed is not None and in_hand:
+            try:
+                self.count_killed(in_hand, max(0.05, min(0.5, earliest / 2)))
+            except Exception as e:  # the attempt goes uncounted; the stop must not wait for it
+                log.error("loop watchdog: could not count the blocked attempts: %r", e)
+        requests = ", ".join(f"{h.key} (seq {h.in_hand})" for h in in_hand[:5]) or "none in hand"
+        log.critical("event loop blocked for %.1fs with %d key(s) held, a lease ending in %.1fs: stopping this "
+                     "worker process now (exit status %d) so that no other worker runs its keys beside it; "
+                     "requests in hand: %s. A handler is blocking the loop: make it async, or a sync function "
+                     "(it runs in a thread)", blocked, len(held), earliest, EXIT_BLOCKED, requests)
+        for handler in logging.getLogger().handlers + log.handlers:
+            try:
+                handler.flush()
+            except Exception:
+                pass
+        sys.stderr.flush()
+        self.exit(EXIT_BLOCKED)
+        return True

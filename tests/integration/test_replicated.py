@@ -1,0 +1,243 @@
+"""The key session on a 3-node cluster with R3 streams, where users deploy (issue 22).
+
+On a replicated stream the server answers some requests before it has done their work (a double
+ack before the token is removed), and a compare-and-set that loses may get 10164 instead of
+10071 (docs/architecture.md, "Replicated streams"). Each test here failed on the main before the
+change that handles it. One cluster serves the module (it takes seconds to form); each test uses
+queues of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+
+from keyqueue.core.lock import KeyLock
+from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
+from keyqueue.core.session import SessionSettings
+from keyqueue.core.worker import QueueWorker
+from keyqueue.errors import WrongLastSequence
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.publish import OutgoingRequest, Publisher
+from keyqueue.jetstream.pull import Token
+from keyqueue.jetstream.queue_io import QueueIO
+from keyqueue.jetstream.topology import QueueConfig, Topology
+from keyqueue.server.cluster import EmbeddedCluster
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster() -> AsyncIterator[EmbeddedCluster]:
+    async with EmbeddedCluster(3) as started:
+        yield started
+
+
+@contextlib.asynccontextmanager
+async def connections(cluster: EmbeddedCluster, n: int) -> AsyncIterator[list[Client]]:
+    """``n`` connections, spread over the nodes (each to one node, as workers on different hosts)."""
+    ncs = [await connect(cluster.urls[i % len(cluster.urls)], name=f"c{i}") for i in range(n)]
+    try:
+        yield ncs
+    finally:
+        for nc in ncs:
+            await nc.close()
+
+
+async def replicated_queue(nc: Client, name: str, ack_wait: float = 10.0) -> QueueConfig:
+    config = QueueConfig(name, ack_wait=ack_wait, replicas=3)
+    deadline = time.monotonic() + 30
+    while True:  # the streams' interest spreads over the routes a moment after they are created
+        try:
+            await Topology(JetStreamApi(nc), config).ensure()
+            await Publisher(nc, config.names).schedule("warm-up")
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+    await JetStreamApi(nc).purge(config.names.token_stream)
+    return config
+
+
+def request(key: str, body: bytes) -> OutgoingRequest:
+    rid = f"{key}-{body.decode()}"
+    return OutgoingRequest(key, {"Nats-Msg-Id": rid}, body, rid)
+
+
+class EnqueuesItsSuccessor(BaseProcessor):
+    """Runs ``first`` and, as its key is being released, enqueues ``second`` on the same key: a
+    few milliseconds after the handler returns, the moment a linger-0 session acks its token."""
+
+    def __init__(self, producer: Publisher, started: dict[str, float], stored: dict[str, float],
+                 pending: set[asyncio.Task[None]]) -> None:
+        self.producer = producer
+        self.started = started
+        self.stored = stored
+        self.pending = pending
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        self.started[f"{request.key}/{request.data.decode()}"] = time.monotonic()
+        if request.data == b"first":
+            task = asyncio.create_task(self._successor(request.key))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+        return None
+
+    async def _successor(self, key: str) -> None:
+        await asyncio.sleep(random.uniform(0, 0.004))
+        await self.producer.enqueue(request(key, b"second"))
+        self.stored[f"{key}/second"] = time.monotonic()
+
+
+async def test_no_request_is_left_without_a_token_when_its_key_is_released_as_it_lands(
+        cluster: EmbeddedCluster) -> None:
+    """The quiescence race on R3, with no reconciler to rescue a stranded request: every second
+    request must run because the release (or its producer) gave its key a token. Before, a
+    release's re-check or a producer's token landed while the acked token was still stored, was
+    refused with 10077, and its request waited for a reconciler sweep (here: for ever)."""
+    keys = [f"k{i}" for i in range(300)]
+    async with connections(cluster, 3) as (producer_nc, nc1, nc2):
+        config = await replicated_queue(producer_nc, "race")
+        producer = Publisher(producer_nc, config.names)
+        started: dict[str, float] = {}
+        stored: dict[str, float] = {}
+        pending: set[asyncio.Task[None]] = set()
+        settings = SessionSettings(ack_wait=10, linger=0)
+        workers = [QueueWorker(nc, config, lambda key: EnqueuesItsSuccessor(producer, started, stored, pending),
+                               settings=settings, reconcile_interval=3600, name=f"w{i}", concurrency=64)
+                   for i, nc in enumerate((nc1, nc2))]
+        tasks = [asyncio.create_task(w.run()) for w in workers]
+        try:
+            for w in workers:
+                await w.started()
+            await producer.enqueue_many([request(k, b"first") for k in keys])
+            deadline = time.monotonic() + 90
+            while len([k for k in keys if f"{k}/second" in started]) < len(keys):
+                stranded = [k for k in keys if f"{k}/second" in stored and f"{k}/second" not in started]
+                assert time.monotonic() < deadline, f"second requests never started: {stranded[:10]}"
+                await asyncio.sleep(0.05)
+        finally:
+            for w in workers:
+                w.stop()
+            await asyncio.gather(*tasks)
+            await asyncio.gather(*pending, return_exceptions=True)
+    waits = sorted(started[f"{k}/second"] - stored[f"{k}/second"] for k in keys)
+    print(f"R3 quiescence race: second request waited p50 {waits[len(waits) // 2] * 1000:.0f} ms, "
+          f"max {waits[-1] * 1000:.0f} ms")
+
+
+async def test_four_workers_racing_for_one_key_on_r3_lose_quietly(cluster: EmbeddedCluster) -> None:
+    """A compare-and-set that loses on R3 may get 10164: it is a lost race (False), never an error."""
+    async with connections(cluster, 4) as ncs:
+        config = await replicated_queue(ncs[0], "cas")
+        ios = [QueueIO(nc, config) for nc in ncs]
+        outcomes: dict[str, int] = {}
+        for round_ in range(40):
+            locks = [KeyLock(io, config.names.lease(f"k{round_}"), 5.0) for io in ios]
+            results = await asyncio.gather(*(lock.try_acquire() for lock in locks), return_exceptions=True)
+            for result in results:
+                name = type(result).__name__ if isinstance(result, BaseException) else str(result)
+                outcomes[name] = outcomes.get(name, 0) + 1
+            assert [r for r in results if isinstance(r, BaseException)] == []
+            assert results.count(True) <= 1
+            for lock in locks:
+                await lock.release()
+        assert outcomes.get("True", 0) >= 30, outcomes
+
+
+async def test_a_10164_is_a_wrong_last_sequence(cluster: EmbeddedCluster) -> None:
+    async with connections(cluster, 4) as ncs:
+        config = await replicated_queue(ncs[0], "codes")
+        ios = [QueueIO(nc, config) for nc in ncs]
+        codes: set[int] = set()
+        for round_ in range(60):
+            subject = config.names.lease(f"c{round_}")
+            results = await asyncio.gather(*(io.compare_and_set(subject, 0, b"{}", 5) for io in ios),
+                                           return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    assert isinstance(result, WrongLastSequence), repr(result)
+                    codes.add(result.err_code)
+        assert codes <= {10071, 10164}
+
+
+class Done(BaseProcessor):
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        return None
+
+
+async def test_a_release_re_checks_the_inbox_only_once_its_token_is_gone(cluster: EmbeddedCluster) -> None:
+    """The release's re-check must come after its token is removed, or a request stored just
+    before it has its token publish refused (10077) by the token being released. On R3 the double
+    ack's reply comes before the removal (fact 7): before, at the re-check the released token was
+    often still stored."""
+    keys = [f"k{i}" for i in range(200)]
+    async with connections(cluster, 2) as (producer_nc, worker_nc):
+        config = await replicated_queue(producer_nc, "recheck")
+        producer = Publisher(producer_nc, config.names)
+        api = JetStreamApi(worker_nc)
+        still_there: list[str] = []
+        rechecked: list[str] = []
+        worker = QueueWorker(worker_nc, config, lambda key: Done(), settings=SessionSettings(ack_wait=10, linger=0),
+                             reconcile_interval=3600, concurrency=32)
+        real_next_request, real_ack = worker.io.next_request, worker.io.ack
+        acked: set[str] = set()
+
+        async def ack(token: Token, timeout: float = 5.0) -> None:
+            await real_ack(token, timeout)
+            acked.add(token.key)
+
+        async def looks_for_the_token_first(key: str, from_seq: int) -> object:
+            if key in acked:  # the release's re-check (not one of the session's reads)
+                acked.discard(key)
+                token = await api.get_msg(config.names.token_stream, last_by_subject=config.names.token(key),
+                                          direct=False)
+                if token is not None:
+                    still_there.append(key)
+                rechecked.append(key)
+            return await real_next_request(key, from_seq)
+
+        worker.io.ack = ack  # type: ignore[method-assign]
+        worker.io.next_request = looks_for_the_token_first  # type: ignore[method-assign,assignment]
+        task = asyncio.create_task(worker.run())
+        try:
+            await worker.started()
+            await producer.enqueue_many([request(k, b"only") for k in keys])
+            deadline = time.monotonic() + 60
+            while len(set(rechecked)) < len(keys):
+                assert time.monotonic() < deadline, f"{len(set(rechecked))} of {len(keys)} keys released"
+                await asyncio.sleep(0.05)
+        finally:
+            worker.stop()
+            await task
+    assert still_there == [], f"{len(still_there)} of {len(keys)} re-checks ran while the token was still stored"
+
+
+async def test_fact_a_double_acks_reply_on_r3_can_precede_the_tokens_removal(cluster: EmbeddedCluster) -> None:
+    """Why the release removes its token itself on a replicated stream: nats-server's fact 7."""
+    async with connections(cluster, 1) as (nc,):
+        config = await replicated_queue(nc, "fact7")
+        io = QueueIO(nc, config)
+        puller_subject = f"$JS.API.CONSUMER.MSG.NEXT.{config.names.token_stream}.{config.names.consumer}"
+        refused = {"ack": 0, "release_token": 0}
+        for how in refused:
+            for i in range(100):
+                key = f"{how}{i}"
+                assert await io.schedule(key)
+                msg = await nc.request(puller_subject, b'{"batch":1,"expires":2000000000}', timeout=5, old_style=True)
+                token = Token(key, msg.subject, msg.reply, msg.metadata.sequence.stream, 1, time.monotonic())
+                await (io.ack(token) if how == "ack" else io.release_token(token))
+                if not await io.schedule(key):
+                    refused[how] += 1
+                await JetStreamApi(nc).purge(config.names.token_stream)
+        assert refused["release_token"] == 0
+        assert refused["ack"] > 0, "nats-server now removes the token before it answers the ack: see DESIGN fact 7"
