@@ -6,7 +6,8 @@ the same one. It is read from the server, whoever asks, in a dozen reads:
 - the key's token (held or waiting, and its sequence) and the token consumer's delivered
   sequence: a waiting key's *position* is how many tokens the consumer delivers before it;
 - the key's lease record (holder, since, fencing number, last renewal, when the lease ends) and the
-  worker registry (is that holder alive: pid, host, last heartbeat);
+  worker registry (is that holder alive: pid, host, last heartbeat), judged by the server's clock
+  (``keyqueue.admin.workers.server_time``), as ``keyqueue release`` judges it;
 - the key's first stored request (task, arguments, when it was stored: how long it waits);
 - the key's last lifecycle events (:mod:`keyqueue.admin.key_history`): how many attempts the head
   request made, since when it runs, its last error and when it is retried next;
@@ -25,14 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 from keyqueue.admin.inspection import Holder, TokenState, holder_of, parse_time
 from keyqueue.admin.key_history import StoredEvent, latest_events
-from keyqueue.admin.workers import WorkerState, queue_workers
+from keyqueue.admin.workers import WorkerState, queue_workers, server_time
 from keyqueue.errors import StreamNotFound, WireError
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.records import RequestRecords
@@ -148,6 +148,7 @@ async def diagnose_key(api: JetStreamApi, queue: str, key: str, *, now: float | 
     names = QueueNames(queue)
     validate_key(key)
     consumer = await api.consumer_info(names.token_stream, names.consumer)
+    checked = now if now is not None else await server_time(api, names.lease_stream)
     delivered = int((consumer.get("delivered") or {}).get("stream_seq", 0))
     ack_wait = int((consumer.get("config") or {}).get("ack_wait", 0)) / 1e9
     token, record, head_msg, backlog, workers, latest = await asyncio.gather(
@@ -155,14 +156,13 @@ async def diagnose_key(api: JetStreamApi, queue: str, key: str, *, now: float | 
         _lease_record(api, names, key),
         api.get_msg(names.inbox_stream, seq=1, next_by_subject=names.inbox(key), direct=False),
         api.subjects(names.inbox_stream, names.inbox(key)),
-        queue_workers(api, queue, now=now),
+        queue_workers(api, queue, now=checked),
         latest_events(api, queue, key),
     )
     token_state: TokenState = "none" if token is None else "held" if token.seq <= delivered else "scheduled"
     holder = holder_of(record) if record is not None else None
     holder_worker = next((w for w in workers if holder is not None and w.name == holder.worker), None)
     head = _head(head_msg, latest) if head_msg is not None else None
-    checked = time.time() if now is None else now
     rate = await _rate_window(api, queue, key, head.task, checked) if head is not None and head.task else None
     diagnosis = KeyDiagnosis(
         queue=queue, key=key, backlog=sum(backlog.values()), token=token_state,
@@ -211,8 +211,8 @@ def _held(d: KeyDiagnosis) -> list[Blocker]:
     ends = h.lease_ends.timestamp() if h.lease_ends is not None else None
     if worker is not None and not worker.live:
         return [Blocker("gone-holder", f"held by {h.worker}, which is gone ({worker.gone_because}, last heartbeat "
-                                       f"{_clock(worker.received)}); its lease ends at {_clock(ends)} unless "
-                                       "renewed, then the key moves to another worker", ends)]
+                                       f"{_clock(worker.received)}); its lease ends at {_clock(ends)}, then the key "
+                                       f"moves to another worker (or now: keyqueue release {d.queue} {d.key})", ends)]
     if worker is None and ends is not None and ends < d.checked:
         return [Blocker("gone-holder", f"held by {h.worker or 'a worker'} whose lease record was last renewed at "
                                        f"{_clock(h.renewed.timestamp() if h.renewed else None)} and has lapsed "

@@ -9,6 +9,9 @@ foreign ``Host`` or ``Origin``. Each action, done, failed or refused, is one ent
   whole DLQ; a purge asks for the queue's name to be typed.
 - ``/queues/<q>/cancel``: one pending or delayed request (``keyqueue cancel``'s protocol): it never
   runs, its key's holder removes it in order.
+- ``/queues/<q>/release``: hand on a key left by a gone worker now, by ``keyqueue release``'s code
+  and rule (``keyqueue.admin.release``): refused while the holder looks alive; forcing it asks for
+  the key's name to be typed, and says why it was refused.
 - ``/queues/<q>/bulk/{replay,delete,cancel}``: every dead (replay, delete) or pending and delayed
   (cancel) request a :class:`~keyqueue.dashboard.search.RequestFilter` selects. The first POST
   answers with a confirmation page that says how many it touches; the second carries that count
@@ -26,6 +29,8 @@ from starlette.routing import Route
 
 from keyqueue.admin.cancels import cancel_request, cancel_requests
 from keyqueue.admin.dead_letters import delete_dead_letters, purge_dead_letters, replay
+from keyqueue.admin.diagnosis import diagnose_key
+from keyqueue.admin.release import HolderAlive, describe, release_keys
 from keyqueue.dashboard.audit import Outcome, entry
 from keyqueue.dashboard.search import IndexEntry, RequestFilter, with_where
 from keyqueue.dashboard.security import CSRF_COOKIE, CSRF_FIELD, Caller, csrf_matches
@@ -114,6 +119,33 @@ def action_routes(pages: Pages) -> list[Route]:
         await record(request, queue, "cancel", f"request {request_id}", 1, "done", state)
         return RedirectResponse(_back(_text(form.get("back")), f"/queues/{queue}/keys", done), 303)
 
+    async def release(request: Request) -> Response:
+        queue = request.path_params["queue"]
+        if (refusal := await refused(request, queue, "release")) is not None:
+            return refusal
+        pages.view(queue)
+        form = await request.form()
+        key = _text(form.get("key"))
+        force = _text(form.get("force")) == "1"
+        if not key:
+            return PlainTextResponse("which key? the form has no key", 400)
+        back = f"/queues/{queue}/keys/{key}"
+        if _text(form.get("confirm")) != key:  # first, say what it touches (forcing: the key typed)
+            return pages.render(request, "confirm_release.html", queue=queue, key=key, alive=None, force=force,
+                                holder=await _holder_of(pages, queue, key))
+        try:
+            released = await release_keys(pages.monitor.api, queue, key=key, force=force)
+        except HolderAlive as exc:
+            # The CLI's rule: not while the holder looks alive, unless forced by someone who knows it is gone.
+            await record(request, queue, "release", f"key {key}", 0, "refused", str(exc))
+            return pages.render(request, "confirm_release.html", queue=queue, key=key, alive=str(exc), force=True,
+                                holder=await _holder_of(pages, queue, key))
+        done = "; ".join(f"released {describe(r)}" for r in released) or f"nothing to release: nobody holds {key}"
+        await record(request, queue, "force-release" if force else "release", f"key {key}", len(released), "done",
+                     done)
+        await pages.monitor.poll()
+        return RedirectResponse(_back(back, back, done), 303)
+
     async def bulk(request: Request) -> Response:
         queue, action = request.path_params["queue"], request.path_params["action"]
         if action not in BULK:
@@ -147,6 +179,7 @@ def action_routes(pages: Pages) -> list[Route]:
     return [
         Route("/queues/{queue}/dlq/{action}", dlq_action, methods=["POST"]),
         Route("/queues/{queue}/cancel", cancel, methods=["POST"]),
+        Route("/queues/{queue}/release", release, methods=["POST"]),
         Route("/queues/{queue}/bulk/{action}", bulk, methods=["POST"]),
     ]
 
@@ -174,6 +207,16 @@ async def _run(pages: Pages, queue: str, action: str, chosen: list[IndexEntry]) 
         return f"deleted {len(chosen)} dead request(s)"
     states = await cancel_requests(monitor.nc, queue, [(e.request_id, e.seq or None) for e in chosen])
     return f"cancel of {len(chosen)} request(s): " + ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+
+
+async def _holder_of(pages: Pages, queue: str, key: str) -> str | None:
+    """Who the key's lease record names, for a confirmation."""
+    diagnosis = await diagnose_key(pages.monitor.api, queue, key)
+    if diagnosis.holder is None:
+        return None
+    w = diagnosis.holder_worker
+    state = "not in the worker registry" if w is None else "live" if w.live else f"gone: {w.gone_because}"
+    return f"{diagnosis.holder.worker or 'an unnamed worker'} ({state})"
 
 
 def pages_url(path: str, params: dict[str, str]) -> str:

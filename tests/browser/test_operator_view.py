@@ -208,20 +208,44 @@ async def test_why_a_key_waits_running_backing_off_rate_limited_or_in_line(brows
     assert "has waited" in text_of(browser, '[data-testid="waited"]')
 
 
-async def test_why_a_key_waits_for_a_gone_worker_then_for_no_worker(browser: WebDriver, nats_url: str,
-                                                                   producer: Any) -> None:
+async def test_why_a_key_waits_for_a_gone_worker_released_then_for_no_worker(browser: WebDriver, nats_url: str,
+                                                                            producer: Any, shot: Shot) -> None:
     _, tasks = producer
     gone = await start_worker(nats_url, "doomed-1", "--ack-wait", "60")
     proc, base = await start_dashboard(nats_url)
     try:
         await tasks["hold"].enqueue(order_id="o-gone", seconds=120)
+        await tasks["hold"].enqueue(order_id="o-gone", seconds=0)
         browser.get(base + "/queues/shop/keys/o-gone")
         await until(browser, lambda d: "held by doomed-1" in blocker(d, "running"), "held by the live worker")
+        # The CLI's rule: a key is not released while its holder looks alive.
+        click(browser, "button[name=release]", "Release the key")
+        await until(browser, lambda d: "releases 1 key, o-gone, held by doomed-1 (live)" in text_of(
+            d, "[data-testid=release-count]"), "the confirmation says what it touches")
+        click(browser, "button[name=confirm-release]", "Release 1 key")
+        await until(browser, lambda d: "looks alive: o-gone (worker doomed-1's heartbeat is live)" in text_of(
+            d, "[data-testid=release-refused]"), "refused while the holder lives, with the forced form offered")
+        assert browser.find_elements(By.CSS_SELECTOR, "button[name=force-release]")
         gone.proc.kill()  # kill -9: no stopped record, its lease record stays until its TTL
         await gone.wait()
+        browser.get(base + "/queues/shop/keys/o-gone")
         await until(browser, lambda d: "held by doomed-1, which is gone (silent" in blocker(d, "gone-holder"),
                     "once the registry says the worker is gone, its lease and when it ends", timeout=40)
-        assert "its lease ends at" in blocker(browser, "gone-holder")
+        assert "its lease ends at" in blocker(browser, "gone-holder") and "keyqueue release shop o-gone" in blocker(
+            browser, "gone-holder")
+        shot(browser, "key-gone")
+        click(browser, "button[name=release]", "Release the key left by doomed-1")
+        await until(browser, lambda d: "held by doomed-1 (gone: silent)" in text_of(d, "[data-testid=release-count]"),
+                    "the confirmation names the gone holder")
+        click(browser, "button[name=confirm-release]", "Release 1 key")
+        await until(browser, lambda d: "released o-gone (held by doomed-1" in text_of(d, ".done"), "released now")
+        await until(browser, lambda d: "no worker serves queue shop" in blocker(d, "no-worker")
+                    and not d.find_elements(By.CSS_SELECTOR, '[data-kind="gone-holder"]'),
+                    "its lease is gone at once; the key waits for a worker")
+        browser.get(base + "/audit")
+        await until(browser, lambda d: "release" in text_of(d, '#audit tr[data-action="release"][data-outcome="done"]'),
+                    "the release is audited")
+        assert "heartbeat is live" in text_of(browser, '#audit tr[data-action="release"][data-outcome="refused"]')
         await tasks["hold"].enqueue(order_id="o-none", seconds=0)
         browser.get(base + "/queues/shop/keys/o-none")
         await until(browser, lambda d: "no worker serves queue shop" in blocker(d, "no-worker"), "nobody serves it")
