@@ -13,13 +13,13 @@ and no token: the reconciler gives it one); ``empty-token`` (a token without req
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
 from keyqueue.admin.inspection import KeyState
 from keyqueue.admin.workers import WorkerState
+from keyqueue.dashboard.search import key_pattern
 from keyqueue.dashboard.state import HeadAttempt, Monitor, QueueView
 
 __all__ = ["KINDS", "PAGE", "SORTS", "KeyPage", "KeyRow", "key_page"]
@@ -73,7 +73,8 @@ def key_page(monitor: Monitor, queue: str, view: QueueView, *, search: str, kind
     keys = view.report.keys
     if search:
         if any(c in search for c in "*?["):
-            keys = [k for k in keys if fnmatch.fnmatchcase(k.key, search)]
+            matches = key_pattern(search)
+            keys = [k for k in keys if matches(k.key)]
         else:
             needle = search.lower()
             keys = [k for k in keys if needle in k.key.lower()]

@@ -27,16 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import functools
 import json
 import logging
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from keyqueue.admin.dead_letters import dead_letter_of
 from keyqueue.admin.inspection import QueueReport, parse_time
 from keyqueue.dashboard.schedules import DelayedRequest
-from keyqueue.errors import KeyqueueError, StreamNotFound, WireError
+from keyqueue.errors import ConnectionFailed, KeyqueueError, StreamNotFound, WireError
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.wire import CBOR, loads
@@ -45,7 +47,7 @@ from keyqueue.wire import headers as H
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
-__all__ = ["PAGE", "Found", "IndexEntry", "RequestFilter", "SearchIndex", "Where", "with_where"]
+__all__ = ["PAGE", "Found", "IndexEntry", "RequestFilter", "SearchIndex", "Where", "key_pattern", "with_where"]
 
 log = logging.getLogger("keyqueue.dashboard")
 
@@ -79,10 +81,13 @@ class IndexEntry:
     """A dead request's error type and message."""
     due: float | None = None
     """A delayed request's due time."""
+    haystack: str = ""
+    """What a text search looks in: id, key, task, arguments and error, lower case (set on creation)."""
 
-    @property
-    def haystack(self) -> str:
-        return f"{self.request_id}\n{self.key}\n{self.task}\n{self.arguments}\n{self.error}".lower()
+    def __post_init__(self) -> None:
+        if not self.haystack:
+            text = f"{self.request_id}\n{self.key}\n{self.task}\n{self.arguments}\n{self.error}".lower()
+            object.__setattr__(self, "haystack", text)
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,17 @@ class RequestFilter:
             return False
         if self.task and entry.task != self.task:
             return False
-        if self.key and not (entry.key == self.key or fnmatch.fnmatchcase(entry.key, self.key)):
+        if self.key and not (entry.key == self.key or key_pattern(self.key)(entry.key)):
             return False
         if self.error and self.error.lower() not in entry.error.lower():
             return False
         return not self.text or self.text.lower() in entry.haystack
+
+
+@functools.lru_cache(maxsize=64)
+def key_pattern(pattern: str) -> Callable[[str], re.Match[str] | None]:
+    """A key pattern (``*``, ``?``, ``[...]`` as in shell globs) as a compiled matcher."""
+    return re.compile(fnmatch.translate(pattern)).match
 
 
 @dataclass(frozen=True)
@@ -259,15 +270,23 @@ class SearchIndex:
         return found
 
     async def verify(self, queue: str, entries: list[IndexEntry]) -> list[IndexEntry]:
-        """``entries`` still stored, in order; those gone are dropped from the index too."""
+        """``entries`` still stored, in order; those gone are dropped from the index too.
+
+        Direct gets where the stream allows them: they are served beside the JetStream API's
+        queue, which a busy server answers one request at a time."""
         names = QueueNames(queue)
+        direct = {names.inbox_stream: True, names.dlq_stream: True}
 
         async def stored(entry: IndexEntry) -> bool:
             if entry.where == "delayed":
                 return True
             stream = names.inbox_stream if entry.where == "pending" else names.dlq_stream
             try:
-                msg = await self.api.get_msg(stream, seq=entry.seq, direct=False)
+                try:
+                    msg = await self.api.get_msg(stream, seq=entry.seq, direct=direct[stream])
+                except ConnectionFailed:  # nobody answers direct gets: a replicated stream
+                    direct[stream] = False
+                    msg = await self.api.get_msg(stream, seq=entry.seq, direct=False)
             except KeyqueueError:
                 return True  # cannot tell now: keep it
             return msg is not None
