@@ -30,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
@@ -63,6 +64,11 @@ HANDOVER_LIMIT: Final = 2000
 
 BATCH: Final = 5000
 """Messages per batched read."""
+
+OFF_LOOP: Final = 5000
+"""Keys from which the report is assembled in a thread."""
+
+T = TypeVar("T")
 
 TokenState = Literal["held", "scheduled", "none"]
 
@@ -179,7 +185,8 @@ async def inspect_queue(api: JetStreamApi, queue: str, *, every_key: bool = Fals
     held: set[str] = set()
     backlog: dict[str, int] = {}
     if keys:
-        tokens = {names.key_of(s) for s in await api.subjects(names.token_stream, names.token_prefix + ">")}
+        tokens = set(await _off_loop(_keys_of, names.token_prefix,
+                                     await api.subjects(names.token_stream, names.token_prefix + ">")))
         holders = await _holders(api, names)
         held = {k for k, h in holders.items() if k in tokens and h.token_seq is not None and h.token_seq <= delivered}
         if ack_pending > len(held):
@@ -187,18 +194,13 @@ async def inspect_queue(api: JetStreamApi, queue: str, *, every_key: bool = Fals
     inbox = await api.stream_info(names.inbox_stream)
     if keys:
         stored = await api.subjects(names.inbox_stream, names.inbox_prefix + ">")
-        backlog = {names.key_of(s): n for s, n in stored.items()}
+        backlog = await _off_loop(_keys_of, names.inbox_prefix, stored)
         await _recheck(api, names, delivered, tokens, held, backlog)
     try:
         dlq = int((await api.stream_info(names.dlq_stream))["state"].get("messages", 0))
     except StreamNotFound:
         dlq = 0
-    every = sorted(tokens | set(backlog), key=lambda k: (-backlog.get(k, 0), k))
-    listed = every if every_key else every[:KEY_LIMIT]
-    states = [KeyState(key, backlog.get(key, 0),
-                       "held" if key in held else "scheduled" if key in tokens else "none",
-                       holders.get(key) if key in held else None)
-              for key in listed]
+    every, states = await _off_loop(_key_states, tokens, backlog, held, holders, every_key)
     workers = Counter(h.worker for key, h in holders.items() if key in held and h.worker)
     config = consumer.get("config") or {}
     state = inbox.get("state") or {}
@@ -226,6 +228,31 @@ async def inspect_queue(api: JetStreamApi, queue: str, *, every_key: bool = Fals
         delivered_through=delivered,
         inbox_last_seq=int(state.get("last_seq", 0)),
     )
+
+
+def _keys_of(prefix: str, subjects: dict[str, int]) -> dict[str, int]:
+    """Key -> count, from a stream's subjects on ``prefix`` + key."""
+    cut = len(prefix)
+    return {subject[cut:]: count for subject, count in subjects.items()}
+
+
+def _key_states(tokens: set[str], backlog: dict[str, int], held: set[str], holders: dict[str, Holder],
+                every_key: bool) -> tuple[list[str], list[KeyState]]:
+    """Every key, most backlog first then by name, and the states of those listed."""
+    every = sorted(tokens | backlog.keys())
+    every.sort(key=lambda k: backlog.get(k, 0), reverse=True)  # stable: names stay in order within a backlog
+    listed = every if every_key else every[:KEY_LIMIT]
+    states = [KeyState(key, backlog.get(key, 0), "held" if key in held else "scheduled" if key in tokens else "none",
+                       holders.get(key) if key in held else None)
+              for key in listed]
+    return every, states
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread when the work is big enough to hold the event loop (every key of a
+    large queue), else here: on a dashboard the loop also serves the pages."""
+    size = max((len(a) for a in args if isinstance(a, dict | set)), default=0)
+    return await asyncio.to_thread(fn, *args) if size > OFF_LOOP else fn(*args)
 
 
 async def last_records(api: JetStreamApi, stream: str, subject_filter: str) -> list[StoredMsg]:
