@@ -19,7 +19,7 @@ Events are best-effort telemetry (they may be sampled, or off): the history is w
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -184,12 +184,22 @@ def runs_of(events: list[StoredEvent]) -> list[Run]:
                             e.worker, fence, begun, e.ts, e.event, duration,
                             e.reason if e.event != "succeeded" else None))
         elif e.event in _WITHOUT_RUN:
-            runs.append(Run(e.request_id, e.task, None, e.worker, fences.get(e.worker), None, e.ts, e.event, None,
-                            e.reason))
+            # A cancelled request's start event fires before its holder sees the cancel, and the
+            # processor reports it superseded as well: one row, "cancelled", for all of it.
+            opened = next((open_runs.pop(ident) for ident in list(open_runs) if ident[0] == e.request_id), None)
+            earlier = next((i for i, r in enumerate(runs) if r.request_id == e.request_id and r.outcome in _WITHOUT_RUN
+                            and e.request_id), None)
+            if earlier is not None:
+                if e.event == "cancelled":
+                    runs[earlier] = replace(runs[earlier], outcome="cancelled", reason=e.reason)
+                continue
+            started, fence = opened if opened is not None else (None, fences.get(e.worker))
+            runs.append(Run(e.request_id, e.task, None, e.worker, fence, started.ts if started else None, e.ts,
+                            e.event, None, e.reason))
     for started, fence in open_runs.values():
         runs.append(Run(started.request_id, started.task, started.attempt, started.worker, fence, started.ts, None,
                         "running", None))
-    runs.sort(key=lambda r: (r.started if r.started is not None else r.ended or 0.0), reverse=True)
+    runs.sort(key=lambda r: r.ended if r.ended is not None else r.started or 0.0, reverse=True)
     return runs
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import urllib.parse
 from typing import TYPE_CHECKING, Any, Final
 
+from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
@@ -50,8 +51,8 @@ BULK: Final = {"replay": "dead", "delete": "dead", "cancel": "pending"}
 def action_routes(pages: Pages) -> list[Route]:
     """The POST routes of the dashboard's actions."""
 
-    async def refused(request: Request, queue: str, action: str) -> Response | None:
-        """The refusal of an action this caller may not take now; None if it may."""
+    async def admitted(request: Request, queue: str, action: str) -> FormData | Response:
+        """The action's form if this caller may take it now on an existing queue, else its refusal."""
         caller: Caller = request.state.caller
         if pages.options.read_only:
             return PlainTextResponse("this dashboard is read-only", 405)
@@ -61,10 +62,12 @@ def action_routes(pages: Pages) -> list[Route]:
             why, status = f"the {caller.role} role may look, not act; ask an operator", 403
         elif not csrf_matches(request.cookies.get(CSRF_COOKIE), _text(form.get(CSRF_FIELD))):
             why, status = "CSRF token missing or wrong; reload the page and try again", 403
-        if why is None:
-            return None
-        await record(request, queue, action, _text(form.get("key")) or _text(form.get("seq")) or "-", 0, "refused", why)
-        return PlainTextResponse(why, status)
+        if why is not None:
+            await record(request, queue, action, _text(form.get("key")) or _text(form.get("seq")) or "-", 0,
+                         "refused", why)
+            return PlainTextResponse(why, status)
+        pages.view(queue)
+        return form
 
     async def record(request: Request, queue: str, action: str, what: str, count: int, outcome: Outcome,
                      detail: str = "") -> None:
@@ -73,10 +76,9 @@ def action_routes(pages: Pages) -> list[Route]:
 
     async def dlq_action(request: Request) -> Response:
         queue, action = request.path_params["queue"], request.path_params["action"]
-        if (refusal := await refused(request, queue, action)) is not None:
-            return refusal
-        pages.view(queue)
-        form = await request.form()
+        form = await admitted(request, queue, action)
+        if isinstance(form, Response):
+            return form
         key = _text(form.get("key")) or None
         seq_text = _text(form.get("seq"))
         seq = int(seq_text) if seq_text.isdigit() else None
@@ -106,10 +108,9 @@ def action_routes(pages: Pages) -> list[Route]:
 
     async def cancel(request: Request) -> Response:
         queue = request.path_params["queue"]
-        if (refusal := await refused(request, queue, "cancel")) is not None:
-            return refusal
-        pages.view(queue)
-        form = await request.form()
+        form = await admitted(request, queue, "cancel")
+        if isinstance(form, Response):
+            return form
         request_id = _text(form.get("request_id"))
         seq_text = _text(form.get("seq"))
         if not request_id:
@@ -121,10 +122,9 @@ def action_routes(pages: Pages) -> list[Route]:
 
     async def release(request: Request) -> Response:
         queue = request.path_params["queue"]
-        if (refusal := await refused(request, queue, "release")) is not None:
-            return refusal
-        pages.view(queue)
-        form = await request.form()
+        form = await admitted(request, queue, "release")
+        if isinstance(form, Response):
+            return form
         key = _text(form.get("key"))
         force = _text(form.get("force")) == "1"
         if not key:
@@ -150,10 +150,9 @@ def action_routes(pages: Pages) -> list[Route]:
         queue, action = request.path_params["queue"], request.path_params["action"]
         if action not in BULK:
             return PlainTextResponse(f"unknown bulk action {action!r}; one of {', '.join(BULK)}", 400)
-        if (refusal := await refused(request, queue, f"bulk-{action}")) is not None:
-            return refusal
-        pages.view(queue)
-        form = await request.form()
+        form = await admitted(request, queue, f"bulk-{action}")
+        if isinstance(form, Response):
+            return form
         fields = {k: _text(form.get(k)) for k in ("q", "key", "task", "error")}
         selected = RequestFilter.from_query(fields)
         back = _text(form.get("back")) or pages_url("/search", {"queue": queue, **selected.query()})

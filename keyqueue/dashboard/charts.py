@@ -44,20 +44,25 @@ def latency_chart(p50: Sequence[float | None], p99: Sequence[float | None], *, w
     step = width / (len(p50) - 1)
 
     def lines(values: Sequence[float | None], css: str) -> str:
-        runs: list[list[str]] = [[]]
-        for i, v in enumerate(values):
-            if v is None:
-                runs.append([])
-            else:
-                runs[-1].append(f"{i * step:.1f},{height - 2 - v / top * (height - 10):.1f}")
-        # A lone point is drawn as a dot: a polyline of one point shows nothing.
-        return "".join(f'<polyline class="{css}" points="{" ".join(r)}"/>' if len(r) > 1 else
-                       f'<circle class="{css}" cx="{r[0].split(",")[0]}" cy="{r[0].split(",")[1]}" r="1.5"/>'
-                       for r in runs if r)
+        return _lines(values, css, step, lambda v: height - 2 - v / top * (height - 10), dot=1.5)
 
     return (f'<svg class="latency" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
             f'aria-label="{what} p50 and p99, {span}"><text x="0" y="7">'
             f'{duration(top)}</text>{lines(p99, "p99")}{lines(p50, "p50")}</svg>')
+
+
+def _lines(values: Sequence[float | None], css: str, step: float, y: Callable[[float], float], *, dot: float) -> str:
+    """One polyline per run of values (None breaks the line), a dot for a run of one point (a
+    polyline of one point shows nothing)."""
+    runs: list[list[str]] = [[]]
+    for i, v in enumerate(values):
+        if v is None:
+            runs.append([])
+        else:
+            runs[-1].append(f"{i * step:.1f},{y(v):.1f}")
+    return "".join(f'<polyline class="{css}" points="{" ".join(r)}"/>' if len(r) > 1 else
+                   f'<circle class="{css}" cx="{r[0].split(",")[0]}" cy="{r[0].split(",")[1]}" r="{dot}"/>'
+                   for r in runs if r)
 
 
 def series_chart(series: Sequence[tuple[str, Sequence[float | None]]], starts: Sequence[float], *, what: str,
@@ -72,15 +77,7 @@ def series_chart(series: Sequence[tuple[str, Sequence[float | None]]], starts: S
     step = width / (len(starts) - 1)
 
     def lines(points: Sequence[float | None], css: str) -> str:
-        runs: list[list[str]] = [[]]
-        for i, v in enumerate(points):
-            if v is None:
-                runs.append([])
-            else:
-                runs[-1].append(f"{i * step:.1f},{plot_h - 2 - v / top * (plot_h - 12):.1f}")
-        return "".join(f'<polyline class="{css}" points="{" ".join(r)}"/>' if len(r) > 1 else
-                       f'<circle class="{css}" cx="{r[0].split(",")[0]}" cy="{r[0].split(",")[1]}" r="2"/>'
-                       for r in runs if r)
+        return _lines(points, css, step, lambda v: plot_h - 2 - v / top * (plot_h - 12), dot=2)
 
     ticks = "".join(f'<text x="{x:.0f}" y="{height - 2}" text-anchor="{anchor}">{_hhmm(starts[i])}</text>'
                     for i, x, anchor in ((0, 0, "start"), (len(starts) // 2, len(starts) // 2 * step, "middle"),

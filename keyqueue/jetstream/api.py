@@ -203,13 +203,7 @@ class JetStreamApi:
         ``direct`` uses the direct-get API (served by any replica with ``allow_direct``), else
         the leader-only ``STREAM.MSG.GET``.
         """
-        payload: dict[str, Any] = {}
-        if seq is not None:
-            payload["seq"] = seq
-        if next_by_subject is not None:
-            payload["next_by_subj"] = next_by_subject
-        if last_by_subject is not None:
-            payload["last_by_subj"] = last_by_subject
+        payload = _given(seq=seq, next_by_subj=next_by_subject, last_by_subj=last_by_subject)
         if direct:
             return direct_reply(await self._request(f"{self.prefix}.DIRECT.GET.{stream}",
                                                     json.dumps(payload).encode(), None))
@@ -231,17 +225,8 @@ class JetStreamApi:
 
         The stream needs ``allow_direct``; ``StreamNotFound`` if it does not exist.
         """
-        payload: dict[str, Any] = {"batch": batch}
-        if seq is not None:
-            payload["seq"] = seq
-        if next_by_subject is not None:
-            payload["next_by_subj"] = next_by_subject
-        if start_time is not None:
-            payload["start_time"] = start_time
-        if multi_last is not None:
-            payload["multi_last"] = multi_last
-        if up_to_seq is not None:
-            payload["up_to_seq"] = up_to_seq
+        payload = _given(batch=batch, seq=seq, next_by_subj=next_by_subject, start_time=start_time,
+                         multi_last=multi_last, up_to_seq=up_to_seq)
         subject = f"{self.prefix}.DIRECT.GET.{stream}"
         if self.nc.is_reconnecting:
             raise disconnected(f"the batched read of {stream}")
@@ -326,9 +311,9 @@ class JetStreamApi:
 
     async def _first_at(self, stream: str, start_time: str, subject_filter: str) -> StoredMsg | None:
         """The first message stored at or after ``start_time`` (on ``subject_filter``), leader-only."""
-        payload: dict[str, Any] = {"start_time": start_time, "next_by_subj": subject_filter}
         try:
-            body = await self.request(f"STREAM.MSG.GET.{stream}", payload)
+            body = await self.request(f"STREAM.MSG.GET.{stream}", {"start_time": start_time,
+                                                                    "next_by_subj": subject_filter})
         except MessageNotFound:
             return None
         return stored_from_json(body["message"])
@@ -351,6 +336,11 @@ class JetStreamApi:
 
     async def account_info(self) -> dict[str, Any]:
         return await self.request("INFO")
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """A request's fields, those not given (None) left out."""
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def direct_reply(msg: Msg) -> StoredMsg | None:

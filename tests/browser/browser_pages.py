@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -57,6 +58,11 @@ def wait_until(driver: WebDriver, condition: Callable[[WebDriver], Any], what: s
     # The page's live region is replaced on each refresh: an element found a moment ago may be gone.
     return WebDriverWait(driver, timeout, poll_frequency=0.1,
                          ignored_exceptions=(StaleElementReferenceException,)).until(condition, message=what)
+
+
+async def until(driver: WebDriver, condition: Callable[[WebDriver], Any], what: str, timeout: float = 20) -> Any:
+    """``wait_until`` from a test's event loop (the browser is driven in a thread meanwhile)."""
+    return await asyncio.to_thread(wait_until, driver, condition, what, timeout)
 
 
 def click(driver: WebDriver, css: str, what: str) -> None:

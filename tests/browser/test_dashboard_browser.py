@@ -7,33 +7,17 @@ from __future__ import annotations
 import asyncio
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_pages import click, make_browser, number_in, start_dashboard, text_of, wait_until
+from browser_pages import click, make_browser, number_in, start_dashboard, text_of, until
 from command_output import Command
-from dashboard_app import build
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
-import keyqueue
-
 Shot = Callable[[WebDriver, str], Path]
-
-
-async def until(driver: WebDriver, condition: Callable[[WebDriver], Any], what: str, timeout: float = 15) -> Any:
-    return await asyncio.to_thread(wait_until, driver, condition, what, timeout)
-
-
-@pytest.fixture
-async def producer(nats_url: str) -> AsyncIterator[tuple[keyqueue.App, dict[str, Any]]]:
-    app, tasks = build(nats_url)
-    try:
-        yield app, tasks
-    finally:
-        await app.close()
 
 
 def seconds_in(driver: WebDriver, css: str) -> float | None:

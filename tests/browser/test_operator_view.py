@@ -11,11 +11,10 @@ import re
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from browser_pages import (
     KEYQUEUE,
     ROOT,
@@ -25,10 +24,9 @@ from browser_pages import (
     number_in,
     start_dashboard,
     text_of,
-    wait_until,
+    until,
 )
 from command_output import Command
-from dashboard_app import build
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
@@ -37,19 +35,6 @@ from keyqueue.dashboard.security import cookie_value
 from keyqueue.jetstream.records import RequestRecords
 
 Shot = Callable[[WebDriver, str], Path]
-
-
-async def until(driver: WebDriver, condition: Callable[[WebDriver], Any], what: str, timeout: float = 20) -> Any:
-    return await asyncio.to_thread(wait_until, driver, condition, what, timeout)
-
-
-@pytest.fixture
-async def producer(nats_url: str) -> AsyncIterator[tuple[keyqueue.App, dict[str, Any]]]:
-    app, tasks = build(nats_url)
-    try:
-        yield app, tasks
-    finally:
-        await app.close()
 
 
 async def http(method: str, url: str, *, headers: dict[str, str] | None = None,
@@ -270,8 +255,9 @@ async def test_cancel_a_pending_and_a_delayed_request(browser: WebDriver, dashbo
     # It never ran: the key's stored history says it was cancelled, and has no start of it.
     await until(browser, lambda d: "cancelled" in text_of(d, '#runs tr[data-outcome="cancelled"]'),
                 "the cancelled request shows in the key's runs", timeout=30)
-    assert pending.request_id not in text_of(browser, "#runs tbody")
-    assert pending.request_id in text_of(browser, '#runs tr[data-outcome="cancelled"]')
+    rows = await until(browser, lambda d: [(r.get_attribute("data-outcome"), r.text) for r in d.find_elements(
+        By.CSS_SELECTOR, "#runs tr[data-outcome]")], "the key's runs")
+    assert [outcome for outcome, text in rows if pending.request_id in text] == ["cancelled"], rows
     drow = f'#pending tr[data-request="{delayed.request_id}"]'
     click(browser, f"{drow} button[name=cancel]", "the delayed request's Cancel button")
     await until(browser, lambda d: f"cancel of request {delayed.request_id}: cancelled" in text_of(d, ".done"),

@@ -58,6 +58,18 @@ def test_runs_name_holder_fence_outcome_and_duration_newest_first() -> None:
     assert runs[2].duration == 0.25 and runs[3].duration == 1.0 and runs[3].reason == "boom"
 
 
+def test_a_cancelled_request_is_one_row_whatever_events_its_holder_published() -> None:
+    events = [
+        ev(1, "acquired", worker="w1", fence=3),
+        ev(2, "started", request_id="r1", task="t", worker="w1", attempt=1),
+        ev(3, "superseded", request_id="r1", task="t", worker="w1", reason="superseded by (cancelled)"),
+        ev(4, "cancelled", request_id="r1", task="t", worker="w1", reason="cancelled before it started"),
+        ev(5, "released", worker="w1", reason="released"),
+    ]
+    [run] = runs_of(events)
+    assert (run.request_id, run.outcome, run.fence, run.reason) == ("r1", "cancelled", 3, "cancelled before it started")
+
+
 def test_an_attempt_cut_off_by_a_new_holding_is_interrupted_and_a_dead_letter_matches_its_last_attempt() -> None:
     events = [
         ev(1, "acquired", worker="w1", fence=3),
