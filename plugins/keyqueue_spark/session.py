@@ -26,8 +26,10 @@ def spark_session(master: str = "local[*]", app_name: str = "keyqueue", *,
                   conf: Mapping[str, str] | None = None, quiet: bool = True) -> SparkSession:
     """A session on ``master`` (``local[*]`` by default) with the keyqueue source registered.
 
-    Locally, Python workers run this interpreter (so they import keyqueue and nats-py); on a
-    cluster, set ``spark.pyspark.python`` to an environment with ``keyqueue-spark`` installed.
+    Python workers run this interpreter (so they import keyqueue and nats-py): locally always,
+    and on a cluster unless ``conf`` or ``$PYSPARK_PYTHON`` name another
+    (``spark.pyspark.python``: a Python with ``keyqueue-spark`` installed on every executor's
+    host; Spark's own default, ``python3``, rarely has it).
     ``quiet``: the driver logs errors only, from its start (:data:`QUIET_LOGGING`, when this call
     starts the JVM) and afterwards (``setLogLevel("ERROR")``, also on a session already running).
     """
@@ -43,6 +45,8 @@ def spark_session(master: str = "local[*]", app_name: str = "keyqueue", *,
         settings["spark.pyspark.python"] = sys.executable
         settings["spark.pyspark.driver.python"] = sys.executable
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    elif not os.environ.get("PYSPARK_PYTHON"):
+        settings["spark.pyspark.python"] = sys.executable
     settings.update(conf or {})
     if quiet:
         # Set before the JVM starts: Spark logs its start-up WARN lines before setLogLevel can run.
