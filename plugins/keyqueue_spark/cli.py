@@ -257,7 +257,7 @@ def outcome(summary: dict[str, Any]) -> str:
     if summary["errors"]:
         parts.append(f"{summary['errors']:,} bad row{'s' if summary['errors'] != 1 else ''} not enqueued")
     if summary.get("waited"):
-        parts.append(f"waited {summary['waited']:.0f}s for workers (--max-pending)")
+        parts.append(f"waited {summary['waited']:.1f}s for workers (--max-pending)")
     return ", ".join(parts)
 
 

@@ -79,7 +79,8 @@ class JobProgress:
     """The driver's progress line for one write, from its tasks' reports and Spark's task counts.
 
     A background thread (owned: :meth:`stop` ends and joins it) subscribes to ``subject`` and
-    prints ``line()`` every ``interval`` seconds (every 5 s when not on a terminal).
+    prints ``line()`` every ``interval`` seconds (every 5 s when not on a terminal), and once
+    more when stopped.
     """
 
     def __init__(self, spark: Any, url: str, subject: str, total: int, *, max_pending: int | None = None,
@@ -180,8 +181,8 @@ class JobProgress:
             while not await loop.run_in_executor(None, self._stop.wait, every):
                 text = self.line()
                 print(f"\r{text}   " if tty else text, end="" if tty else "\n", file=self.out, flush=True)
-            if tty:
-                print(file=self.out)
+            await nc.flush()  # the tasks' last reports are in before the last line
+            print(f"\r{self.line()}   " if tty else self.line(), file=self.out, flush=True)
         finally:
             await nc.close()
 
