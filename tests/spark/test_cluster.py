@@ -1,0 +1,124 @@
+"""The Spark plugin on a real standalone cluster: a master and two workers on loopback, executors in JVMs of their own.
+
+The cluster (one per module: its JVMs take ~20 s to start) comes from the installed pyspark
+(:mod:`tests.spark.cluster`). Each test runs its drivers as a user would, in processes of their
+own against ``spark://127.0.0.1:PORT``: a driver script of the data source, and the
+``keyqueue backfill`` and ``keyqueue report`` commands with ``--master``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keyqueue.server.embedded import EmbeddedServer
+from tests.spark.cluster import StandaloneCluster, loopback_env
+from tests.spark.cluster_job import KEYS, PARTITIONS, ROWS, WRITE_QUEUE
+from tests.spark.fixtures import history, publish_history
+from tests.spark.helpers import run, stream_messages
+from tests.spark.stream_job import SOURCE_QUEUE, TARGET_QUEUE
+
+REPO = Path(__file__).resolve().parents[2]
+KEYQUEUE = str(Path(sys.executable).with_name("keyqueue"))
+DRIVER_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneCluster]:
+    started = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster"), workers=2, cores=1)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def driver_env() -> dict[str, str]:
+    return {**loopback_env(), "PYTHONPATH": str(REPO)}
+
+
+def conf_args(cluster: StandaloneCluster) -> list[str]:
+    return [f"{name}={value}" for name, value in {**cluster.driver_conf(), "spark.driver.memory": "768m"}.items()]
+
+
+def executors_of(cluster: StandaloneCluster, app_id: str) -> list[list[Path]]:
+    """Per worker, the executor directories of ``app_id`` (each a JVM the worker started)."""
+    return [[d for d in dirs if d.parent.name == app_id] for dirs in cluster.executor_dirs()]
+
+
+def apps_run(cluster: StandaloneCluster) -> list[set[str]]:
+    return [{d.parent.name for d in dirs} for dirs in cluster.executor_dirs()]
+
+
+def test_the_data_source_reads_and_writes_on_a_standalone_cluster(
+        cluster: StandaloneCluster, server: EmbeddedServer, tmp_path: Path) -> None:
+    events = history(SOURCE_QUEUE, requests=150)
+    run(publish_history(server.url, SOURCE_QUEUE, events))
+
+    done = subprocess.run([sys.executable, "-m", "tests.spark.cluster_job", cluster.url, server.url, str(tmp_path),
+                           *conf_args(cluster)], cwd=REPO, env=driver_env(), capture_output=True, text=True,
+                          timeout=DRIVER_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+
+    # Every task ran in an executor JVM that a worker started: one on each worker.
+    assert all(len(dirs) == 1 for dirs in executors_of(cluster, result["app_id"])), cluster.executor_dirs()
+
+    every = list(range(1, len(events) + 1))
+    assert result["read_partitions"] == PARTITIONS and result["read"] == every  # batch: each message once
+    assert result["streamed"] == every  # streaming: each message once
+
+    write = result["write"]
+    assert (write["rows"], write["accepted"], write["duplicates"], write["errors"], write["partitions"]) == (
+        ROWS, ROWS, 0, 0, PARTITIONS)
+    stored = run(stream_messages(server.url, f"KQ_{WRITE_QUEUE}_INBOX"))
+    assert sorted(body["n"] for _, _, _, body in stored) == list(range(ROWS))
+    for _, subject, _, body in stored:
+        assert subject == f"kq.{WRITE_QUEUE}.in.doc-{body['n'] % KEYS}"
+
+    keyed = {seq: e for seq, e in enumerate(events, start=1) if e.get("key") is not None}
+    audits = run(stream_messages(server.url, f"KQ_{TARGET_QUEUE}_INBOX"))
+    assert sorted(body["seq"] for _, _, _, body in audits) == sorted(keyed)  # streaming write: each row once
+    assert result["stream_write"]["errors"] == 0
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for _, subject, _, body in audits:
+        by_key[subject].append(body["seq"])
+    assert all(seqs == sorted(seqs) for seqs in by_key.values())
+
+
+def test_backfill_and_report_run_on_a_standalone_cluster(
+        cluster: StandaloneCluster, server: EmbeddedServer, tmp_path: Path) -> None:
+    rows = [(f"acct-{i % 7}", i) for i in range(500)]
+    data = tmp_path / "payments.csv"
+    data.write_text("account,amount\n" + "".join(f"{a},{n}\n" for a, n in rows))
+    conf = [arg for pair in conf_args(cluster) for arg in ("--conf", pair)]
+    before = apps_run(cluster)
+
+    backfill = subprocess.run([KEYQUEUE, "backfill", str(data), "--queue", "shop", "--task", "post", "--key",
+                               "account", "--columns", "account,amount", "--url", server.url,
+                               "--master", cluster.url, *conf], cwd=tmp_path, env=driver_env(),
+                              capture_output=True, text=True, timeout=DRIVER_TIMEOUT)
+    assert backfill.returncode == 0, backfill.stderr[-4000:]
+    assert f"starting Spark ({cluster.url}) ..." in backfill.stderr
+    assert "500 rows: 500 enqueued in " in backfill.stdout
+    stored = [body for _, _, _, body in run(stream_messages(server.url, "KQ_shop_INBOX"))]
+    assert sorted((b["account"], b["amount"]) for b in stored) == sorted(rows)
+    for account in {a for a, _ in rows}:  # each key's rows in input order
+        assert [b["amount"] for b in stored if b["account"] == account] == [n for a, n in rows if a == account]
+
+    run(publish_history(server.url, "rebaser", history("rebaser", requests=200)))
+    report = subprocess.run([KEYQUEUE, "report", "rebaser", "--url", server.url, "--master", cluster.url,
+                             "--out", str(tmp_path / "report"), *conf], cwd=tmp_path, env=driver_env(),
+                            capture_output=True, text=True, timeout=DRIVER_TIMEOUT)
+    assert report.returncode == 0, report.stderr[-4000:]
+    assert "tasks: Rebase, Reindex; DVU: 30 runs, 3.00 triggers per run" in report.stdout
+    assert (tmp_path / "report" / "report.html").is_file()
+
+    # Both commands ran their tasks on the cluster's executors: two more applications on each worker.
+    assert [len(after - seen) for after, seen in zip(apps_run(cluster), before, strict=True)] == [2, 2]
