@@ -123,6 +123,11 @@ class JobProgress:
         return max(r.backlog or 0 for r in waiting), waited
 
     def line(self) -> str:
+        counts, rate = self._parts()
+        return f"{counts[0]}, {rate}{counts[1]}"
+
+    def _parts(self) -> tuple[tuple[str, str], str]:
+        """((the counts, the wait), the rate): what the line says, and the part that changes by itself."""
         rows, stored, duplicates, errors = self.totals()
         elapsed = max(1e-6, time.monotonic() - self._started)
         text = ""
@@ -135,13 +140,13 @@ class JobProgress:
             text += f", {duplicates:,} duplicates"
         if errors:
             text += f", {errors:,} bad"
-        text += f", {stored / elapsed:,.0f}/s"
+        wait = ""
         waiting = self.waiting()
         if waiting is not None:
             backlog, waited = waiting
             limit = f" (max-pending {self.max_pending:,})" if self.max_pending else ""
-            text += f"; waiting for workers: backlog {backlog:,}{limit}, waited {waited:.0f}s"
-        return text
+            wait = f"; waiting for workers: backlog {backlog:,}{limit}, waited {waited:.0f}s"
+        return (text, wait), f"{stored / elapsed:,.0f}/s"
 
     def _spark_tasks(self) -> tuple[int, int]:
         tracker = self.spark.sparkContext.statusTracker()
@@ -178,11 +183,16 @@ class JobProgress:
             tty = getattr(self.out, "isatty", lambda: False)()
             every = self.interval if tty else max(5.0, self.interval)
             loop = asyncio.get_running_loop()
+            shown: tuple[str, str] | None = None
             while not await loop.run_in_executor(None, self._stop.wait, every):
+                shown = self._parts()[0]
                 text = self.line()
                 print(f"\r{text}   " if tty else text, end="" if tty else "\n", file=self.out, flush=True)
             await nc.flush()  # the tasks' last reports are in before the last line
-            print(f"\r{self.line()}   " if tty else self.line(), file=self.out, flush=True)
+            if tty:
+                print(f"\r{self.line()}   ", file=self.out, flush=True)
+            elif self._parts()[0] != shown:  # the last counts, unless the last line showed them
+                print(self.line(), file=self.out, flush=True)
         finally:
             await nc.close()
 

@@ -141,7 +141,8 @@ class StandaloneCluster:
         """Settings for a driver of this cluster: executors small, on loopback, quick to start."""
         return {"spark.executor.memory": EXECUTOR_MEMORY, "spark.executor.cores": "1",
                 "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
-                "spark.executor.extraJavaOptions": FAST_JVM, "spark.ui.enabled": "false",
+                "spark.driver.extraJavaOptions": FAST_JVM, "spark.executor.extraJavaOptions": FAST_JVM,
+                "spark.ui.enabled": "false",
                 "spark.sql.shuffle.partitions": "4"}
 
     def executor_dirs(self) -> list[list[Path]]:

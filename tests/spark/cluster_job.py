@@ -2,8 +2,9 @@
 
 ``python -m tests.spark.cluster_job MASTER URL OUT [KEY=VALUE ...]`` reads the ``shop`` queue's
 events in batch and as a stream (into Parquet), writes a DataFrame to the ``cluster`` queue and
-the events, as a stream, to the ``audit`` queue; then prints one JSON line of what it read and
-what the writes' commits said. The test checks the queues themselves.
+the events, as a stream, to the ``audit`` queue, and runs ``keyqueue report`` on the ``rebaser``
+queue's events (the command takes the driver's session, on MASTER); then prints one JSON line
+of what it read and what the writes' commits and the report said. The test checks the queues.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from tests.spark.stream_job import SOURCE_QUEUE
 from tests.spark.stream_job import start as start_audit
 
 WRITE_QUEUE = "cluster"
+REPORT_QUEUE = "rebaser"
 ROWS, KEYS, PARTITIONS = 2_000, 200, 4
 
 
-def run(spark: Any, url: str, out: Path) -> dict[str, Any]:
+def run(spark: Any, master: str, url: str, out: Path) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
     result: dict[str, Any] = {"app_id": spark.sparkContext.applicationId}
@@ -50,6 +52,14 @@ def run(spark: Any, url: str, out: Path) -> dict[str, Any]:
     finally:
         audit.stop()
     result["stream_write"] = json.loads((out / "audit.json").read_text())
+
+    from click.testing import CliRunner
+
+    from keyqueue.cli import main as keyqueue
+
+    report = CliRunner().invoke(keyqueue, ["report", REPORT_QUEUE, "--url", url, "--master", master,
+                                           "--out", str(out / "report")])
+    result["report"] = {"exit_code": report.exit_code, "stdout": report.stdout, "stderr": report.stderr}
     return result
 
 
@@ -60,7 +70,7 @@ def main() -> None:
 
     spark = spark_session(master, "keyqueue-cluster-job", conf=conf)
     try:
-        print(json.dumps(run(spark, url, out)))
+        print(json.dumps(run(spark, master, url, out)))
     finally:
         spark.stop()
 
