@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,42 @@ async def read_baseline(url: str, queue: str) -> tuple[int, float]:
         await nc.close()
 
 
+class Arrivals:
+    """When the first and the last message on ``subject`` arrived (a core subscription in a thread of its own)."""
+
+    def __init__(self, url: str, subject: str) -> None:
+        self.url, self.subject = url, subject
+        self.count, self.first, self.last = 0, 0.0, 0.0
+        self._ready, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._listen()), daemon=True)
+
+    async def _listen(self) -> None:
+        from keyqueue.ext import connect
+
+        nc = await connect(self.url, name="bench-arrivals")
+
+        async def arrived(_: Any) -> None:
+            now = time.perf_counter()
+            self.first = self.first or now
+            self.last = now
+            self.count += 1
+
+        await nc.subscribe(self.subject, cb=arrived)
+        await nc.flush()
+        self._ready.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._stop.wait)
+        await nc.close()
+
+    def __enter__(self) -> Arrivals:
+        self._thread.start()
+        self._ready.wait()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.spark", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -154,15 +191,19 @@ def run_all(report: Report, url: str, root: Path, args: argparse.Namespace) -> N
     spark = spark_session(args.master, "bench-spark", conf={"spark.ui.showConsoleProgress": "false"})
     session_s = time.perf_counter() - started
     try:
-        started = time.perf_counter()
-        summary = run_backfill(spark, BackfillJob(input_path=str(data), queue="bench_backfill", task="post",
-                                                  key="account", url=url), show_progress=False)
-        backfill_s = time.perf_counter() - started
-        assert summary["accepted"] - summary["duplicates"] == rows, summary
+        with Arrivals(url, "kq.bench_backfill.in.>") as stored:
+            started = time.perf_counter()
+            summary = run_backfill(spark, BackfillJob(input_path=str(data), queue="bench_backfill", task="post",
+                                                      key="account", url=url), show_progress=False)
+            backfill_s = time.perf_counter() - started
+        assert summary["accepted"] - summary["duplicates"] == rows == stored.count, (summary, stored.count)
         rate = rows / backfill_s
+        until_first, writing = stored.first - started, stored.last - stored.first
         report.add(Row(BACKFILL, KQ, rate, "req/s",
-                       f"{rows:,} rows in {backfill_s:.1f}s after a Spark start of {session_s:.1f}s "
-                       f"(with it: {rows / (backfill_s + session_s):,.0f} req/s); "
+                       f"{rows:,} rows in {backfill_s:.1f}s once the session had started ({session_s:.1f}s: "
+                       f"with it {rows / (backfill_s + session_s):,.0f} req/s); first row stored after "
+                       f"{until_first:.1f}s (input read and counted, shuffled by key, Python workers started), "
+                       f"then {rows / writing:,.0f} req/s while writing; "
                        f"{spark.sparkContext.defaultParallelism} tasks", ratio=rate / baseline.value,
                        baseline=ENQUEUE, goal=">= 0.5x", met=rate / baseline.value >= 0.5))
 

@@ -27,12 +27,17 @@ from keyqueue.errors import ConfigError, KeyqueueError
 
 from .backlog import BacklogLimit
 from .progress import JobProgress, new_progress_subject
-from .sink import DEFAULT_BATCH_ROWS, plain_converter, read_summary
+from .sink import plain_converter, read_summary
 
 ROW_COLUMN: Final = "_kq_row"
 """The input row number the backfill adds (and uses as the request identity)."""
 
 FORMATS: Final = ("parquet", "csv", "json")
+
+BATCH_ROWS: Final = 50_000
+"""Rows per pipelined batch of a backfill's tasks (the sink's ``batchRows``). Each batch ends with one
+token publish per distinct key in it: a task with 5,000 keys sends 5,000 tokens per batch, half
+its publishes at the sink's default of 10,000 rows, a tenth at this size."""
 
 
 def guess_format(path: str) -> str:
@@ -141,7 +146,7 @@ def run_backfill(spark: Any, job: BackfillJob, *, task: Task[Any] | None = None,
     # The most tasks that write at once: the bound of --max-pending holds for that many.
     writers = min(parts, parallelism)
     if job.max_pending is not None:
-        BacklogLimit(job.max_pending, writers, DEFAULT_BATCH_ROWS)  # a bad bound fails before Spark runs
+        BacklogLimit(job.max_pending, writers, BATCH_ROWS)  # a bad bound fails before Spark runs
     ordered = (frame.withColumn(ROW_COLUMN, F.monotonically_increasing_id())
                .repartition(parts, job.key).sortWithinPartitions(ROW_COLUMN))
     with tempfile.TemporaryDirectory(prefix="keyqueue-backfill-") as tmp:
@@ -151,7 +156,8 @@ def run_backfill(spark: Any, job: BackfillJob, *, task: Task[Any] | None = None,
                   .option("url", job.url).option("queue", job.queue).option("task", job.task)
                   .option("key", job.key).option("idColumn", ROW_COLUMN).option("version", str(job.version))
                   .option("jobId", job_id).option("columns", ",".join(arguments))
-                  .option("maxErrors", str(job.max_errors)).option("summaryPath", summary_path))
+                  .option("maxErrors", str(job.max_errors)).option("summaryPath", summary_path)
+                  .option("batchRows", str(BATCH_ROWS)))
         if job.max_pending is not None:
             writer = writer.option("maxPending", str(job.max_pending)).option("maxPendingWriters", str(writers))
         progress = None

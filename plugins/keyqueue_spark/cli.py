@@ -27,7 +27,8 @@ from keyqueue.errors import ConfigError, KeyqueueError
 from keyqueue.ext import load_app
 
 _URL_HELP = "NATS server(s), comma-separated (default: $KEYQUEUE_URL)."
-_MASTER_HELP = "Spark master: local[*] (this machine, default), spark://host:7077, yarn, k8s://..."
+_MASTER_HELP = ("Spark master: local[*] (this machine, default), spark://host:7077, yarn, k8s://...; "
+                "report also takes a Spark Connect server, sc://host:15002")
 _CONF_HELP = ("A Spark setting, KEY=VALUE (repeatable): spark.executor.memory=2g, spark.pyspark.python=PATH "
               "(the Python with keyqueue-spark on the executors' hosts) ...")
 _NO_SERVER = "no NATS server: pass --url or set KEYQUEUE_URL (`keyqueue dev-server` runs one)"
@@ -64,6 +65,18 @@ def _session(master: str, app: str, conf: dict[str, str] | None = None) -> Itera
         from .session import register, spark_session
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise click.ClickException(f"{e}; install keyqueue-spark with its dependencies (pyspark, pyarrow)") from e
+    if master.startswith("sc://"):  # a Spark Connect server: a remote session, no JVM here
+        click.echo(f"connecting to Spark Connect ({master}) ...", err=True)
+        builder = SparkSession.builder.remote(master)
+        for name, value in (conf or {}).items():
+            builder = builder.config(name, value)
+        remote = builder.getOrCreate()
+        register(remote)
+        try:
+            yield remote
+        finally:
+            remote.stop()
+        return
     active = SparkSession.getActiveSession()
     if active is not None:
         register(active)
@@ -106,6 +119,7 @@ def report(queue: str, url: str | None, master: str, conf_pairs: tuple[str, ...]
       $ keyqueue report shop --out reports/shop --save-events shop-events.parquet
       $ keyqueue report shop --events-from shop-events.parquet --bucket 60
       $ keyqueue report shop --master spark://head:7077 --conf spark.executor.memory=2g
+      $ keyqueue report shop --master sc://spark-connect:15002
 
     On a cluster (--master spark://..., yarn, k8s://...) the executors' Python must have
     keyqueue-spark installed: by default it is this Python's path, on every host; --conf
@@ -203,6 +217,10 @@ def backfill(input_path: str, app_spec: str | None, queue: str | None, task: str
             raise click.UsageError("--queue is needed without --app (with --app it is the task's queue)")
         target = found.queue if found is not None else queue
         assert target is not None
+        if master.startswith("sc://"):
+            raise click.UsageError("backfill needs a Spark driver of its own (--master local[*], spark://..., yarn, "
+                                   "k8s://...): through Spark Connect (sc://) it has no SparkContext to size its "
+                                   "writes and show progress with")
         version = task_version if task_version is not None else found.spec.version if found is not None else 1
         job = BackfillJob(input_path=input_path, queue=target, task=task, key=key_column, url=nats_url(url, app),
                           input_format=input_format, version=version,

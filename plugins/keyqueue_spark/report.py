@@ -156,7 +156,7 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
         outcomes = (tasked.groupBy("task").pivot(
             "event", list(OUTCOMES)).count().na.fill(0))
         tasks = outcomes.join(waits, "task", "full").join(runs, "task", "full").orderBy("task")
-        data.tables["tasks"] = tasks.toPandas()
+        data.tables["tasks"] = _local(tasks)
 
     with step("per key: requests, wait and run times, hottest keys") as note:
         has_enqueued = counts.get("enqueued", 0) > 0
@@ -174,10 +174,10 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
                     .groupBy("task", "key").agg(*_quantile_columns("run", "run")))
         keys = per_key.join(key_waits, ["task", "key"], "left").join(key_runs, ["task", "key"], "left")
         keys = keys.orderBy(F.desc("requests"), "task", "key").cache()
-        data.tables["keys"] = keys.toPandas()
+        data.tables["keys"] = _local(keys)
         hot = (keyed.filter(request_event).groupBy("key").count().withColumnRenamed("count", "requests")
                .orderBy(F.desc("requests"), "key").limit(top))
-        data.tables["hot_keys"] = hot.toPandas()
+        data.tables["hot_keys"] = _local(hot)
         note(f"{len(data.tables['keys']):,} task/key pairs")
 
     with step("throughput over time") as note:
@@ -188,14 +188,14 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
                   .withColumn("bucket", F.floor(F.col("ts") / width) * width)
                   .groupBy("bucket").pivot("event", ["enqueued", "succeeded", "dead_lettered"]).count()
                   .na.fill(0).orderBy("bucket"))
-        data.tables["throughput"] = series.toPandas()
+        data.tables["throughput"] = _local(series)
         note(f"{width}s buckets")
 
     with step("retries, dead letters, superseded, cancelled"):
         for name, event in REASON_TABLES:
             table = (tasked.filter(F.col("event") == event).groupBy("task", "reason").count()
                      .orderBy(F.desc("count"), "task", "reason"))
-            data.tables[name] = table.toPandas()
+            data.tables[name] = _local(table)
 
     dvu_runs = triggers = 0
     if has_dvu:
@@ -203,9 +203,9 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
             finished = ev.filter(F.col("event") == "dvu_finished")
             dvu = finished.agg(F.count("*").alias("runs"), F.sum("triggers").alias("triggers"),
                                *_quantile_columns("run", "run"))
-            data.tables["dvu"] = dvu.toPandas()
+            data.tables["dvu"] = _local(dvu)
             histogram = finished.groupBy("triggers").count().withColumnRenamed("count", "runs").orderBy("triggers")
-            data.tables["dvu_triggers"] = histogram.toPandas()
+            data.tables["dvu_triggers"] = _local(histogram)
         dvu_row = data.tables["dvu"].iloc[0]
         dvu_runs = int(dvu_row["runs"])
         triggers = int(dvu_row["triggers"]) if dvu_runs and not _missing(dvu_row["triggers"]) else 0
@@ -231,6 +231,17 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
     ev.unpersist()
     keys.unpersist()
     return data
+
+
+def _local(frame: DataFrame) -> pd.DataFrame:
+    """A small aggregate as pandas, without the ``attrs`` Spark Connect attaches (its plan metrics,
+    which pandas cannot write to Parquet)."""
+    import pandas as pd
+
+    table = frame.toPandas()
+    assert isinstance(table, pd.DataFrame)
+    table.attrs = {}
+    return table
 
 
 def _missing(value: Any) -> bool:

@@ -14,8 +14,10 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Final
 
@@ -26,6 +28,7 @@ SPARK_CLASS: Final = SPARK_HOME / "bin" / "spark-class"
 
 MASTER_URL: Final = re.compile(r"Starting Spark master at (spark://\S+)")
 REGISTERED: Final = re.compile(r"Successfully registered with master")
+CONNECT_STARTED: Final = re.compile(r"Spark Connect server started at: (\S+)")
 
 DAEMON_MEMORY: Final = "256m"
 """Heap of the master and worker daemons (Spark's default is 1g): they only schedule."""
@@ -49,12 +52,12 @@ def loopback_env() -> dict[str, str]:
 class Daemon:
     """One JVM of the cluster, its log copied to ``log`` by a reader thread that also watches for a line."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
+    def __init__(self, command: list[str], log: Path, env: dict[str, str]) -> None:
         self.log = log
         self._lines: list[str] = []
         self._changed = threading.Condition()
         self._ended = False
-        self.process = subprocess.Popen([str(SPARK_CLASS), *args], env=env, stdin=subprocess.DEVNULL,
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         assert self.process.stdout is not None
         self._reader = threading.Thread(target=self._read, args=(self.process.stdout,), daemon=True)
@@ -89,7 +92,7 @@ class Daemon:
             self._changed.wait_for(matched, timeout)
         if not found:
             state = "exited" if self._ended else f"no such line within {timeout:.0f}s"
-            raise RuntimeError(f"{' '.join(self.process.args[1:2])}: {state} waiting for {pattern.pattern!r}; "
+            raise RuntimeError(f"{self.log.stem}: {state} waiting for {pattern.pattern!r}; "
                                f"log: {self.log}\n{''.join(self._lines[-20:])}")
         return found[0]
 
@@ -133,9 +136,26 @@ class StandaloneCluster:
             raise
 
     def _start(self, args: list[str], log: Path) -> Daemon:
-        daemon = Daemon(args, log, self.env)
+        daemon = Daemon([str(SPARK_CLASS), *args], log, self.env)
         self.daemons.append(daemon)
         return daemon
+
+    @contextmanager
+    def connect_server(self, timeout: float = 120.0) -> Iterator[str]:
+        """pyspark's Spark Connect server (``sbin/start-connect-server.sh --wait``) as a driver of this
+        cluster; yields its ``sc://127.0.0.1:PORT``. Its Python workers run this Python."""
+        env = {k: v for k, v in self.env.items() if k != "SPARK_DAEMON_MEMORY"}  # it is a driver, not a daemon
+        env["PYSPARK_PYTHON"] = sys.executable
+        conf = {**self.driver_conf(), "spark.connect.grpc.binding.address": "127.0.0.1",
+                "spark.connect.grpc.binding.port": "0", "spark.pyspark.python": sys.executable}
+        settings = [arg for name, value in conf.items() for arg in ("--conf", f"{name}={value}")]
+        command = [str(SPARK_HOME / "sbin" / "start-connect-server.sh"), "--wait", "--master", self.url,
+                   "--driver-memory", "768m", *settings]
+        server = Daemon(command, self.root / "connect-server.log", env)
+        try:
+            yield f"sc://{server.wait_for(CONNECT_STARTED, timeout).group(1)}"
+        finally:
+            server.stop()
 
     def driver_conf(self) -> dict[str, str]:
         """Settings for a driver of this cluster: executors small, on loopback, quick to start."""

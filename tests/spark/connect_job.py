@@ -1,10 +1,10 @@
-"""The data source on a Spark cluster, as a user's driver runs it: batch and streaming reads and writes.
+"""The data source through Spark Connect, as a user's client runs it: no JVM here, the server on the cluster.
 
-``python -m tests.spark.cluster_job MASTER URL OUT [KEY=VALUE ...]`` reads the ``shop`` queue's
-events in batch and as a stream (into Parquet), writes a DataFrame to the ``cluster`` queue and
-the events, as a stream, to the ``audit`` queue, and runs ``keyqueue report`` on the ``rebaser``
-queue's events (the command takes the driver's session, on MASTER); then prints one JSON line
-of what it read and what the writes' commits and the report said. The test checks the queues.
+``python -m tests.spark.connect_job sc://HOST:PORT URL OUT`` registers ``format("keyqueue")`` on a
+remote session; reads the ``shop`` queue's events in batch and as a stream (into Parquet under
+OUT), writes a DataFrame to the ``connected`` queue and the events, as a stream, to the ``audit``
+queue; then prints one JSON line of what it read and what the writes' commits said. The test
+checks the queues themselves.
 """
 
 from __future__ import annotations
@@ -17,18 +17,16 @@ from typing import Any
 from tests.spark.stream_job import SOURCE_QUEUE
 from tests.spark.stream_job import start as start_audit
 
-WRITE_QUEUE = "cluster"
-REPORT_QUEUE = "rebaser"
+WRITE_QUEUE = "connected"
 ROWS, KEYS, PARTITIONS = 2_000, 200, 4
 
 
-def run(spark: Any, master: str, url: str, out: Path) -> dict[str, Any]:
+def run(spark: Any, url: str, out: Path) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
-    result: dict[str, Any] = {"app_id": spark.sparkContext.applicationId}
+    result: dict[str, Any] = {}
     batch = (spark.read.format("keyqueue").option("url", url).option("queue", SOURCE_QUEUE)
              .option("partitions", str(PARTITIONS)).load())
-    result["read_partitions"] = batch.rdd.getNumPartitions()
     result["read"] = sorted(r["seq"] for r in batch.select("seq").collect())
 
     stream = spark.readStream.format("keyqueue").option("url", url).option("queue", SOURCE_QUEUE).load()
@@ -52,25 +50,19 @@ def run(spark: Any, master: str, url: str, out: Path) -> dict[str, Any]:
     finally:
         audit.stop()
     result["stream_write"] = json.loads((out / "audit.json").read_text())
-
-    from click.testing import CliRunner
-
-    from keyqueue.cli import main as keyqueue
-
-    report = CliRunner().invoke(keyqueue, ["report", REPORT_QUEUE, "--url", url, "--master", master,
-                                           "--out", str(out / "report")])
-    result["report"] = {"exit_code": report.exit_code, "stdout": report.stdout, "stderr": report.stderr}
     return result
 
 
 def main() -> None:
-    master, url, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    conf = dict(pair.split("=", 1) for pair in sys.argv[4:])
-    from keyqueue_spark import spark_session
+    remote, url, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    from pyspark.sql import SparkSession
 
-    spark = spark_session(master, "keyqueue-cluster-job", conf=conf)
+    from keyqueue_spark import register
+
+    spark = SparkSession.builder.remote(remote).getOrCreate()
     try:
-        print(json.dumps(run(spark, master, url, out)))
+        register(spark)
+        print(json.dumps(run(spark, url, out)))
     finally:
         spark.stop()
 
