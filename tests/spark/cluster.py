@@ -163,7 +163,7 @@ class StandaloneCluster:
                 "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
                 "spark.driver.extraJavaOptions": FAST_JVM, "spark.executor.extraJavaOptions": FAST_JVM,
                 "spark.ui.enabled": "false",
-                "spark.sql.shuffle.partitions": "4"}
+                "spark.sql.shuffle.partitions": "2"}
 
     def executor_dirs(self) -> list[list[Path]]:
         """Per worker: the directories of the executors it ran (``work/<app>/<executor id>``)."""
