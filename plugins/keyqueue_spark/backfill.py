@@ -27,7 +27,8 @@ from keyqueue.errors import ConfigError, KeyqueueError
 
 from .backlog import BacklogLimit
 from .progress import JobProgress, new_progress_subject
-from .sink import plain_converter, read_summary
+from .rows import plain_converter
+from .sink import read_summary
 
 ROW_COLUMN: Final = "_kq_row"
 """The input row number the backfill adds (and uses as the request identity)."""

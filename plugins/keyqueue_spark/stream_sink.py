@@ -39,9 +39,9 @@ from pyspark.sql.types import StructType
 from keyqueue.errors import KeyqueueError, WrongLastSequence
 from keyqueue.ext import Client, KeyValue
 
+from .rows import RowIdentity
 from .sink import (
     PartitionWriter,
-    RowIdentity,
     SinkColumns,
     SinkOptions,
     WriteSummary,

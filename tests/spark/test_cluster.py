@@ -56,6 +56,7 @@ def apps_run(cluster: StandaloneCluster) -> list[set[str]]:
     return [{d.parent.name for d in dirs} for dirs in cluster.executor_dirs()]
 
 
+@pytest.mark.timeout(600)  # a driver and its executors start in 20-60 s here, more on a loaded machine
 def test_keyqueue_backfill_runs_on_a_standalone_cluster(
         cluster: StandaloneCluster, server: EmbeddedServer, tmp_path: Path) -> None:
     rows = [(f"acct-{i % 7}", i) for i in range(500)]
@@ -80,6 +81,7 @@ def test_keyqueue_backfill_runs_on_a_standalone_cluster(
     assert [len(after - seen) for after, seen in zip(apps_run(cluster), before, strict=True)] == [1, 1]
 
 
+@pytest.mark.timeout(600)
 def test_the_data_source_and_report_through_spark_connect_on_the_cluster(
         cluster: StandaloneCluster, server: EmbeddedServer, tmp_path: Path) -> None:
     events = history(SOURCE_QUEUE, requests=150)

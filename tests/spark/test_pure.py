@@ -25,7 +25,8 @@ from keyqueue.events import EVENT_FIELD_NAMES, EVENT_FIELDS, event
 from keyqueue_spark.backfill import guess_format
 from keyqueue_spark.events import coerce_event, event_schema
 from keyqueue_spark.report import MAX_BUCKETS, pick_bucket
-from keyqueue_spark.sink import RowIdentity, SinkOptions, derive_request_id, plain_converter
+from keyqueue_spark.rows import RowIdentity, derive_request_id, plain_converter
+from keyqueue_spark.sink import SinkOptions
 from keyqueue_spark.source import SequenceRange, SourceOptions, plan_partitions, split_range
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import pytest
 
 from keyqueue.server.embedded import EmbeddedServer
 from keyqueue_spark.stream_sink import last_committed
@@ -74,6 +75,7 @@ async def kill_when_stored(command: list[str], log: Path, url: str, count: int, 
         await nc.close()
 
 
+@pytest.mark.timeout(600)  # a driver of its own: a JVM start
 def test_a_query_killed_mid_batch_restarts_from_its_checkpoint_with_each_row_stored_once(
         spark: Any, server: EmbeddedServer, tmp_path: Path) -> None:
     events = history(SOURCE_QUEUE, requests=120)
