@@ -103,7 +103,6 @@ def test_the_data_source_and_report_through_spark_connect_on_the_cluster(
 
     every = list(range(1, len(events) + 1))
     assert result["read"] == every  # batch: each message once, over 4 sequence ranges
-    assert result["streamed"] == every  # streaming: each message once
 
     write = result["write"]
     assert (write["rows"], write["accepted"], write["duplicates"], write["errors"], write["partitions"]) == (
@@ -115,7 +114,8 @@ def test_the_data_source_and_report_through_spark_connect_on_the_cluster(
 
     keyed = {seq: e for seq, e in enumerate(events, start=1) if e.get("key") is not None}
     audits = run(stream_messages(server.url, f"KQ_{TARGET_QUEUE}_INBOX"))
-    assert sorted(body["seq"] for _, _, _, body in audits) == sorted(keyed)  # streaming write: each row once
+    # A streaming read into a streaming write: each keyed event once, each key's in order.
+    assert sorted(body["seq"] for _, _, _, body in audits) == sorted(keyed)
     assert result["stream_write"]["errors"] == 0
     by_key: dict[str, list[int]] = defaultdict(list)
     for _, subject, _, body in audits:
