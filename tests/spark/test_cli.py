@@ -249,6 +249,20 @@ def test_backfill_with_max_pending_waits_for_workers_and_counts_only_its_own_row
         assert [n for a, n in watch.posted if a == account] == [n for a, n in rows if a == account]
 
 
+def test_backfill_says_what_it_cannot_do_before_starting_spark(tmp_path: Path) -> None:
+    data = payments_csv(tmp_path / "payments.csv")
+    common = ["backfill", data, "--queue", "shop", "--task", "post", "--key", "account", "--url", "nats://127.0.0.1:1"]
+    remote = keyqueue_cli(*common, "--master", "sc://127.0.0.1:15002")
+    assert remote.exit_code == 2
+    assert "backfill needs a Spark driver of its own" in remote.stderr and "Spark Connect (sc://)" in remote.stderr
+    bad_conf = keyqueue_cli(*common, "--conf", "spark.executor.memory")
+    assert bad_conf.exit_code == 2
+    assert "'spark.executor.memory' is not KEY=VALUE (e.g. spark.executor.memory=2g)" in bad_conf.stderr
+    too_low = keyqueue_cli(*common, "--max-pending", "0")
+    assert too_low.exit_code == 2 and "--max-pending" in too_low.stderr
+    assert "starting Spark" not in remote.output + bad_conf.output + too_low.output
+
+
 def test_help_shows_examples() -> None:
     backfill = keyqueue_cli("backfill", "--help")
     assert backfill.exit_code == 0
