@@ -240,7 +240,9 @@ def test_backfill_with_max_pending_waits_for_workers_and_counts_only_its_own_row
     assert watch.error is None, watch.error
     assert result.exit_code == 0, result.output
     assert "240 rows: 240 enqueued, waited " in result.stdout and "s for workers (--max-pending)" in result.stdout
-    assert 21 <= watch.highest <= 40  # it waited, and the backlog never went past the bound
+    # It waited, and its own requests never took the backlog past the bound (the worker's 5, enqueued
+    # while the backlog may be at the bound, come on top: others' requests are waited for, not held back).
+    assert 21 <= watch.highest <= 40 + 5
     # The progress line counts the backfill's rows, not the 5 the worker enqueued meanwhile.
     assert result.stderr.splitlines()[-1].startswith("rows 240/240 (100%): 240 stored, ")
     assert "stored 245" not in result.stderr
