@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.tasks.arguments import CANCELLED_BY
 from keyqueue.wire import CBOR
 from keyqueue.wire import headers as H
 
@@ -44,6 +45,7 @@ __all__ = [
     "MAX_AGE",
     "MAX_MSGS",
     "PUBLISHER",
+    "SUPERSEDED_BY_CANCEL",
     "EventField",
     "FieldType",
     "ensure_events_stream",
@@ -55,6 +57,7 @@ __all__ = [
     "publish_event",
     "register_event_names",
     "stream_config",
+    "superseded_reason",
 ]
 
 FieldType = Literal["string", "double", "long"]
@@ -130,6 +133,16 @@ _registered: dict[str, None] = {}
 
 
 # --- names -----------------------------------------------------------------------------------------
+
+
+def superseded_reason(superseded_by: str) -> str:
+    """The ``reason`` of a ``superseded`` event: ``superseded by <the request id that superseded it>``."""
+    return f"superseded by {superseded_by}"
+
+
+SUPERSEDED_BY_CANCEL: Final = superseded_reason(CANCELLED_BY)
+"""The ``reason`` of the ``superseded`` event of a request cancelled before it started. Its
+``cancelled`` event comes first and says so: a report counts it once, as a cancel."""
 
 
 def register_event_names(*names: str) -> None:

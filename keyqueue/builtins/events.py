@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final
 import cbor2
 
 from keyqueue.errors import KeyqueueTimeout, TaskFailure
-from keyqueue.events import EVENT_HEADERS, ensure_events_stream, events_stream
+from keyqueue.events import EVENT_HEADERS, ensure_events_stream, events_stream, superseded_reason
 from keyqueue.jetstream.fastpub import StaticHeaders, publish_static
 from keyqueue.plugins.manager import hookimpl
 
@@ -334,7 +334,7 @@ async def keyqueue_request_superseded(worker: Worker, queue: str, key: str, requ
                                       superseded_by: str) -> None:
     _RUNS.pop(request_id, None)
     await _emit(worker, "superseded", queue, key, request_id=request_id, task=message_type,
-                reason=f"superseded by {superseded_by}")
+                reason=superseded_reason(superseded_by))
 
 
 @hookimpl(trylast=True)
