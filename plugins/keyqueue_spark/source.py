@@ -12,7 +12,7 @@ Writing is in :mod:`keyqueue_spark.sink` (batch) and :mod:`keyqueue_spark.stream
 ``queue``             the queue whose stream is read (required unless ``streamName``)
 ``stream``            ``events`` (default), ``inbox`` or ``dlq``
 ``streamName``        any stream by name instead (read as requests)
-``subject``           a subject filter inside the stream (``kq.rebaser.events.started``)
+``subject``           a subject filter inside the stream (``kq.rebaser.events.started.>``: one event of every key)
 ``startSequence``     batch: first stream sequence read (default: the stream's first)
 ``endSequence``       batch: last stream sequence read (default: the stream's last at planning time)
 ``partitions``        how many sequence ranges; default one per ``rowsPerPartition`` messages
