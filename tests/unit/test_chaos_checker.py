@@ -414,3 +414,19 @@ def test_distributions_are_nearest_rank() -> None:
     dist = Distribution.of([float(n) for n in range(1, 101)])
     assert (dist.count, dist.p50, dist.p99, dist.max) == (100, 50.0, 99.0, 100.0)
     assert Distribution.of([]) == Distribution(0, 0.0, 0.0, 0.0)
+
+
+def test_a_token_that_went_to_a_worker_that_could_not_act_on_it_is_no_strand() -> None:
+    # The key's token reached w2 while its link was slowed, then w3, which died before taking the
+    # key; a fresh token reached w1 at 5.0. w1 was free all along, yet only the protocol's own time
+    # (stored 0.8 to the first token, and w1's acquisition) counts.
+    log = [ready("w1", 0.0), ready("w2", 0.0), ready("w3", 0.0), fault(0.5, "net-latency", "w2", 1),
+           stored(0.8, "k", "a"), event("token", "w2", 1.0, "k", delivered=1), fault_end(6.0, 1),
+           event("token", "w3", 3.0, "k", delivered=2), rec("exited", "w3", 3.5),
+           event("token", "w1", 5.0, "k", delivered=1), *session("w1", "k", "a", 5.05, 5.1, 5.2, 5.3)]
+    verdict = check(log, {"k": ["a"]}, bounds=BOUNDS)
+    assert verdict.ok, verdict.summary()
+    assert verdict.liveness is not None and round(verdict.liveness.strand.max, 6) == 0.25
+    # Without the tokens' stay with w2 and w3 the same wait is a strand.
+    bare = [r for r in log if r.get("event") != "token"]
+    assert not check(bare, {"k": ["a"]}, bounds=BOUNDS).ok
