@@ -32,13 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", action=argparse.BooleanOptionalAction, default=None,
                         help="write docs/benchmarks.md (default: only in full mode)")
     parser.add_argument("--concurrency", type=int, default=128, help="key slots per keyqueue worker process")
+    parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default=None,
+                        help="the product path's `keyqueue worker --loop` (default: the command's own)")
     parser.add_argument("--profile", type=Path, help="profile every keyqueue worker with pyinstrument into DIR")
     args = parser.parse_args(argv)
     mode_name = args.mode or "full"
     peers = args.peers if args.peers is not None else mode_name == "full"
     docs = args.docs if args.docs is not None else mode_name == "full"
     command = "python -m bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    options = WorkerOptions(concurrency=args.concurrency, profile_dir=args.profile)
+    options = WorkerOptions(concurrency=args.concurrency, profile_dir=args.profile, loop=args.loop)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
 

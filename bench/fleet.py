@@ -24,6 +24,8 @@ class WorkerOptions:
     ack_wait: float = 30.0
     kill_on_stop: bool = False
     profile_dir: Path | None = None
+    loop: str | None = None
+    """``keyqueue worker --loop`` for the product path's workers (None: the command's default)."""
 
 
 @dataclass

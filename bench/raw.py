@@ -7,12 +7,15 @@ spread over the same keys as the keyed workloads.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import nats
 from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 
+from bench import server_counters
 from bench.records import body
+from bench.server_counters import PerUnit
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,15 +26,22 @@ class RawRates:
     """One awaited ``js.publish`` at a time, msg/s."""
     fetch_ack: float
     """``fetch(200)`` + ``ack`` per message on a pull consumer, msg/s."""
+    server: PerUnit | None = None
+    """What the server saw per message, publish and fetch+ack (with a monitoring URL)."""
 
 
-async def measure(url: str, n: int, keys: int = 100, sequential: int = 2000) -> RawRates:
-    nc = await nats.connect(url, name="bench-raw")
+async def measure(url: str, n: int, keys: int = 100, sequential: int = 2000, *,
+                  monitoring: str | Sequence[str] = (), replicas: int = 1) -> RawRates:
+    """The raw rates on ``url``; with ``monitoring`` also the server's counters per message (the
+    publish and the fetch+ack of it: ``bench.server_counters``), on ``replicas`` replicas."""
+    nc = await nats.connect(url.split(","), name="bench-raw")
     js = nc.jetstream(timeout=10)
+    server = None
     try:
         await js.add_stream(StreamConfig(name="RAW_WQ", subjects=["raw.>"], retention=RetentionPolicy.WORK_QUEUE,
-                                         storage=StorageType.FILE))
+                                         storage=StorageType.FILE, num_replicas=replicas))
         subjects = [f"raw.k{i % keys}" for i in range(n)]
+        before = await server_counters.snapshot(monitoring) if monitoring else None
         t0 = time.perf_counter()
         for i, subject in enumerate(subjects):
             await js.publish_async(subject, body(i))
@@ -48,6 +58,8 @@ async def measure(url: str, n: int, keys: int = 100, sequential: int = 2000) -> 
                 got += 1
         await nc.flush()
         fetch_ack = n / (time.perf_counter() - t0)
+        if before is not None:
+            server = (await server_counters.snapshot(monitoring) - before).per(n)
 
         sequential = min(sequential, n)
         t0 = time.perf_counter()
@@ -57,4 +69,4 @@ async def measure(url: str, n: int, keys: int = 100, sequential: int = 2000) -> 
         await js.delete_stream("RAW_WQ")
     finally:
         await nc.close()
-    return RawRates(publish_async, publish_sequential, fetch_ack)
+    return RawRates(publish_async, publish_sequential, fetch_ack, server)

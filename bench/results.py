@@ -23,6 +23,8 @@ class Sizes:
     held_keys: int
     solo: int
     """Requests on one hot key, alone, for the hand-off figure."""
+    product_per_key: int = 0
+    """Requests per hot key on the product path (issue 23's workload: 100 x 200); 0: ``hot_per_key``."""
 
     @property
     def hot_total(self) -> int:
@@ -31,7 +33,7 @@ class Sizes:
 
 FULL = Sizes("full", hot_keys=100, hot_per_key=100, cold_keys=5000, bulk=20_000, single=2000, raw=50_000,
              probes=600, probe_interval=0.01, held_keys=10_000,
-             solo=2000)
+             solo=2000, product_per_key=200)
 QUICK = Sizes("quick", hot_keys=100, hot_per_key=20, cold_keys=1000, bulk=5000, single=500, raw=10_000,
               probes=150, probe_interval=0.01, held_keys=1000,
               solo=500)

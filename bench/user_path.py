@@ -29,13 +29,15 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from bench import raw
+from bench import raw, server_counters, user_app
+from bench.server_counters import PerUnit
 from bench.user_app import app, note
 from keyqueue.admin.workers import queue_workers
 from keyqueue.jetstream.api import JetStreamApi
@@ -43,14 +45,18 @@ from keyqueue.jetstream.connect import connect
 from keyqueue.server.embedded import EmbeddedServer
 
 
-async def _drained(api: JetStreamApi, timeout: float = 120.0) -> None:
+async def _drained(api: JetStreamApi, timeout: float = 120.0) -> int:
+    """Wait until the queue's inbox and token stream are empty; returns the API calls it made
+    (which the server counts with the workload's: they are taken off its figures)."""
     names = app.queue_config("userpath").names
     deadline = time.monotonic() + timeout
+    calls = 0
     while time.monotonic() < deadline:
         inbox = await api.stream_info(names.inbox_stream)
         tokens = await api.stream_info(names.token_stream)
+        calls += 2
         if inbox["state"]["messages"] == 0 and tokens["state"]["messages"] == 0:
-            return
+            return calls
         await asyncio.sleep(0.005)
     raise TimeoutError("the worker did not drain the queue")
 
@@ -96,6 +102,8 @@ class Workload:
     """The producer's (this process's) CPU time per request in ``enqueue_many``."""
     end_to_end: float = float("nan")
     """Requests stored and served at once: from the first enqueue until the queue is empty."""
+    server: PerUnit | None = None
+    """What the server saw per request, enqueue included (stored first: producer and workers alone)."""
 
 
 def _items(keys: int, per_key: int, tag: str) -> list[dict[str, Any]]:
@@ -103,29 +111,34 @@ def _items(keys: int, per_key: int, tag: str) -> list[dict[str, Any]]:
 
 
 async def _timed(api: JetStreamApi, workers: _Workers, keys: int, per_key: int, tag: str,
-                 end_to_end: bool) -> Workload:
+                 end_to_end: bool, monitoring: Sequence[str], task: str = "note") -> Workload:
     if keys * per_key == 0:
         return Workload(float("nan"), float("nan"), float("nan"))
+    enqueue_many = app.tasks[task].enqueue_many
     items = _items(keys, per_key, tag)
     # Stored first, with the workers paused (SIGSTOP: their subscriptions and pull requests stay
     # open), then served: the span is the workers' alone, as raw fetch+ack's and the core's are.
     workers.pause()
     try:
+        before = await server_counters.snapshot(monitoring) if monitoring else None
         producer = time.process_time()
-        await note.enqueue_many(items)
+        await enqueue_many(items)
         producer = time.process_time() - producer
     finally:
         workers.resume()
     cpu, began = workers.cpu(), time.perf_counter()
-    await _drained(api)
+    polls = await _drained(api)
     elapsed = time.perf_counter() - began
+    server = None
+    if before is not None:
+        server = (await server_counters.snapshot(monitoring) - before).per(len(items), extra_api=polls)
     stored_first = Workload(len(items) / elapsed, (workers.cpu() - cpu) / len(items) * 1e6,
-                            producer / len(items) * 1e6)
+                            producer / len(items) * 1e6, server=server)
     if not end_to_end:
         return stored_first
     items = _items(keys, per_key, tag + "e")
     began = time.perf_counter()
-    await note.enqueue_many(items)
+    await enqueue_many(items)
     await _drained(api)
     return dataclasses.replace(stored_first, end_to_end=len(items) / (time.perf_counter() - began))
 
@@ -145,6 +158,10 @@ class ProductRates:
     hot_end_to_end: float = float("nan")
     """Hot keys stored and served at once (the producer on the same machine), requests per second."""
     cold_end_to_end: float = float("nan")
+    hot_server: PerUnit | None = None
+    """What the server saw per hot request (``bench.server_counters``), with a monitoring URL."""
+    cold_server: PerUnit | None = None
+    """The same per cold key (one request each)."""
 
 
 async def _registered(api: JetStreamApi, count: int, timeout: float = 60.0) -> None:
@@ -157,15 +174,21 @@ async def _registered(api: JetStreamApi, count: int, timeout: float = 60.0) -> N
 
 
 async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, profile: Path | None = None, *,
-                  processes: int = 1, end_to_end: bool = True) -> ProductRates:
-    """Start ``keyqueue worker bench.user_app:app`` on ``url`` (``--processes``); time the hot then
-    the cold workload, each stored first, then (``end_to_end``) again stored and served at once."""
+                  processes: int = 1, end_to_end: bool = True, monitoring: str | Sequence[str] = (),
+                  loop: str | None = None, task: str = "note", replicas: int = 1) -> ProductRates:
+    """Start ``keyqueue worker bench.user_app:app`` on ``url`` (``--processes``, ``--loop``); time the
+    hot then the cold workload of ``task``, each stored first, then (``end_to_end``) again stored and
+    served at once. With ``monitoring`` (the server's monitoring URL, or every cluster member's),
+    also what the server saw per request. ``replicas``: the queue's stream replicas (3 on a cluster)."""
     app.settings = app.settings.with_url(url)
-    env = {**os.environ, "KEYQUEUE_URL": url}
+    user_app.configure(replicas)
+    env = {**os.environ, "KEYQUEUE_URL": url, user_app.REPLICAS_ENV: str(replicas)}
     profiler = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
+    loop_args = ["--loop", loop] if loop else []
     worker = await asyncio.create_subprocess_exec(
         sys.executable, *profiler, "-m", "keyqueue.cli", "worker", "bench.user_app:app", "--concurrency", "128",
-        "--processes", str(processes), "--log-level", "warning", env=env)
+        "--processes", str(processes), "--log-level", "warning", *loop_args, env=env)
+    urls = [monitoring] if isinstance(monitoring, str) else list(monitoring)
     nc = await connect(url)
     api = JetStreamApi(nc)
     try:
@@ -173,8 +196,8 @@ async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, pro
         await _drained(api, timeout=60)
         await _registered(api, processes)
         workers = _Workers(worker.pid, processes)
-        hot = await _timed(api, workers, hot_keys, hot_per_key, "h", end_to_end)
-        cold = await _timed(api, workers, cold_keys, 1, "c", end_to_end)
+        hot = await _timed(api, workers, hot_keys, hot_per_key, "h", end_to_end, urls, task)
+        cold = await _timed(api, workers, cold_keys, 1, "c", end_to_end, urls, task)
     finally:
         worker.terminate()
         async with asyncio.timeout(60):
@@ -183,15 +206,17 @@ async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, pro
         await app.close()
     enqueue = (hot.enqueue_cpu_us * hot_keys * hot_per_key + cold.enqueue_cpu_us * cold_keys) / (
         hot_keys * hot_per_key + cold_keys) if hot_keys * hot_per_key and cold_keys else hot.enqueue_cpu_us
-    return ProductRates(hot.rate, cold.rate, hot.cpu_us, cold.cpu_us, enqueue, hot.end_to_end, cold.end_to_end)
+    return ProductRates(hot.rate, cold.rate, hot.cpu_us, cold.cpu_us, enqueue, hot.end_to_end, cold.end_to_end,
+                        hot.server, cold.server)
 
 
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedServer(store_dir=Path(tmp) / "store") as server:
-            rates = await raw.measure(server.url, args.raw)
+            rates = await raw.measure(server.url, args.raw, monitoring=server.monitoring_url)
             product = await measure(server.url, args.hot_keys, args.hot_per_key, args.cold_keys, args.profile,
-                                    processes=args.processes, end_to_end=args.end_to_end)
+                                    processes=args.processes, end_to_end=args.end_to_end,
+                                    monitoring=server.monitoring_url, loop=args.loop, task=args.task)
     hot = f"hot keys {args.hot_keys} x {args.hot_per_key}"
     cold = f"cold keys {args.cold_keys:,} x 1"
     print(f"{'raw fetch(200)+ack':26} {rates.fetch_ack:9,.0f} msg/s")
@@ -202,6 +227,10 @@ async def main(args: argparse.Namespace) -> None:
         print(f"{label:26} {rate:9,.0f} req/s  {rate / rates.fetch_ack:.2f}x raw  worker CPU {cpu:5.0f} us/req"
               + at_once)
     print(f"{'enqueue_many (producer)':26} CPU {product.enqueue_cpu_us:5.0f} us/req")
+    for label, per in (("raw fetch+ack, per msg", rates.server), ("hot, per request", product.hot_server),
+                       ("cold, per key", product.cold_server)):
+        if per is not None:
+            print(f"{label:26} {per.text()}")
 
 
 if __name__ == "__main__":
@@ -214,4 +243,7 @@ if __name__ == "__main__":
                         help="also time each workload stored and served at once")
     parser.add_argument("--raw", type=int, default=20_000, help="messages for raw fetch(200)+ack")
     parser.add_argument("--profile", type=Path, help="run the worker under cProfile, statistics to this file")
+    parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default=None, help="keyqueue worker --loop")
+    parser.add_argument("--task", choices=("note", "io_note"), default="note",
+                        help="note: a no-op; io_note: awaits 1 ms")
     asyncio.run(main(parser.parse_args()))
