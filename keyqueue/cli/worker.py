@@ -19,6 +19,8 @@ import click
 
 from keyqueue.admin.release import release_keys
 from keyqueue.app.application import App
+from keyqueue.app.event_loop import LOOPS, resolve_loop
+from keyqueue.app.event_loop import run as run_on
 from keyqueue.cli.common import LOG_FORMATS, configure_logging, load_app, url_option
 from keyqueue.cli.supervisor import Supervisor, WorkerCommand
 from keyqueue.jetstream.api import JetStreamApi
@@ -86,6 +88,10 @@ class ProcessCount(click.ParamType[int, Any]):
                    "of N listens on PORT+k-1). See docs/dashboard.md.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, metavar="HOST",
               help="The address --metrics-port listens on (0.0.0.0 for every interface).")
+@click.option("--loop", "loop_name", type=click.Choice(LOOPS, case_sensitive=False), default="auto",
+              show_default=True, envvar="KEYQUEUE_LOOP", show_envvar=True,
+              help="The event loop: uvloop (faster; installed with keyqueue where it builds), asyncio's own, or auto "
+                   "(uvloop where it is installed).")
 @url_option
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
               default="info", show_default=True, envvar="KEYQUEUE_LOG_LEVEL", show_envvar=True,
@@ -99,7 +105,7 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
            drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
            priority: int | None, connect_timeout: float | None, watchdog: bool, processes: int,
            metrics_port: int | None,
-           metrics_host: str, url: str | None, log_level: str, log_format: str) -> None:
+           metrics_host: str, loop_name: str, url: str | None, log_level: str, log_format: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
     MODULE:APP names the App, e.g. shop:app for `app` in shop.py (the current directory is
@@ -132,6 +138,7 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
       $ keyqueue worker shop:app --overflow-min-pending 50 # an overflow pool
     """
     configure_logging(log_level, log_format.lower())
+    loop_name = resolve_loop(loop_name.lower())  # a missing uvloop is an error before anything starts
     app = load_app(app_spec, url)
     if processes > 1:
         json_lines = log_format.lower() == "json"
@@ -148,8 +155,9 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
         finally:
             await app.close()
 
+    logging.getLogger("keyqueue.worker").debug("event loop: %s", loop_name)
     with _metrics(app, metrics_port, metrics_host):
-        asyncio.run(run())
+        run_on(run(), loop_name)
 
 
 @contextlib.contextmanager
