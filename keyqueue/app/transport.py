@@ -133,6 +133,8 @@ class Connections:
                 if state.nc is None or state.nc.is_closed:
                     state.publishers.clear()
                     state.schedules.clear()
+                    for records in state.records.values():
+                        await records.close()
                     state.records.clear()
                     for watch in state.cancel_watches.values():
                         await watch.close()
@@ -149,6 +151,8 @@ class Connections:
         if state is not None:
             for watch in state.cancel_watches.values():
                 await watch.close()
+            for records in state.records.values():
+                await records.close()
         if state is not None and state.nc is not None and not state.nc.is_closed:
             try:
                 await state.nc.drain()

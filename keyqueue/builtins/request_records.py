@@ -21,6 +21,7 @@ each request it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from keyqueue.app.transport import NatsTransport
 from keyqueue.builtins.processor import TaskProcessor
-from keyqueue.core.processor import BatchOutcome, Reply, Request, RequestContext, SessionContext
+from keyqueue.core.processor import BatchOutcome, HoldsRemoval, Reply, Request, RequestContext, SessionContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import (
     ConnectionFailed,
@@ -49,6 +50,8 @@ from keyqueue.tasks.task import Task
 from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+
     from keyqueue.app.application import App
     from keyqueue.app.cancel import CancelWatch
     from keyqueue.jetstream.records import RequestRecords
@@ -134,6 +137,17 @@ class RecordingTaskProcessor(TaskProcessor):
             return
         ctx.check_lease()
         records = self.records
+        if isinstance(ctx, HoldsRemoval):
+            # Pipelined: sent now, confirmed by the session before it removes the request (with the
+            # removal of those done before it), so a result is stored before its request is gone
+            # and the next request does not wait for this one's write.
+            for entry in kept:
+                try:
+                    sent = await records.send_result(*entry)
+                except (ConnectionFailed, KeyqueueTimeout):
+                    sent = None  # not sent: written, and retried, when the session confirms it
+                ctx.hold_removal(functools.partial(self._confirm_result, ctx, records, sent, entry))
+            return
         try:
             if len(kept) == 1:
                 await self._put_result(ctx, records, *kept[0])  # no task for one write: most runs answer one
@@ -146,6 +160,25 @@ class RecordingTaskProcessor(TaskProcessor):
             # result is not kept (a lookup says so); the key goes on.
             log.error("request(s) %s (key %s) finished but their result could not be kept: %s",
                       ", ".join(k[0] for k in kept), self.key, exc)
+
+    async def _confirm_result(self, ctx: RequestContext, records: RequestRecords,
+                              sent: asyncio.Future[list[Msg]] | None,
+                              entry: tuple[str, dict[str, str], bytes, float]) -> None:
+        """Await a result sent beside the work (:meth:`_keep`); one whose reply the connection took,
+        that got none, or that could not be sent is written again as :meth:`_put_result` does."""
+        try:
+            try:
+                if sent is None:
+                    raise ReplyLost("the result was not sent")
+                await records.stored(sent)
+            except (ConnectionFailed, KeyqueueTimeout):
+                ctx.check_lease()
+                await self._put_result(ctx, records, *entry)
+        except (LeaseLost, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            # As in _keep: the request ran, so it is removed all the same; its result is not kept.
+            log.error("request %s (key %s) finished but its result could not be kept: %s", entry[0], self.key, exc)
 
     async def _put_result(self, ctx: RequestContext, records: RequestRecords, request_id: str,
                           headers: dict[str, str], body: bytes, ttl: float) -> None:

@@ -77,6 +77,21 @@ class RequestContext(SessionContext, Protocol):
 
 
 @runtime_checkable
+class HoldsRemoval(Protocol):
+    """A context whose session can hold a handled request's removal until a write of the processor's
+    has settled (the key session's context is one; a test's fake may not be).
+
+    A processor that must store something before the request leaves the inbox (a kept result) sends
+    it without awaiting the reply and hands the confirmation here: the session goes on to the next
+    request at once, and awaits every held confirmation before it sends the removal (purge or delete)
+    of any request handled so far. The confirmation raises only ``LeaseLost`` (or cancellation); it
+    handles its own failures."""
+
+    def hold_removal(self, confirm: Callable[[], Awaitable[None]]) -> None:
+        """Await ``confirm()`` before removing any request handled up to now."""
+
+
+@runtime_checkable
 class KeyProcessor(Protocol):
     """Per-key code. One instance serves one key session."""
 

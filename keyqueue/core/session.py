@@ -137,6 +137,10 @@ class _Context:
     def check_lease(self) -> None:
         self._session.lease.check()
 
+    def hold_removal(self, confirm: Callable[[], Awaitable[None]]) -> None:
+        """Await ``confirm()`` before any removal of the requests handled so far (``HoldsRemoval``)."""
+        self._session.owed.append(confirm)
+
     async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
         self.check_lease()
         extra = {H.REQUEST_ID: self.request_id} if self.request_id else {}
@@ -174,6 +178,7 @@ class KeySession:
         "lock",
         "more",
         "observer",
+        "owed",
         "processed",
         "recheck_later",
         "republished",
@@ -223,6 +228,9 @@ class KeySession:
         after that, an arrival on the key's subject says yes again)."""
         self.deletes: list[asyncio.Future[Any]] = []
         """Deletes (and purges) sent and not yet confirmed."""
+        self.owed: list[Callable[[], Awaitable[None]]] = []
+        """Confirmations of the processor's writes (kept results) that must settle before the requests
+        handled so far are removed (``ctx.hold_removal``)."""
         self._unpurged = 0
         """Requests done and not yet removed: the next purge of the key's subject removes them."""
         self._purge_timer: asyncio.TimerHandle | None = None
@@ -755,6 +763,7 @@ class KeySession:
                 if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
                     await self._settle_deletes()
         else:
+            await self._settle_owed()
             await self._steady(functools.partial(self.io.purge_through, self.key, through))
         self._in_hand = 0
         self.processed += len(batch)
@@ -780,10 +789,23 @@ class KeySession:
             return
         through = self.cursor - 1
         try:
+            await self._settle_owed()
             self.deletes.append(await self._steady(functools.partial(self.io.purge_soon, self.key, through)))
         except BaseException:
             self._unpurged += done  # still stored: the settle sends it again
             raise
+
+    async def _settle_owed(self) -> None:
+        """Await what the processor stores before its requests leave the inbox (kept results): sent
+        beside the work, confirmed here, before the removal of every request handled so far."""
+        if not self.owed:
+            return
+        # Those owed now cover every request handled so far (a processor holds the removal while it
+        # handles the request); one held later, by the request in hand, waits for the next removal.
+        owed, self.owed = self.owed, []
+        while owed:
+            await owed.pop(0)()  # a confirmation that raises (a lost lease) ends the session
+        self.lease.check()
 
     def _purge_soon(self) -> None:
         """A request has run for PURGE_WINDOW while requests done before it are still stored: send
@@ -837,6 +859,7 @@ class KeySession:
             # The copy is stored once however often it is sent (its id is the inbox sequence), and
             # the delete is safe to repeat: both are tried again after a lost connection.
             await self._steady(functools.partial(self.io.dead_letter, self.key, msg, why))
+            await self._settle_owed()
             self.lease.check()
             await self._steady(functools.partial(self.io.delete, msg.seq))
             self.cursor = msg.seq + 1

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 from keyqueue.errors import JetStreamError, StreamNotFound, TopologyMismatch, WrongLastSequence
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg, parse_pub_ack
 from keyqueue.jetstream.kv import EXPECTED_LAST_SUBJECT_SEQUENCE
+from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.subjects import request_id_token, validate_queue_name
 from keyqueue.jetstream.topology import NS
 from keyqueue.wire import headers as H
@@ -69,6 +70,8 @@ class RequestRecords:
         self.replicas = replicas
         self.api = JetStreamApi(nc)
         self.stream = f"KQ_{queue}_RECORDS"
+        self._mux: RequestMux | None = None
+        """Results in flight (:meth:`send_result`), made on first use."""
 
     def result_subject(self, request_id: str) -> str:
         return f"kq.{self.queue}.result.{request_id_token(request_id)}"
@@ -118,6 +121,28 @@ class RequestRecords:
     async def put_result(self, request_id: str, headers: Mapping[str, str], body: bytes, ttl: float) -> int:
         """Keep a finished request's reply for ``ttl`` seconds (rounded up to whole seconds)."""
         return await self._publish(self.result_subject(request_id), headers, body, ttl)
+
+    async def send_result(self, request_id: str, headers: Mapping[str, str], body: bytes,
+                          ttl: float) -> asyncio.Future[list[Msg]]:
+        """:meth:`put_result` sent now, its reply not awaited: many results are in flight on one reply
+        subscription (no inbox or timer each). :meth:`stored` reads the reply. Raises as a publish
+        that could not be sent does (``Disconnected``)."""
+        if self._mux is None:
+            self._mux = RequestMux(self.nc)
+        sent = {**headers, TTL: f"{max(1, math.ceil(ttl))}s"}
+        return await self._mux.send(self.result_subject(request_id), body, headers=sent)
+
+    async def close(self) -> None:
+        """Forget the results still in flight (their writers see them fail) and the reply subscription."""
+        mux, self._mux = self._mux, None
+        if mux is not None:
+            await mux.close()
+
+    async def stored(self, sent: asyncio.Future[list[Msg]]) -> int:
+        """The sequence a :meth:`send_result` was stored at, once the server says so (``ReplyLost``,
+        ``KeyqueueTimeout``, a ``JetStreamError`` otherwise)."""
+        [reply] = await wait(sent, self.api.timeout, f"a result in {self.stream}")
+        return parse_pub_ack(reply).seq
 
     async def get_result(self, request_id: str) -> StoredMsg | None:
         """The kept reply, the marker of an expired one (no ``X-KQ-Status``), or None."""

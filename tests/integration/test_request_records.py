@@ -344,3 +344,41 @@ async def test_a_result_stored_after_the_readers_first_read_is_still_found(nc: A
     headers, body = await records.wait_result("late-1", timeout=10) or ({}, b"")
     assert body == b'"kept"' and headers.get("X-KQ-Status") == "ok"
     assert len(reads) == 2
+
+
+async def test_kept_results_are_pipelined_and_confirmed_before_their_requests_leave_the_inbox(
+        nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A result is sent beside the work (the key's next requests run before its reply is read) and
+    the session confirms it before it removes the request: while a confirmation is held, every
+    request that ran is still stored; once it is given, each request's result is found."""
+    stored = RequestRecords.stored
+    confirming, go_on = asyncio.Event(), asyncio.Event()
+
+    async def held(self: RequestRecords, sent: Any) -> int:
+        seq = await stored(self, sent)  # really stored; its confirmation waits for the test
+        confirming.set()
+        await go_on.wait()
+        return seq
+
+    monkeypatch.setattr(RequestRecords, "stored", held)
+    fleet = Fleet()
+    app = keyqueue.App("piped", url=nats_url, set_as_default=False, autoload_plugins=False)
+    tasks = declare(app, fleet)
+    try:
+        receipts = await tasks["work"].enqueue_many([{"account": "a", "n": n} for n in range(3)])
+        api = JetStreamApi(await app.connection())
+        inbox = app.queue_config("piped").names.inbox_stream
+        async with app.worker(concurrency=2, linger=0.01):
+            await confirming.wait()
+            # The session went on to the next requests (all three read ahead) without awaiting a
+            # result's reply, and removed none of them before a confirmation.
+            while len(fleet.runs) < 3:
+                await asyncio.sleep(0.01)
+            assert (await api.stream_info(inbox))["state"]["messages"] == 3
+            go_on.set()
+            assert [await r.result(timeout=10) for r in receipts] == [{"account": "a", "n": n} for n in range(3)]
+            while (await api.stream_info(inbox))["state"]["messages"]:
+                await asyncio.sleep(0.01)
+    finally:
+        go_on.set()
+        await app.close()
