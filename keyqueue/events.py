@@ -4,10 +4,22 @@ Stream ``KQ_<queue>_EVENTS`` (limits retention: 7 days, 5 million events, oldest
 subjects ``kq.<queue>.events.<event>.<key>`` for an event of a key and ``kq.<queue>.events.<event>``
 for a queue-wide one (``key`` null), so a key's stored history is one subject filter away
 (:func:`key_events_filter`) and ``kq.<queue>.events.<event>.>`` selects one event of every key.
-Each message has the headers of :data:`EVENT_HEADERS`
-(``X-CONTENT-TYPE: application/cbor``, ``X-MESSAGE-TYPE: KeyqueueEvent``,
-``X-MESSAGE-VERSION: 1``) and a CBOR map body with every field of :data:`EVENT_FIELDS`, in that
-order, null where it does not apply.
+A message carries one event or several events of one key:
+
+- one event: the headers of :data:`EVENT_HEADERS` (``X-CONTENT-TYPE: application/cbor``,
+  ``X-MESSAGE-TYPE: KeyqueueEvent``, ``X-MESSAGE-VERSION: 1``) and a CBOR map body with every field
+  of :data:`EVENT_FIELDS`, in that order, null where it does not apply; on the event's subject;
+- several events of one key, in the order they happened (the built-in plugin sends a key's events
+  this way, so that an event costs the server a fraction of a stored message): the headers of
+  :data:`EVENT_BATCH_HEADERS` (``X-MESSAGE-TYPE: KeyqueueEventBatch``, version 1) on
+  ``kq.<queue>.events.batch.<key>`` (:func:`event_batch_subject`), and a CBOR map body
+  ``{"fields": [field names], "events": [[values, in the order of "fields"], ...]}``. A reader
+  takes each event's fields by the names the batch lists (a field it does not list is null), so a
+  field added to the contract later changes nothing for old readers.
+
+Readers decode either with :func:`decode_events`. A key's history is still one subject filter away
+(:func:`key_events_filter`: ``batch`` is one more event token); a reader of one event name reads
+``kq.<queue>.events.<event>.>`` *and* the batches, and keeps the events of that name.
 
 keyqueue's own events are :data:`EVENT_NAMES`; the built-in events plugin
 (``keyqueue.builtins.events``) publishes them. A plugin with lifecycle steps of its own registers
@@ -23,11 +35,11 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 
-from keyqueue.errors import StreamNotFound
+from keyqueue.errors import StreamNotFound, WireError
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.tasks.arguments import CANCELLED_BY
-from keyqueue.wire import CBOR
+from keyqueue.wire import CBOR, loads
 from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
@@ -36,6 +48,9 @@ if TYPE_CHECKING:
     from keyqueue.app.application import App
 
 __all__ = [
+    "BATCH",
+    "EVENT_BATCH_HEADERS",
+    "EVENT_BATCH_MESSAGE_TYPE",
     "EVENT_FIELDS",
     "EVENT_FIELD_NAMES",
     "EVENT_HEADERS",
@@ -48,8 +63,11 @@ __all__ = [
     "SUPERSEDED_BY_CANCEL",
     "EventField",
     "FieldType",
+    "decode_events",
     "ensure_events_stream",
     "event",
+    "event_batch_body",
+    "event_batch_subject",
     "event_names",
     "events_stream",
     "events_subject",
@@ -113,6 +131,17 @@ EVENT_HEADERS: Final[Mapping[str, str]] = {
 }
 """The headers every event is published with (a publisher adds its own ``Nats-Msg-Id`` if it wants one)."""
 
+EVENT_BATCH_MESSAGE_TYPE: Final = "KeyqueueEventBatch"
+"""``X-MESSAGE-TYPE`` of a message that carries several events of one key."""
+
+EVENT_BATCH_HEADERS: Final[Mapping[str, str]] = {
+    H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: EVENT_BATCH_MESSAGE_TYPE, H.MESSAGE_VERSION: "1",
+}
+"""The headers of a batch of events."""
+
+BATCH: Final = "batch"
+"""The subject token of a batch of events (``kq.<queue>.events.batch.<key>``); no event takes this name."""
+
 MAX_AGE: Final = 7 * 24 * 3600.0
 """Seconds an event is kept."""
 
@@ -155,7 +184,7 @@ def register_event_names(*names: str) -> None:
     for name in names:
         if not _EVENT_NAME.fullmatch(name):
             raise ValueError(f"event name {name!r} is not a lower-case subject token ([a-z][a-z0-9_]*)")
-        if name in EVENT_NAMES:
+        if name in EVENT_NAMES or name == BATCH:
             raise ValueError(f"event name {name!r} is keyqueue's own")
     _registered.update(dict.fromkeys(names))
 
@@ -174,6 +203,11 @@ def events_stream(queue: str) -> str:
 def events_subject(queue: str, event: str, key: str | None = None) -> str:
     """``kq.<queue>.events.<event>.<key>``, or ``kq.<queue>.events.<event>`` for a queue-wide event."""
     return f"kq.{queue}.events.{event}" if key is None else f"kq.{queue}.events.{event}.{key}"
+
+
+def event_batch_subject(queue: str, key: str) -> str:
+    """``kq.<queue>.events.batch.<key>``: where a batch of ``key``'s events is stored."""
+    return f"kq.{queue}.events.{BATCH}.{key}"
 
 
 def key_events_filter(queue: str, key: str) -> str:
@@ -211,6 +245,37 @@ async def publish_event(app: App, name: str, queue: str, key: str | None = None,
     publisher = app.plugins.get_plugin(PUBLISHER)
     if publisher is not None:
         await publisher.publish(app, body)
+
+
+def event_batch_body(rows: list[list[Any]]) -> dict[str, Any]:
+    """The body of a batch of events: ``rows`` are event bodies' values in :data:`EVENT_FIELD_NAMES` order."""
+    return {"fields": list(EVENT_FIELD_NAMES), "events": rows}
+
+
+def decode_events(headers: Mapping[str, str] | None, data: bytes) -> list[dict[str, Any]]:
+    """The events one message of an events stream carries, in order, each a map of every field of
+    :data:`EVENT_FIELDS` (and any other the batch names): one for a ``KeyqueueEvent``, several for a
+    ``KeyqueueEventBatch``, none for a message that is neither or does not decode."""
+    headers = headers or {}
+    try:
+        body = loads(data, headers.get(H.CONTENT_TYPE, CBOR))
+    except WireError:
+        return []
+    if not isinstance(body, dict):
+        return []
+    if headers.get(H.MESSAGE_TYPE) != EVENT_BATCH_MESSAGE_TYPE:
+        return [body] if isinstance(body.get("event"), str) else []
+    names, rows = body.get("fields"), body.get("events")
+    if not isinstance(names, list) or not isinstance(rows, list):
+        return []
+    events = []
+    for row in rows:
+        if isinstance(row, list):
+            fields: dict[str, Any] = dict.fromkeys(EVENT_FIELD_NAMES)
+            fields.update(zip(names, row, strict=False))
+            if isinstance(fields.get("event"), str):
+                events.append(fields)
+    return events
 
 
 # --- the stream ------------------------------------------------------------------------------------

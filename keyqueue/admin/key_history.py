@@ -1,6 +1,7 @@
 """A key's history, read from its queue's events stream: its last events and the runs they tell of.
 
-Every lifecycle event of a key is stored on ``kq.<queue>.events.<event>.<key>``
+Every lifecycle event of a key is stored on ``kq.<queue>.events.<event>.<key>``, or with others of the key
+on ``kq.<queue>.events.batch.<key>``
 (:mod:`keyqueue.events`), so the key's history is one subject filter,
 ``kq.<queue>.events.*.<key>``, whatever else the stream holds:
 
@@ -23,11 +24,9 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from keyqueue.errors import StreamNotFound, WireError
-from keyqueue.events import events_stream, key_events_filter
+from keyqueue.errors import StreamNotFound
+from keyqueue.events import decode_events, events_stream, key_events_filter
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
-from keyqueue.wire import CBOR, loads
-from keyqueue.wire import headers as H
 
 __all__ = ["KEY_EVENTS", "SPANS", "Run", "StoredEvent", "fields_of", "key_events", "latest_events", "runs_of"]
 
@@ -49,6 +48,7 @@ class StoredEvent:
     """One stored lifecycle event of a key (the fields of :data:`keyqueue.events.EVENT_FIELDS` it uses)."""
 
     seq: int
+    """The stream sequence of the message that carried it (the events of one batch share it)."""
     ts: float
     event: str
     request_id: str | None = None
@@ -63,14 +63,17 @@ class StoredEvent:
 
     @classmethod
     def decode(cls, msg: StoredMsg) -> StoredEvent | None:
-        """The event in ``msg``, or None if it is not one."""
-        try:
-            body = loads(msg.data, msg.headers.get(H.CONTENT_TYPE, CBOR))
-        except WireError:
-            return None
-        if not isinstance(body, dict) or not isinstance(body.get("event"), str):
-            return None
+        """The (first) event in ``msg``, or None if it holds none."""
+        found = cls.decode_all(msg)
+        return found[0] if found else None
 
+    @classmethod
+    def decode_all(cls, msg: StoredMsg) -> list[StoredEvent]:
+        """The events in ``msg``, in order: one, or several for a batch of the key's events."""
+        return [cls._of(msg.seq, body) for body in decode_events(msg.headers, msg.data)]
+
+    @classmethod
+    def _of(cls, seq: int, body: dict[str, Any]) -> StoredEvent:
         def text(name: str) -> str | None:
             value = body.get(name)
             return value if isinstance(value, str) else None
@@ -83,7 +86,7 @@ class StoredEvent:
             value = body.get(name)
             return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-        return cls(msg.seq, number("ts") or 0.0, body["event"], text("request_id"), text("task"), text("worker"),
+        return cls(seq, number("ts") or 0.0, body["event"], text("request_id"), text("task"), text("worker"),
                    whole("attempt"), number("wait"), number("run"), text("reason"), whole("fence"), number("delay"))
 
 
@@ -119,8 +122,8 @@ async def latest_events(api: JetStreamApi, queue: str, key: str) -> dict[str, St
         return {}
     latest: dict[str, StoredEvent] = {}
     for msg in found:
-        stored = StoredEvent.decode(msg)
-        if stored is not None:
+        # A batch (the last of the key's batches) holds several: the later of one name wins.
+        for stored in StoredEvent.decode_all(msg):
             latest[stored.event] = stored
     return latest
 
@@ -141,7 +144,7 @@ async def key_events(api: JetStreamApi, queue: str, key: str, *, limit: int = KE
         window.clear()
         start = None if span is None else datetime.fromtimestamp(max(0.0, last.ts - span), UTC).isoformat()
         async for page in api.pages(stream, subject, start_time=start, batch=1000):
-            window.extend(e for e in map(StoredEvent.decode, page) if e is not None)
+            window.extend(e for msg in page for e in StoredEvent.decode_all(msg))
             if page[-1].seq >= last.seq:
                 break
         if len(window) >= limit:

@@ -8,6 +8,12 @@ Events are best-effort telemetry: they go out as plain core publishes (no ack ro
 the hot path), so a broken connection or a full server may lose some, and the order of events
 from different processes in the stream is the order they reached the server; sort by ``ts``.
 
+A key's events are batched (the contract's ``KeyqueueEventBatch``): a worker keeps each key's
+events until its session gives the key back, :data:`BATCH_MAX` of them are waiting, or
+:data:`FLUSH_AFTER` seconds have passed since the first of them (one timer for all keys); an
+``enqueue_many`` sends one message per key. A lone event goes out as a plain ``KeyqueueEvent``.
+So a hot key's hundreds of events cost a few stored messages, and a cold key's session one.
+
 On by default. ``KEYQUEUE_EVENTS=0`` (or ``false``/``no``/``off``), read when an app first
 publishes an event, turns it off for that app; ``app.plugins.unregister(name="keyqueue.builtins.events")``
 does so from code. ``KEYQUEUE_EVENTS_SAMPLE=0.1`` keeps the events of one request in ten (chosen
@@ -31,7 +37,16 @@ from typing import TYPE_CHECKING, Any, Final
 import cbor2
 
 from keyqueue.errors import KeyqueueTimeout, TaskFailure
-from keyqueue.events import EVENT_HEADERS, ensure_events_stream, events_stream, superseded_reason
+from keyqueue.events import (
+    EVENT_BATCH_HEADERS,
+    EVENT_FIELD_NAMES,
+    EVENT_HEADERS,
+    ensure_events_stream,
+    event_batch_body,
+    event_batch_subject,
+    events_stream,
+    superseded_reason,
+)
 from keyqueue.jetstream.fastpub import StaticHeaders, publish_static
 from keyqueue.plugins.manager import hookimpl
 
@@ -43,7 +58,7 @@ if TYPE_CHECKING:
     from keyqueue.app.worker import Worker
     from keyqueue.tasks.task import TaskRequest
 
-__all__ = ["ENABLE_ENV", "SAMPLE_ENV", "enabled", "publish", "sample_rate", "sampled"]
+__all__ = ["BATCH_MAX", "ENABLE_ENV", "FLUSH_AFTER", "SAMPLE_ENV", "enabled", "publish", "sample_rate", "sampled"]
 
 log = logging.getLogger("keyqueue.events")
 
@@ -54,6 +69,13 @@ SAMPLE_ENV: Final = "KEYQUEUE_EVENTS_SAMPLE"
 """Fraction (0 < f <= 1) of requests whose events are published; default 1 (all)."""
 
 _HEADERS: Final = StaticHeaders(EVENT_HEADERS)
+_BATCH_HEADERS: Final = StaticHeaders(EVENT_BATCH_HEADERS)
+
+BATCH_MAX: Final = 64
+"""Events of one key kept before they are sent together."""
+
+FLUSH_AFTER: Final = 0.2
+"""Seconds a key's first kept event waits at most before the key's events are sent."""
 
 _RUNS_KEPT: Final = 10_000
 """Most attempt durations remembered (for the ``run`` of a ``dead_lettered`` event)."""
@@ -125,8 +147,11 @@ class _AppEvents:
         self.rate = sample_rate()
         self.ensured: set[str] = set()
         self._nc: tuple[asyncio.AbstractEventLoop, Client] | None = None
-        self._subjects: dict[tuple[str, str], str] = {}
-        """(queue, event name) -> the event's subject without its key."""
+        self._kept: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        """(queue, key) -> its events not sent yet, in order."""
+        self._timer: asyncio.TimerHandle | None = None
+        self._flushing: asyncio.Future[None] | None = None
+        """The timer's send of every key's kept events, while it runs."""
 
     async def _connection(self) -> Client:
         loop = asyncio.get_running_loop()
@@ -150,43 +175,93 @@ class _AppEvents:
         await self.publish_many(body["queue"], [body])
 
     async def publish_one(self, queue: str, body: dict[str, Any]) -> None:
-        """``publish_many(queue, [body])`` for an event already sampled, on the path every request takes."""
-        cached = self._nc
-        if cached is None or queue not in self.ensured or self.app._eager is not None:
+        """Keep an event already sampled with its key's others (:meth:`add`), on the path every request takes."""
+        if self._nc is None or queue not in self.ensured or self.app._eager is not None:
             await self.publish_many(queue, [body])
             return
+        await self.add(queue, body)
+
+    async def add(self, queue: str, body: dict[str, Any]) -> None:
+        """Keep ``body`` with the other events of its key; send them when the key is given back, when
+        :data:`BATCH_MAX` wait, or :data:`FLUSH_AFTER` after the first (a queue-wide event: now)."""
+        key = body["key"]
+        if key is None:
+            await self._send(queue, None, [body])
+            return
+        kept = self._kept.get((queue, key))
+        if kept is None:
+            kept = self._kept[queue, key] = []
+            if self._timer is None and self._flushing is None:
+                self._timer = asyncio.get_running_loop().call_later(FLUSH_AFTER, self._flush_soon)
+        kept.append(body)
+        if len(kept) >= BATCH_MAX or body["event"] == "released":
+            del self._kept[queue, key]
+            await self._send(queue, key, kept)
+
+    def _flush_soon(self) -> None:
+        self._timer = None
+        if self._flushing is None:
+            self._flushing = asyncio.ensure_future(self._flush_all())
+
+    async def _flush_all(self) -> None:
+        """Send every key's kept events (the timer's task; the next first event arms it again)."""
         try:
-            loop, nc = cached
-            if loop is not asyncio.get_running_loop() or not nc.is_connected:
-                nc = await self._connection()
-            prefix = self._subjects.get((queue, body["event"]))
-            if prefix is None:
-                prefix = self._subjects[queue, body["event"]] = f"kq.{queue}.events.{body['event']}"
-            key = body["key"]
-            subject = prefix if key is None else f"{prefix}.{key}"
-            # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
-            await publish_static(nc, subject, cbor2.dumps(body), _HEADERS)
+            while self._kept:
+                kept, self._kept = self._kept, {}
+                for (queue, key), bodies in kept.items():
+                    await self._send(queue, key, bodies)
+        finally:
+            self._flushing = None
+
+    async def close(self) -> None:
+        """Send what is kept and stop the timer (the worker stops; nothing is kept after this)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._flushing is not None:
+            await asyncio.shield(self._flushing)
+        await self._flush_all()
+
+    async def _send(self, queue: str, key: str | None, bodies: list[dict[str, Any]]) -> None:
+        """One message: a lone event as itself, several events of a key as a batch."""
+        try:
+            nc = await self._connection()
+            if len(bodies) == 1:
+                body = bodies[0]
+                subject = f"kq.{queue}.events.{body['event']}" + ("" if key is None else f".{key}")
+                # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
+                await publish_static(nc, subject, cbor2.dumps(body), _HEADERS)
+            else:
+                assert key is not None
+                rows = [[body.get(name) for name in EVENT_FIELD_NAMES] for body in bodies]
+                await publish_static(nc, event_batch_subject(queue, key), cbor2.dumps(event_batch_body(rows)),
+                                     _BATCH_HEADERS)
         except Exception as exc:  # telemetry must never fail the work
             log.debug("events of queue %s not published: %r", queue, exc)
 
     async def publish_many(self, queue: str, bodies: Sequence[dict[str, Any]]) -> None:
-        """Publish events of one queue, in order (core publishes: buffered, no ack awaited)."""
+        """Publish events of one queue, in order, one message per key (core publishes: no ack awaited)."""
         if not self.on or self.app._eager is not None or not bodies:
             return
         try:
             nc = await self._connection()
             if queue not in self.ensured:
                 await self.ensure(nc, queue)
-            prefix = f"kq.{queue}.events."
-            for body in bodies:
-                if self.rate < 1.0 and not sampled(body.get("request_id") or body.get("key"), self.rate):
-                    continue
-                # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
-                key = body.get("key")
-                subject = prefix + body["event"] + ("" if key is None else f".{key}")
-                await publish_static(nc, subject, cbor2.dumps(body), _HEADERS)
         except Exception as exc:  # telemetry must never fail the work
             log.debug("events of queue %s not published: %r", queue, exc)
+            return
+        by_key: dict[str | None, list[dict[str, Any]]] = {}
+        for body in bodies:
+            if self.rate < 1.0 and not sampled(body.get("request_id") or body.get("key"), self.rate):
+                continue
+            key = body.get("key")
+            if key is None:
+                await self._send(queue, None, [body])
+            else:
+                by_key.setdefault(key, []).append(body)
+        for key, events in by_key.items():
+            for start in range(0, len(events), BATCH_MAX):
+                await self._send(queue, key, events[start:start + BATCH_MAX])
 
 
 _APPS: weakref.WeakKeyDictionary[App, _AppEvents] = weakref.WeakKeyDictionary()
@@ -285,6 +360,13 @@ def keyqueue_worker_started(worker: Worker) -> Any:
                 await state.ensure(await worker.app.connection(), queue)
 
     return ensure()
+
+
+@hookimpl(trylast=True)
+def keyqueue_worker_stopping(worker: Worker) -> Any:
+    # Fires once the worker's hook calls are all made: send the events still kept, stop the timer.
+    state = _APPS.get(worker.app)
+    return None if state is None or not state.on else state.close()
 
 
 @hookimpl(trylast=True)

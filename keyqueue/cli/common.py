@@ -164,10 +164,11 @@ class JsonLogFormatter(logging.Formatter):
         return to_json(entry)
 
 
-async def follow(nc: Client, subjects: Sequence[str], render: Callable[[Msg], str | None], *,
+async def follow(nc: Client, subjects: Sequence[str], render: Callable[[Msg], str | Sequence[str] | None], *,
                  count: int | None, timeout: float | None, banner: str) -> int:
-    """Print ``render(msg)`` for each message on ``subjects`` until ``count`` messages, ``timeout``
-    seconds, or SIGINT/SIGTERM; a message that renders to None is not printed or counted."""
+    """Print ``render(msg)`` for each message on ``subjects`` until ``count`` lines, ``timeout``
+    seconds, or SIGINT/SIGTERM; a message that renders to None is not printed or counted, one that
+    renders to several lines (a batch of events) counts each."""
     done = asyncio.Event()
     seen = 0
 
@@ -177,13 +178,15 @@ async def follow(nc: Client, subjects: Sequence[str], render: Callable[[Msg], st
             # nats-py hands a burst that arrived at once to this callback before the unsubscribes
             # below run: the messages after the count, or after Ctrl-C, are not printed.
             return
-        line = render(msg)
-        if line is None:
+        rendered = render(msg)
+        if rendered is None:
             return
-        click.echo(line)
-        seen += 1
-        if count is not None and seen >= count:
-            done.set()
+        for line in [rendered] if isinstance(rendered, str) else rendered:
+            click.echo(line)
+            seen += 1
+            if count is not None and seen >= count:
+                done.set()
+                return
 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

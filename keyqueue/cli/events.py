@@ -16,11 +16,17 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from keyqueue.cli.common import connection, follow, require_queue, url_option
-from keyqueue.errors import ConfigError, StreamNotFound, WireError
-from keyqueue.events import EVENT_FIELD_NAMES, event_names, events_stream, events_subject
+from keyqueue.errors import ConfigError, StreamNotFound
+from keyqueue.events import (
+    BATCH,
+    EVENT_FIELD_NAMES,
+    decode_events,
+    event_batch_subject,
+    event_names,
+    events_stream,
+    events_subject,
+)
 from keyqueue.jetstream.api import JetStreamApi
-from keyqueue.wire import CBOR, loads
-from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -53,7 +59,8 @@ async def _known_event_names(api: JetStreamApi, queue: str, wanted: tuple[str, .
     stream = events_stream(queue)
     try:
         stored = await api.subjects(stream, events_subject(queue, "*"))
-        names.update(dict.fromkeys(sorted(subject.removeprefix(prefix) for subject in stored)))
+        names.update(dict.fromkeys(sorted(subject.removeprefix(prefix) for subject in stored
+                                          if subject.removeprefix(prefix) != BATCH)))
         for name in wanted:
             if name not in names and await api.get_msg(stream, seq=1, next_by_subject=events_subject(queue, name, ">"),
                                                        direct=False) is not None:
@@ -87,19 +94,19 @@ def tail(queue: str, names: tuple[str, ...], as_json: bool, count: int | None, t
       12:00:01.250 started o1 01J... charge host:123 attempt=1 wait=0.004
     """
 
-    def render(msg: Msg) -> str | None:
-        try:
-            fields = loads(msg.data, (msg.headers or {}).get(H.CONTENT_TYPE, CBOR))
-        except WireError as exc:
-            click.echo(f"<undecodable event on {msg.subject}: {exc}>", err=True)
+    def render(msg: Msg) -> list[str] | None:
+        found = decode_events(msg.headers, msg.data)
+        if not found:
+            click.echo(f"<undecodable event on {msg.subject}>", err=True)
             return None
-        if not isinstance(fields, dict):
-            return None
-        return json.dumps(fields, default=str) if as_json else event_line(fields)
+        # A batch of a key's events arrives on its own subject: keep the names asked for.
+        lines = [json.dumps(fields, default=str) if as_json else event_line(fields)
+                 for fields in found if not names or fields["event"] in names]
+        return lines or None
 
     async def run() -> None:
         subjects = ([s for name in names for s in (events_subject(queue, name), events_subject(queue, name, ">"))]
-                    or [events_subject(queue, ">")])
+                    + [event_batch_subject(queue, ">")] if names else [events_subject(queue, ">")])
         async with connection(url) as nc:
             api = JetStreamApi(nc)
             await require_queue(api, queue)

@@ -23,17 +23,17 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final
 
 from keyqueue.dashboard.latency import bin_of, quantile_of
-from keyqueue.errors import KeyqueueError, StreamNotFound, WireError, WrongLastSequence
-from keyqueue.events import events_stream, events_subject
+from keyqueue.errors import KeyqueueError, StreamNotFound, WrongLastSequence
+from keyqueue.events import decode_events, events_stream, events_subject
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.kv import EXPECTED_LAST_SUBJECT_SEQUENCE
 from keyqueue.jetstream.subjects import validate_queue_name
-from keyqueue.wire import CBOR, loads
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -244,18 +244,15 @@ class History:
                                              batch=2000, limit=self.backfill_events):
                 for msg in page:
                     read += 1
-                    try:
-                        fields = loads(msg.data, CBOR)
-                    except WireError:
-                        continue
-                    if not isinstance(fields, dict) or not isinstance(ts := fields.get("ts"), int | float):
-                        continue
-                    minute = int(ts // MINUTE)
-                    if first <= minute <= self.started_minute and (event := fields.get("event")) in COUNTED:
-                        rolled.setdefault(minute, Minute(minute)).add(str(event), fields)
+                    for fields in decode_events(msg.headers, msg.data):  # one event, or a key's batch
+                        if not isinstance(ts := fields.get("ts"), int | float):
+                            continue
+                        minute = int(ts // MINUTE)
+                        if first <= minute <= self.started_minute and (event := fields.get("event")) in COUNTED:
+                            rolled.setdefault(minute, Minute(minute)).add(str(event), fields)
                 if read >= self.backfill_events and page:
                     # Stopped early: only the minutes before the last one read are complete.
-                    last_ts = _ts_of(page[-1].data)
+                    last_ts = _ts_of(page[-1].headers, page[-1].data)
                     complete_through = min(complete_through, int(last_ts // MINUTE) - 1) if last_ts else first - 1
         except StreamNotFound:
             return
@@ -276,10 +273,8 @@ class History:
         return found
 
 
-def _ts_of(data: bytes) -> float | None:
-    try:
-        fields = loads(data, CBOR)
-    except WireError:
-        return None
-    ts = fields.get("ts") if isinstance(fields, dict) else None
+def _ts_of(headers: Mapping[str, str] | None, data: bytes) -> float | None:
+    """When the (last) event a message carries happened."""
+    found = decode_events(headers, data)
+    ts = found[-1].get("ts") if found else None
     return float(ts) if isinstance(ts, int | float) else None

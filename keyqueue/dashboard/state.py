@@ -39,11 +39,10 @@ from keyqueue.dashboard.latency import Latencies
 from keyqueue.dashboard.progress import ProgressFeed
 from keyqueue.dashboard.schedules import Delays
 from keyqueue.dashboard.search import SearchIndex
-from keyqueue.errors import KeyqueueError, StreamNotFound, WireError
+from keyqueue.errors import KeyqueueError, StreamNotFound
+from keyqueue.events import decode_events
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
-from keyqueue.wire import CBOR, loads
-from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -295,12 +294,10 @@ class Monitor:
         return self.snapshot.version
 
     async def _on_event(self, msg: Msg) -> None:
-        try:
-            fields = loads(msg.data, (msg.headers or {}).get(H.CONTENT_TYPE, CBOR))
-        except WireError:
-            return
-        if not isinstance(fields, dict):
-            return
+        for fields in decode_events(msg.headers, msg.data):  # one event, or a batch of a key's events
+            self._on_fields(fields)
+
+    def _on_fields(self, fields: dict[str, Any]) -> None:
         queue, key, name = fields.get("queue"), fields.get("key"), fields.get("event")
         if not isinstance(queue, str) or not isinstance(name, str):
             return

@@ -12,7 +12,8 @@ Writing is in :mod:`keyqueue_spark.sink` (batch) and :mod:`keyqueue_spark.stream
 ``queue``             the queue whose stream is read (required unless ``streamName``)
 ``stream``            ``events`` (default), ``inbox`` or ``dlq``
 ``streamName``        any stream by name instead (read as requests)
-``subject``           a subject filter inside the stream (``kq.rebaser.events.started.>``: one event of every key)
+``subject``           a subject filter inside the stream (``kq.rebaser.events.*.w1.>``: every event of keys under
+                      ``w1``; a key's events are batched, so filter one event name with the ``event`` column)
 ``startSequence``     batch: first stream sequence read (default: the stream's first)
 ``endSequence``       batch: last stream sequence read (default: the stream's last at planning time)
 ``partitions``        how many sequence ranges; default one per ``rowsPerPartition`` messages
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import math
 import os
@@ -60,6 +62,8 @@ from pyspark.sql.types import (
     StructType,
     TimestampType,
 )
+
+from keyqueue.events import EVENT_BATCH_MESSAGE_TYPE, decode_events
 
 from .events import coerce_event, event_schema
 from .streams import (
@@ -295,7 +299,13 @@ def read_rows(url: str, stream: str, part: SequenceRange, subject: str | None, s
                 except StopAsyncIteration:
                     break
                 for message in page:
-                    yield make(message, decode_message(message.headers, message.data))
+                    decoded = decode_message(message.headers, message.data)
+                    if events and decoded.message_type == EVENT_BATCH_MESSAGE_TYPE and decoded.error is None:
+                        # Several events of one key in one message: a row each (they share its seq).
+                        for fields in decode_events(message.headers, message.data):
+                            yield make(message, dataclasses.replace(decoded, fields=fields))
+                        continue
+                    yield make(message, decoded)
         finally:
             runner.run(pages.aclose())
             runner.run(nc.close())

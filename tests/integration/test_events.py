@@ -17,6 +17,7 @@ import pytest
 
 import keyqueue
 from keyqueue import events as ev
+from keyqueue.builtins import events as ev_plugin
 from keyqueue.builtins.events import sample_rate, sampled
 from keyqueue.ext import JetStreamApi, Topology
 from keyqueue.wire import CBOR, loads
@@ -39,20 +40,36 @@ async def make_app(nats_url: str) -> AsyncIterator[MakeApp]:
         await app.close()
 
 
-async def read_events(app: keyqueue.App, queue: str) -> list[dict[str, Any]]:
+async def read_events(app: keyqueue.App, queue: str, messages: list[int] | None = None) -> list[dict[str, Any]]:
+    """Every stored event of ``queue``, in order, each checked against the contract; ``messages``
+    gets the number of stored messages that carried them."""
     api = JetStreamApi(await app.connection())
     info = await api.stream_info(ev.events_stream(queue))
     out = []
+    stored = 0
     for seq in range(max(1, int(info["state"]["first_seq"])), int(info["state"]["last_seq"]) + 1):  # empty reports 0..0
         msg = await api.get_msg(ev.events_stream(queue), seq=seq, direct=False)
         if msg is None:
             continue
+        stored += 1
         assert msg.headers["X-CONTENT-TYPE"] == CBOR
-        assert (msg.headers["X-MESSAGE-TYPE"], msg.headers["X-MESSAGE-VERSION"]) == ("KeyqueueEvent", "1")
         body = loads(msg.data, CBOR)
+        if msg.headers["X-MESSAGE-TYPE"] == ev.EVENT_BATCH_MESSAGE_TYPE:
+            # Several events of one key, in order, on the key's batch subject.
+            assert msg.headers["X-MESSAGE-VERSION"] == "1"
+            assert body["fields"] == list(ev.EVENT_FIELD_NAMES)
+            events = ev.decode_events(msg.headers, msg.data)
+            assert len(events) == len(body["events"]) > 1
+            assert {e["key"] for e in events} == {msg.subject.removeprefix(ev.event_batch_subject(queue, ""))}
+            out.extend(events)
+            continue
+        assert (msg.headers["X-MESSAGE-TYPE"], msg.headers["X-MESSAGE-VERSION"]) == ("KeyqueueEvent", "1")
         assert tuple(body) == ev.EVENT_FIELD_NAMES
         assert msg.subject == ev.events_subject(queue, body["event"], body["key"])
+        assert ev.decode_events(msg.headers, msg.data) == [body]
         out.append(body)
+    if messages is not None:
+        messages.append(stored)
     return out
 
 
@@ -124,6 +141,30 @@ async def test_a_known_workload_leaves_exactly_its_events(make_app: MakeApp) -> 
     assert (config["retention"], config["max_age"]) == ("limits", 7 * 24 * 3600 * 10**9)
     assert config["max_msgs"] == ev.MAX_MSGS
     assert config["max_bytes"] == -1  # a max_bytes would be reserved up front against the server's store
+
+
+async def test_a_keys_events_travel_together_at_most_one_stored_message_per_request(make_app: MakeApp) -> None:
+    """A hot key's events (enqueued by enqueue_many, then acquired, started, succeeded... released) go
+    out in batches of the key's events: fewer stored messages than requests, every event kept, in order."""
+    app = make_app()
+
+    @app.task(key="{k}")
+    async def note(k: str, n: int) -> None:
+        return None
+
+    requests = 3 * ev_plugin.BATCH_MAX
+    await note.enqueue_many([{"k": "hot", "n": n} for n in range(requests)])
+    async with app.worker(name="w1", linger=0.05):
+        messages: list[int] = []
+        found = await events_until(app, "shop", lambda es: any(e["event"] == "released" for e in es))
+        found = await read_events(app, "shop", messages)
+    counts = {name: sum(e["event"] == name for e in found) for name in ("enqueued", "started", "succeeded")}
+    assert counts == {"enqueued": requests, "started": requests, "succeeded": requests}
+    assert [e["event"] for e in found if e["request_id"] is None] == ["acquired", "released"]
+    # A key's events in a message are in the order they happened; the messages of one process too.
+    worker_events = [e for e in found if e["worker"] == "w1"]
+    assert worker_events == sorted(worker_events, key=lambda e: e["ts"])
+    assert messages[0] <= requests, f"{messages[0]} stored messages for {requests} requests"
 
 
 async def test_dead_lettered_events_carry_the_reason_and_run_time(make_app: MakeApp) -> None:
