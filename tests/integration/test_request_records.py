@@ -365,20 +365,20 @@ async def test_kept_results_are_pipelined_and_confirmed_before_their_requests_le
     app = keyqueue.App("piped", url=nats_url, set_as_default=False, autoload_plugins=False)
     tasks = declare(app, fleet)
     try:
-        receipts = await tasks["work"].enqueue_many([{"account": "a", "n": n} for n in range(3)])
+        receipts = await tasks["work"].enqueue_many([{"account": "a", "n": n, "block": n == 2} for n in range(3)])
         api = JetStreamApi(await app.connection())
         inbox = app.queue_config("piped").names.inbox_stream
         async with app.worker(concurrency=2, linger=0.01):
             await confirming.wait()
-            # The session went on to the next requests (all three read ahead) without awaiting a
-            # result's reply, and removed none of them before a confirmation.
-            while len(fleet.runs) < 3:
-                await asyncio.sleep(0.01)
+            # The session went on to the next requests (read ahead) without awaiting a result's
+            # reply; the third runs now, and the removal of the first two waits for a confirmation.
+            await fleet.event(fleet.started, 2).wait()
             assert (await api.stream_info(inbox))["state"]["messages"] == 3
             go_on.set()
+            fleet.event(fleet.release, 2).set()
             assert [await r.result(timeout=10) for r in receipts] == [{"account": "a", "n": n} for n in range(3)]
-            while (await api.stream_info(inbox))["state"]["messages"]:
-                await asyncio.sleep(0.01)
+        # The key was given back: every removal was sent and confirmed first.
+        assert (await api.stream_info(inbox))["state"]["messages"] == 0
     finally:
         go_on.set()
         await app.close()
