@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
@@ -43,6 +44,10 @@ INSTRUMENTATION: Final = "keyqueue"
 """The instrumentation scope name of keyqueue's tracer and meter."""
 
 SYSTEM: Final = "nats"
+
+PROVIDER_RECHECK: Final = 1.0
+"""Seconds between two lookups of OpenTelemetry's global providers (each reads the environment): a
+provider configured after the worker started is used from at most this much later."""
 
 _CONFIGURE_ENV: Final = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
                          "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -190,31 +195,54 @@ class OtelPlugin:
         self.metrics = metrics
         self._meters: Metrics | None = None
         self._meters_of: object = None
+        self._tracer_now: trace.Tracer | None = None
+        self._tracer_until = 0.0
+        self._meters_now: Metrics | None = None
+        self._meters_until = 0.0
+        """What tracer() and meters() answer until these monotonic times (see PROVIDER_RECHECK)."""
 
     def tracer(self) -> trace.Tracer | None:
-        """The tracer, or None while tracing is off or no tracer provider is configured."""
+        """The tracer, or None while tracing is off or no tracer provider is configured.
+
+        The global provider is looked up again at most every :data:`PROVIDER_RECHECK` seconds: the
+        lookup reads the environment, and this is asked several times per request."""
         if not self.tracing:
             return None
+        now = time.monotonic()
+        if now < self._tracer_until:
+            return self._tracer_now
+        if self.tracer_provider is None:  # a provider of its own needs no lookup
+            self._tracer_until = now + PROVIDER_RECHECK
         provider = self.tracer_provider or trace.get_tracer_provider()
         if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+            self._tracer_now = None
             return None
         if self._tracer_of is not provider:
             self._tracer = trace.get_tracer(INSTRUMENTATION, _version(), tracer_provider=provider)
             self._tracer_of = provider
+        self._tracer_now = self._tracer
         return self._tracer
 
     def meters(self) -> Metrics | None:
-        """The instruments, or None while metrics are off or no meter provider is configured."""
+        """The instruments, or None while metrics are off or no meter provider is configured (looked
+        up again at most every :data:`PROVIDER_RECHECK` seconds, as :meth:`tracer` says)."""
         if not self.metrics:
             return None
+        now = time.monotonic()
+        if now < self._meters_until:
+            return self._meters_now
+        if self.meter_provider is None:
+            self._meters_until = now + PROVIDER_RECHECK
         provider = self.meter_provider or otel_metrics.get_meter_provider()
         if isinstance(provider, otel_metrics.NoOpMeterProvider) or type(provider).__name__ == "_ProxyMeterProvider":
+            self._meters_now = None
             return None
         if self._meters_of is not provider:
             from .metrics import Metrics
 
             self._meters = Metrics(provider)
             self._meters_of = provider
+        self._meters_now = self._meters
         return self._meters
 
     # --- hooks: tracing ---
