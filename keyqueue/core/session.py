@@ -360,8 +360,7 @@ class KeySession:
             # harmless before the key is ours; its result is used only if the key was free at once
             # (a holder settles its deletes before it deletes its record, so the read is current
             # unless that holder was still working when this token arrived: after a fault).
-            first_read = (asyncio.ensure_future(self.io.read(self.key, self.cursor, READ_AHEAD))
-                          if first else None)
+            first_read = await self._send_first_read() if first else None
             first = False
             try:
                 acquired = await self.lock.try_acquire()
@@ -392,7 +391,7 @@ class KeySession:
                 self.observer.key_acquired(self.hold())
                 if first_read is not None:
                     with contextlib.suppress(Exception):  # read again in the session
-                        msgs, self.more = await first_read
+                        msgs, self.more = await self._first_read_result(first_read)
                         self.buffer.extend(msgs)
                 return True
             if first_read is not None:
@@ -410,6 +409,25 @@ class KeySession:
                     if await self.lock.clear_expired():
                         log.warning("queue %s key %s: deleted a lease record the server kept past twice its TTL",
                                     self.io.names.queue, self.key)
+
+    async def _send_first_read(self) -> asyncio.Future[Any] | None:
+        """The key's first read, sent beside its acquire (None if it could not be sent: the session
+        reads later): with direct gets, a request on the worker's read mux, published now and its
+        replies read once the acquire is answered (no task per key); else the read as a task (a
+        replicated inbox is read from its leader, one request at a time)."""
+        if not self.io.direct:
+            return asyncio.ensure_future(self.io.read(self.key, self.cursor, READ_AHEAD))
+        try:
+            return await self.io.send_read(self.key, self.cursor, READ_AHEAD)
+        except KeyqueueError:
+            return None
+
+    async def _first_read_result(self, sent: asyncio.Future[Any]) -> tuple[list[StoredMsg], bool]:
+        result = await sent
+        if not self.io.direct:
+            read: tuple[list[StoredMsg], bool] = result
+            return read
+        return await self.io.read_reply(self.key, result)
 
     async def _run(self) -> Outcome:
         """Work until the key is given back; sets :attr:`ending` before giving it back.

@@ -90,6 +90,25 @@ class Watch:
                 pass
 
 
+def batch_read(replies: list[Msg]) -> tuple[list[StoredMsg], bool]:
+    """The requests a batched direct get returned, in order, and whether more remain after them
+    (its end-of-batch status says how many); a 404 is no request; another status is its error."""
+    msgs: list[StoredMsg] = []
+    more = False
+    for reply in replies:
+        headers = reply.headers or {}
+        status = headers.get(STATUS)
+        if status == "204":  # end of batch
+            more = int(headers.get("Nats-Num-Pending", "0")) > 0
+        elif status == "404":
+            break
+        elif status:
+            raise from_api_error(headers.get(DESCRIPTION, "batched direct get failed"), int(status))
+        else:
+            msgs.append(stored_from_direct(reply))
+    return msgs, more
+
+
 class QueueIO:
     """The NATS side of key sessions for one queue."""
 
@@ -140,23 +159,19 @@ class QueueIO:
         if not self.direct or limit <= 1:
             one = await self.next_request(key, from_seq)
             return ([one] if one else []), bool(one) and limit > 1
+        return await self.read_reply(key, await self.send_read(key, from_seq, limit))
+
+    async def read_reply(self, key: str, sent: asyncio.Future[list[Msg]]) -> tuple[list[StoredMsg], bool]:
+        """What a :meth:`send_read` found, once its replies are in (as :meth:`read` returns it)."""
+        return batch_read(await wait(sent, self.timeout, f"a read of key {key}'s inbox"))
+
+    async def send_read(self, key: str, from_seq: int, limit: int) -> asyncio.Future[list[Msg]]:
+        """:meth:`read` sent now, its replies not awaited (:meth:`read_reply` reads them): a read that
+        goes out beside another step (a key's first read beside its acquire) needs no task. Only
+        where the stream allows direct gets (:attr:`direct`)."""
         payload = json.dumps({"seq": max(1, from_seq), "batch": limit, "next_by_subj": self.names.inbox(key)})
-        replies = await self.read_mux.request(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}",
-                                         payload.encode(), timeout=self.timeout, multi=True)
-        msgs: list[StoredMsg] = []
-        more = False
-        for reply in replies:
-            headers = reply.headers or {}
-            status = headers.get(STATUS)
-            if status == "204":  # end of batch
-                more = int(headers.get("Nats-Num-Pending", "0")) > 0
-            elif status == "404":
-                break
-            elif status:
-                raise from_api_error(headers.get(DESCRIPTION, "batched direct get failed"), int(status))
-            else:
-                msgs.append(stored_from_direct(reply))
-        return msgs, more
+        return await self.read_mux.send(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}",
+                                        payload.encode(), multi=True)
 
     async def _ask(self, subject: str, body: bytes, what: str, timeout: float | None = None) -> Msg:
         """One request and its reply through the read mux: no timer and no inbox of its own, as
