@@ -40,6 +40,9 @@ def stored(seq: int, body: bytes, message_type: str = "Work", reply: bool = Fals
 class FakeIO:
     """One key's inbox and the queue's lease stream in memory; ``writes`` lists what the session sent."""
 
+    direct = False
+    """Reads are answered by :meth:`read` (a session sends its first read as a task, as on a replicated inbox)."""
+
     def __init__(self, *requests: StoredMsg) -> None:
         self.names = QueueConfig("q").names
         self.inbox = {m.seq: m for m in requests}
