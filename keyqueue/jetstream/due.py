@@ -25,6 +25,18 @@ parked key is scheduled again behind that time instead of being moved, so none o
 refused one; the refused one, once moved, unparks the key. A parked record whose last time is
 long past (its first request was dropped) is ignored, and it expires by itself.
 
+**Bursts.** One in flight at a time, each move a few round trips, held 1,000 requests due at once
+for seconds. So the mover that is delivered the one due request in flight (which no other mover
+can get while it is unacknowledged: it is the fleet's lock on moving) reads up to
+:data:`MOVE_BATCH` due requests stored after it in one batched direct get and moves them all,
+in rounds of at most one request per key, each round one pipelined ``enqueue_many`` (requests in
+stream order, then their tokens), so a key's requests still join its inbox in the order they fell
+due. It then deletes those it moved from the schedules stream by sequence (the consumer skips a
+deleted message) and acknowledges the one it was delivered. A request it could not move stays
+where it is, with every later one of its key, for the consumer to deliver in turn; a mover that
+dies part-way leaves them all to be moved again, which stores nothing twice. A schedules stream
+without direct gets (replicated, or created before this) is moved one request at a time.
+
 A periodic tick carries no request id of its own (the server fires the same definition every
 time), so it gets ``<schedule name>-<sequence of the fired message>``: the same on every
 delivery of one tick, different from tick to tick.
@@ -43,9 +55,10 @@ from typing import TYPE_CHECKING, Final
 
 import nats.errors
 
-from keyqueue.errors import BacklogFull, ConfigError, KeyqueueError, WireError
-from keyqueue.jetstream.api import JetStreamApi, parse_pub_ack
-from keyqueue.jetstream.publish import OutgoingRequest, Publisher
+from keyqueue.errors import BacklogFull, ConfigError, KeyqueueError, StreamNotFound, WireError
+from keyqueue.jetstream.api import JetStreamApi, parse_pub_ack, raise_for_reply
+from keyqueue.jetstream.mux import RequestMux, wait
+from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.schedules import (
     DELAYED_REQUEST_ID,
     DUE,
@@ -56,7 +69,7 @@ from keyqueue.jetstream.schedules import (
     ScheduleNames,
     ScheduleStore,
 )
-from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.jetstream.subjects import QueueNames, validate_key
 from keyqueue.wire.headers import MSG_ID
 
 if TYPE_CHECKING:
@@ -79,6 +92,8 @@ PARKED_TTL: Final = 3600
 """Seconds a parked record is kept after its last write."""
 STALE_PARKED: Final = dt.timedelta(seconds=4 * BACKLOG_FULL_DELAY)
 """A parked record whose last time is this far past is ignored (its first request was dropped)."""
+MOVE_BATCH: Final = 256
+"""Due requests one mover moves at once: the one delivered to it and those stored after it."""
 
 _DROPPED: Final = frozenset(h.lower() for h in (SCHEDULER, SCHEDULE_NEXT, DELAYED_REQUEST_ID, DUE, MSG_ID))
 
@@ -109,6 +124,10 @@ class DueMover:
         self.moved = 0
         """Due requests this mover stored in an inbox (a repeated move of one counts again)."""
         self._stopping = asyncio.Event()
+        self._batches = False
+        """Whether the schedules stream allows direct gets: then due requests are moved in batches."""
+        self._mux = RequestMux(nc)
+        """The deletes of the due requests a batch moved, in flight together."""
 
     def stop(self) -> None:
         """Finish the move in hand, then end :meth:`run`."""
@@ -117,6 +136,8 @@ class DueMover:
     async def run(self) -> None:
         js = self.nc.jetstream()
         sub = await js.pull_subscribe_bind(durable=MOVERS, stream=self.names.stream)
+        with contextlib.suppress(KeyqueueError):
+            self._batches = bool((await self.api.stream_info(self.names.stream))["config"].get("allow_direct"))
         stopping = asyncio.ensure_future(self._stopping.wait())
         fetch: asyncio.Future[list[Msg]] | None = None
         try:
@@ -141,7 +162,7 @@ class DueMover:
                 for msg in messages:
                     try:
                         # Shielded: a move cut in half by a stop is harmless, but finishing it is faster.
-                        await asyncio.shield(self._move(msg))
+                        await asyncio.shield(self._move_batch(msg) if self._batches else self._move(msg))
                     except Exception:  # never the worker's end: the message is delivered again
                         log.exception("queue %s: moving a due request failed", self.names.queue)
         finally:
@@ -153,6 +174,7 @@ class DueMover:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
             await self.publisher.close()
+            await self._mux.close()
 
     async def _move(self, msg: Msg) -> None:
         request = due_request(msg.subject, dict(msg.headers or {}), msg.data, msg.metadata.sequence.stream,
@@ -188,6 +210,140 @@ class DueMover:
             await msg.ack()
         except Exception as exc:
             log.debug("queue %s: ack of due request %s failed: %r", self.names.queue, request.request_id, exc)
+
+    async def _move_batch(self, head: Msg) -> None:
+        """Move ``head`` (the one due request in flight: while it is unacknowledged no other mover gets
+        any) and up to ``MOVE_BATCH - 1`` stored after it; see "Bursts" in the module docstring."""
+        first = head.metadata.sequence.stream
+        try:
+            ahead, _ = await self.api.get_batch(self.names.stream, seq=first + 1, batch=MOVE_BATCH - 1,
+                                                next_by_subject=self.names.due_prefix + ">")
+            parked = await self._parked_keys()
+        except KeyqueueError as exc:
+            log.debug("queue %s: no batch of due requests (%r); moving one", self.names.queue, exc)
+            await self._move(head)
+            return
+        batch = [(first, head.subject, dict(head.headers or {}), head.data)]
+        batch += [(m.seq, m.subject, dict(m.headers), m.data) for m in ahead]
+        moved = await self._move_in_rounds(batch, parked)
+        deletes = []
+        for seq in sorted(moved - {first}):
+            with contextlib.suppress(KeyqueueError):
+                deletes.append(await self._mux.send(f"{self.api.prefix}.STREAM.MSG.DELETE.{self.names.stream}",
+                                                    b'{"seq":%d,"no_erase":true}' % seq))
+        for sent in deletes:  # a delete that failed leaves a request that is moved again: it stores nothing
+            with contextlib.suppress(Exception):
+                [reply] = await wait(sent, self.api.timeout, "the delete of a moved due request")
+                raise_for_reply(json.loads(reply.data))
+        if first in moved:
+            with contextlib.suppress(Exception):
+                await head.ack()
+        else:
+            await self._nak(head, RETRY_DELAY)
+
+    async def _move_in_rounds(self, batch: list[tuple[int, str, dict[str, str], bytes]],
+                              parked: dict[str, _Parked]) -> set[int]:
+        """Move ``batch`` (due requests in stream order) in rounds of at most one request per key;
+        returns the sequences of those handled (moved, scheduled again, or dropped). A key whose
+        request could not be handled keeps it and every later one where they are."""
+        rounds: list[list[tuple[int, OutgoingRequest]]] = []
+        depth: dict[str, int] = {}
+        for seq, subject, headers, data in batch:
+            request = due_request(subject, headers, data, seq, self.names)
+            n = depth[request.key] = depth.get(request.key, -1) + 1
+            if n == len(rounds):
+                rounds.append([])
+            rounds[n].append((seq, request))
+        handled: set[int] = set()
+        stuck: set[str] = set()
+        for round_ in rounds:
+            to_move: list[tuple[int, OutgoingRequest]] = []
+            for seq, request in round_:
+                if request.key in stuck:
+                    continue
+                try:
+                    validate_key(request.key)
+                except ConfigError as exc:
+                    log.error("queue %s: due request %s cannot be stored (%s); it is dropped", self.names.queue,
+                              request.request_id, exc)
+                    handled.add(seq)
+                    continue
+                behind = parked.get(request.key)
+                if behind is not None and behind.first != request.request_id:
+                    # An earlier due request of the key waits for room: this one goes behind it.
+                    again = await self._schedule_behind(seq, request, behind)
+                    if again is None:
+                        stuck.add(request.key)
+                    else:
+                        parked[request.key] = again
+                        handled.add(seq)
+                    continue
+                to_move.append((seq, request))
+            if not to_move:
+                continue
+            results = await self.publisher.enqueue_many([request for _, request in to_move])
+            for (seq, request), result in zip(to_move, results, strict=True):
+                if isinstance(result, Enqueued):
+                    handled.add(seq)
+                    self.moved += 1
+                    if (behind := parked.pop(request.key, None)) is not None:
+                        await self._unpark(request.key, behind)
+                    if self.on_moved is not None:
+                        self.on_moved(request)
+                elif isinstance(result, BacklogFull):
+                    again = await self._schedule_again(seq, request, parked.get(request.key))
+                    if again is None:
+                        stuck.add(request.key)
+                    else:
+                        parked[request.key] = again
+                        handled.add(seq)
+                else:  # not stored, or stored without a token: moved again when the consumer delivers it
+                    log.warning("queue %s: moving due request %s for key %r failed (%s); it is moved again",
+                                self.names.queue, request.request_id, request.key, result)
+                    stuck.add(request.key)
+        return handled
+
+    async def _parked_keys(self) -> dict[str, _Parked]:
+        """Every parked key's record (one batched read of the lease stream; usually there is none)."""
+        prefix = self.queue_names.parked("")
+        try:
+            found, _ = await self.api.get_batch(self.queue_names.lease_stream, multi_last=[prefix + ">"])
+        except StreamNotFound:
+            return {}
+        parked = {}
+        now = dt.datetime.now(dt.UTC)
+        for record in found:
+            decoded = _Parked.decode(record.data, record.seq)
+            if decoded is not None and decoded.last >= now - STALE_PARKED:
+                parked[record.subject[len(prefix):]] = decoded
+        return parked
+
+    async def _schedule_again(self, seq: int, request: OutgoingRequest, parked: _Parked | None) -> _Parked | None:
+        """:meth:`_delay_again` for a request of a batch: the key's parked record after it, None if it failed."""
+        due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=BACKLOG_FULL_DELAY)
+        log.warning("queue %s: key %r's backlog is full; its due request %s is due again at %s", self.names.queue,
+                    request.key, request.request_id, due.isoformat())
+        try:
+            await self.store.delay(request.key, request.request_id, request.headers, request.body, due,
+                                   msg_id=f"{request.request_id}~again-{seq}")
+            last = max(due, parked.last) if parked is not None else due
+            record = _Parked(request.request_id, last, parked.seq if parked else 0)
+            await self._park(request.key, record)
+        except KeyqueueError:
+            return None
+        return record
+
+    async def _schedule_behind(self, seq: int, request: OutgoingRequest, parked: _Parked) -> _Parked | None:
+        """:meth:`_delay_behind` for a request of a batch: the key's parked record after it, None if it failed."""
+        due = max(parked.last, dt.datetime.now(dt.UTC)) + BEHIND
+        try:
+            await self.store.delay(request.key, request.request_id, request.headers, request.body, due,
+                                   msg_id=f"{request.request_id}~behind-{seq}")
+            record = _Parked(parked.first, due, parked.seq)
+            await self._park(request.key, record)
+        except KeyqueueError:
+            return None
+        return record
 
     async def _delay_again(self, msg: Msg, request: OutgoingRequest, parked: _Parked | None) -> None:
         """A full per-key backlog refused the request: schedule it again a little later, park its key

@@ -134,6 +134,9 @@ def schedules_config(queue: str, *, replicas: int = 1, duplicate_window: float =
         "num_replicas": replicas,
         "allow_msg_schedules": True,
         "duplicate_window": int(duplicate_window * NS),
+        # The mover that holds the one due request in flight reads the ones after it in one batch
+        # (keyqueue.jetstream.due). Off when replicated, as on the queue's other streams.
+        "allow_direct": replicas == 1,
     }
 
 

@@ -255,3 +255,54 @@ async def test_a_full_backlog_holds_up_no_other_key(nats_url: str) -> None:
         assert refused.due is not None and runs.done[-1].started >= refused.due
     finally:
         await producer.close()
+
+
+async def test_a_burst_due_at_once_is_moved_in_batches_and_keeps_each_keys_order(nats_url: str) -> None:
+    """Many requests due at one instant, several per key: the mover delivered the one in flight
+    moves those stored after it too (far fewer deliveries than requests), each key's in its order."""
+    from keyqueue.jetstream.schedules import MOVERS
+
+    runs = Runs()
+    producer = make_app(nats_url, runs)
+    work = producer.tasks["work"]
+    at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1.5)
+    items = [{"key": f"b{k}", "tag": f"b{k}-{i}"} for i in range(4) for k in range(60)]
+    try:
+        async with fleet(nats_url, runs, 2):
+            await work.options(eta=at).enqueue_many(items)
+            await runs.count(len(items), timeout=60)
+            movers = await JetStreamApi(await producer.connection()).consumer_info(ScheduleNames(QUEUE).stream, MOVERS)
+        for k in range(60):
+            assert runs.tags(f"b{k}") == [f"b{k}-{i}" for i in range(4)]
+        started_not_before_due(runs, {item["tag"]: at for item in items})
+        assert movers["delivered"]["consumer_seq"] < len(items) / 2, movers["delivered"]
+        assert not runs.overlaps
+    finally:
+        await producer.close()
+
+
+async def test_in_a_batch_a_refused_due_request_parks_its_key_before_its_next_one(nats_url: str) -> None:
+    """Two due requests of a key with a full backlog fall due at once, among other keys': the first
+    is refused and scheduled again, the second goes behind it, and the other keys run meanwhile."""
+
+    def capped(app: keyqueue.App) -> None:
+        app.configure_queue(QueueConfig(QUEUE, max_backlog_per_key=1))
+
+    runs = Runs()
+    producer = make_app(nats_url, runs, extra=capped)
+    work = producer.tasks["work"]
+    at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+    try:
+        async with fleet(nats_url, runs, 2, extra=capped):
+            await work.enqueue(key="full", tag="wait-holding")  # the key's one slot, until the gate opens
+            await work.options(eta=at).enqueue_many(
+                [{"key": "full", "tag": "first"}, *({"key": f"o{i}", "tag": f"o{i}"} for i in range(10)),
+                 {"key": "full", "tag": "second"}])
+            await runs.wait(lambda done: len([r for r in done if r.tag.startswith("o")]) == 10,
+                            what="the other keys' due requests")
+            assert "first" not in runs.tags() and "second" not in runs.tags()
+            runs.gate.set()
+            await runs.count(13, timeout=30)
+        assert runs.tags("full") == ["wait-holding", "first", "second"]
+    finally:
+        await producer.close()
