@@ -981,7 +981,7 @@ class KeySession:
         pause, longest = RETRY_PAUSE
         while True:
             try:
-                if await self.io.next_request(self.key, self.cursor) is not None:
+                if await self.io.request_remains(self.key, self.cursor):
                     self.republished = await self.io.schedule(self.key)
                 return
             except _RETRIED as e:

@@ -33,6 +33,7 @@ from keyqueue.jetstream.dlq_copy import dead_letter_copy, minimal_dead_letter_co
 from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.pull import Token
+from keyqueue.jetstream.rechecks import InboxRechecks
 from keyqueue.jetstream.topology import QueueConfig
 
 log = logging.getLogger("keyqueue.session")
@@ -139,6 +140,8 @@ class QueueIO:
         self._no_messages: asyncio.Queue[Msg] = asyncio.Queue()
         """The message queue every arrival watch's subscription shares (see :meth:`watch`)."""
         self._subscribing = asyncio.Lock()
+        self.rechecks = InboxRechecks(self.last_sequences)
+        """The releasing sessions' re-checks, many keys per read (:meth:`request_remains`)."""
 
     # --- the key's requests ----------------------------------------------------------------------
 
@@ -152,6 +155,25 @@ class QueueIO:
         payload = b'{"seq":%d,"next_by_subj":%s}' % (max(1, from_seq), json.dumps(self.names.inbox(key)).encode())
         return direct_reply(await self._ask(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}", payload,
                                             f"a read of key {key}'s inbox"))
+
+    async def request_remains(self, key: str, from_seq: int) -> bool:
+        """Whether the key's inbox holds a request at or after ``from_seq``: the releasing session's
+        re-check. With direct gets, the re-checks asked in one turn of the loop go out as one read
+        (:class:`~keyqueue.jetstream.rechecks.InboxRechecks`); on a replicated inbox the stream
+        leader answers each."""
+        if not self.direct:
+            return await self.next_request(key, from_seq) is not None
+        return await self.rechecks.remains(key, from_seq)
+
+    async def last_sequences(self, keys: list[str]) -> dict[str, int]:
+        """Each key's last stored request's inbox sequence (keys without one left out), in one
+        batched direct get of the last message of each subject (``multi_last``)."""
+        subjects = {self.names.inbox(key): key for key in keys}
+        payload = json.dumps({"multi_last": list(subjects), "batch": len(subjects)}).encode()
+        sent = await self.read_mux.send(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}", payload,
+                                        multi=True)
+        found, _ = batch_read(await wait(sent, self.timeout, "a re-check of the inboxes of keys given back"))
+        return {subjects[m.subject]: m.seq for m in found if m.subject in subjects}
 
     async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
         """Up to ``limit`` of the key's requests from ``from_seq`` on, in one round trip where the

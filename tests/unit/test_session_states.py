@@ -60,6 +60,9 @@ class FakeIO:
     async def next_request(self, key: str, from_seq: int) -> StoredMsg | None:
         return next((self.inbox[s] for s in sorted(self.inbox) if s >= from_seq), None)
 
+    async def request_remains(self, key: str, from_seq: int) -> bool:
+        return await self.next_request(key, from_seq) is not None
+
     async def watch(self, key: str) -> Watch:
         return Watch()
 
