@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from keyqueue.app.transport import NatsTransport
 from keyqueue.builtins.processor import TaskProcessor
-from keyqueue.core.processor import BatchOutcome, HoldsRemoval, Reply, Request, RequestContext, SessionContext
+from keyqueue.core.processor import BatchOutcome, Reply, Request, RequestContext, SessionContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import (
     ConnectionFailed,
@@ -137,7 +137,8 @@ class RecordingTaskProcessor(TaskProcessor):
             return
         ctx.check_lease()
         records = self.records
-        if isinstance(ctx, HoldsRemoval):
+        hold = getattr(ctx, "hold_removal", None)  # HoldsRemoval (a protocol's isinstance is slow)
+        if hold is not None:
             # Pipelined: sent now, confirmed by the session before it removes the request (with the
             # removal of those done before it), so a result is stored before its request is gone
             # and the next request does not wait for this one's write.
@@ -146,7 +147,7 @@ class RecordingTaskProcessor(TaskProcessor):
                     sent = await records.send_result(*entry)
                 except (ConnectionFailed, KeyqueueTimeout):
                     sent = None  # not sent: written, and retried, when the session confirms it
-                ctx.hold_removal(functools.partial(self._confirm_result, ctx, records, sent, entry))
+                hold(functools.partial(self._confirm_result, ctx, records, sent, entry))
             return
         try:
             if len(kept) == 1:

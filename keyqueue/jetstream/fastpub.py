@@ -34,6 +34,36 @@ class StaticHeaders:
         self.headers = dict(headers)
 
 
+def header_block(headers: Mapping[str, str]) -> bytes | None:
+    """The header block nats-py would build for ``headers`` (names and values stripped, values as
+    UTF-8), or None if a name or value is one it should judge itself (then publish through it)."""
+    parts = ["NATS/1.0\r\n"]
+    for name, value in headers.items():
+        name, value = name.strip(), value.strip()
+        if not _HEADER_NAME.match(name) or "\r" in value or "\n" in value:
+            return None
+        parts.append(f"{name}: {value}\r\n")
+    parts.append("\r\n")
+    return "".join(parts).encode()
+
+
+async def publish_block(nc: Client, subject: str, payload: bytes, block: bytes, headers: Mapping[str, str], *,
+                        reply: str = "") -> None:
+    """``nc.publish(subject, payload, reply=reply, headers=headers)`` with ``block`` (what
+    :func:`header_block` built for ``headers``) as the header block: nats-py builds one line by line
+    for every publish, half the cost of a request's publish."""
+    send = getattr(nc, "_send_command", None)
+    if send is None or not nc.is_connected or len(payload) > nc.max_payload:
+        await nc.publish(subject, payload, reply=reply, headers=dict(headers))
+        return
+    nc.stats["out_msgs"] += 1
+    nc.stats["out_bytes"] += len(payload)
+    await send(prot_command.hpub_cmd(subject, reply, block, payload))
+    flush_queue = getattr(nc, "_flush_queue", None)
+    if flush_queue is not None and flush_queue.empty():
+        await nc._flush_pending()
+
+
 async def publish_static(nc: Client, subject: str, payload: bytes, headers: StaticHeaders) -> None:
     """Publish like ``nc.publish(subject, payload, headers=...)`` with a pre-encoded header block."""
     send = getattr(nc, "_send_command", None)

@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 
 from keyqueue.errors import ConnectionFailed, KeyqueueTimeout, ReplyLost
 from keyqueue.jetstream.connect import CONNECTION_DOWN, link_of, not_sent
+from keyqueue.jetstream.fastpub import header_block, publish_block
 
 STATUS = "Status"
 
@@ -107,8 +108,13 @@ class RequestMux:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Msg]] = loop.create_future()
         self._pending[reply] = _Pending(future, multi, subject, loop.time() + self.expire_after)
+        block = header_block(headers) if headers else None
         try:
-            await self.nc.publish(subject, payload, reply=reply, headers=dict(headers) if headers else None)
+            if block is not None:
+                assert headers is not None
+                await publish_block(self.nc, subject, payload, block, headers, reply=reply)
+            else:
+                await self.nc.publish(subject, payload, reply=reply, headers=dict(headers) if headers else None)
         except CONNECTION_DOWN as e:
             self._pending.pop(reply, None)
             raise not_sent(e, f"a request to {subject}") from e
