@@ -48,7 +48,8 @@ async def one_round(url: str, queue: str, keep: bool, requests: int, keys: int,
     return process, process_cpu
 
 
-async def main(requests: int, keys: int, rounds: int, concurrency: int) -> None:
+async def main(requests: int, keys: int, rounds: int, concurrency: int) -> tuple[float, float]:
+    """Print the medians; return the median rates (req/s) without and with ``result_ttl``."""
     os.environ.setdefault("KEYQUEUE_EVENTS", "0")
     with tempfile.TemporaryDirectory() as tmp:
         async with EmbeddedServer(store_dir=Path(tmp) / "store", log_file=Path(tmp) / "log") as server:
@@ -58,10 +59,16 @@ async def main(requests: int, keys: int, rounds: int, concurrency: int) -> None:
                 results[keep].append(await one_round(server.url, f"rt{index}", keep, requests, keys, concurrency))
     print(f"{requests} requests over {keys} keys, worker concurrency {concurrency}, {rounds} rounds each; medians")
     print("result_ttl | process s | process req/s | process CPU us/req")
+    rates = []
     for keep in (False, True):
         process, process_cpu = (statistics.median(r[i] for r in results[keep]) for i in range(2))
+        rates.append(requests / process)
         print(f"{'600 ' if keep else 'None'}       | {process:9.3f} | {requests / process:13,.0f} | "
               f"{process_cpu / requests * 1e6:18.0f}")
+    print(f"result_ttl costs {1 - rates[1] / rates[0]:.0%} of throughput (issue 23's goal: at most 15%); rounds "
+          f"without: {', '.join(f'{requests / r[0]:,.0f}' for r in results[False])}, with: "
+          f"{', '.join(f'{requests / r[0]:,.0f}' for r in results[True])} req/s")
+    return rates[0], rates[1]
 
 
 if __name__ == "__main__":
