@@ -16,7 +16,14 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from keyqueue.errors import ConnectionFailed, JetStreamError, KeyqueueError, KeyqueueTimeout, from_api_error
+from keyqueue.errors import (
+    ConnectionFailed,
+    JetStreamError,
+    KeyqueueError,
+    KeyqueueTimeout,
+    MessageNotFound,
+    from_api_error,
+)
 from keyqueue.jetstream.api import (
     API_TIMEOUT,
     DESCRIPTION,
@@ -27,6 +34,7 @@ from keyqueue.jetstream.api import (
     parse_pub_ack,
     raise_for_reply,
     stored_from_direct,
+    stored_from_json,
 )
 from keyqueue.jetstream.connect import connect, disconnected, wait_connected
 from keyqueue.jetstream.dlq_copy import dead_letter_copy, minimal_dead_letter_copy
@@ -150,8 +158,16 @@ class QueueIO:
         the stream leader answers (a lagging follower could hide a request from the release's
         re-check)."""
         if not self.direct:
-            return await self.api.get_msg(self.names.inbox_stream, seq=max(1, from_seq),
-                                          next_by_subject=self.names.inbox(key), direct=False)
+            # STREAM.MSG.GET, answered by the leader, through the read mux (no inbox and timer per read).
+            payload = b'{"seq":%d,"next_by_subj":%s}' % (max(1, from_seq), json.dumps(self.names.inbox(key)).encode())
+            reply = await self._ask(f"{self.api.prefix}.STREAM.MSG.GET.{self.names.inbox_stream}", payload,
+                                    f"a read of key {key}'s inbox")
+            body = json.loads(reply.data)
+            try:
+                raise_for_reply(body)
+            except MessageNotFound:
+                return None
+            return stored_from_json(body["message"])
         payload = b'{"seq":%d,"next_by_subj":%s}' % (max(1, from_seq), json.dumps(self.names.inbox(key)).encode())
         return direct_reply(await self._ask(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}", payload,
                                             f"a read of key {key}'s inbox"))
