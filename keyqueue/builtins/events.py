@@ -10,9 +10,10 @@ from different processes in the stream is the order they reached the server; sor
 
 A key's events are batched (the contract's ``KeyqueueEventBatch``): a worker keeps each key's
 events until its session gives the key back, :data:`BATCH_MAX` of them are waiting, or
-:data:`FLUSH_AFTER` seconds have passed since the first of them (one timer for all keys); an
-``enqueue_many`` sends one message per key. A lone event goes out as a plain ``KeyqueueEvent``.
-So a hot key's hundreds of events cost a few stored messages, and a cold key's session one.
+:data:`FLUSH_AFTER` seconds have passed since the first of them (one timer for all keys, armed for
+the key whose first kept event is the oldest); an ``enqueue_many`` sends one message per key. A
+lone event goes out as a plain ``KeyqueueEvent``. So a hot key's hundreds of events cost a few
+stored messages, and a cold key's session one.
 
 On by default. ``KEYQUEUE_EVENTS=0`` (or ``false``/``no``/``off``), read when an app first
 publishes an event, turns it off for that app; ``app.plugins.unregister(name="keyqueue.builtins.events")``
@@ -148,7 +149,9 @@ class _AppEvents:
         self.ensured: set[str] = set()
         self._nc: tuple[asyncio.AbstractEventLoop, Client] | None = None
         self._kept: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        """(queue, key) -> its events not sent yet, in order."""
+        """(queue, key) -> its events not sent yet, in order; keys in the order of their first such event."""
+        self._since: dict[tuple[str, str], float] = {}
+        """(queue, key) -> when its first kept event was kept (monotonic seconds)."""
         self._timer: asyncio.TimerHandle | None = None
         self._flushing: asyncio.Future[None] | None = None
         """The timer's send of every key's kept events, while it runs."""
@@ -191,27 +194,37 @@ class _AppEvents:
         kept = self._kept.get((queue, key))
         if kept is None:
             kept = self._kept[queue, key] = []
+            self._since[queue, key] = time.monotonic()
             if self._timer is None and self._flushing is None:
                 self._timer = asyncio.get_running_loop().call_later(FLUSH_AFTER, self._flush_soon)
         kept.append(body)
         if len(kept) >= BATCH_MAX or body["event"] == "released":
-            del self._kept[queue, key]
+            del self._kept[queue, key], self._since[queue, key]
             await self._send(queue, key, kept)
 
     def _flush_soon(self) -> None:
         self._timer = None
         if self._flushing is None:
-            self._flushing = asyncio.ensure_future(self._flush_all())
+            self._flushing = asyncio.ensure_future(self._flush_due())
 
-    async def _flush_all(self) -> None:
-        """Send every key's kept events (the timer's task; the next first event arms it again)."""
+    async def _flush_due(self) -> None:
+        """Send the events of the keys whose first kept event is :data:`FLUSH_AFTER` old (the timer's
+        task), then arm the timer for the next such key. Keys are kept in the order of their first
+        event, so those are at the front; a key in the middle of a short session waits for its end."""
         try:
+            now = time.monotonic()
             while self._kept:
-                kept, self._kept = self._kept, {}
-                for (queue, key), bodies in kept.items():
-                    await self._send(queue, key, bodies)
+                which = next(iter(self._kept))
+                if now - self._since[which] < FLUSH_AFTER:
+                    break
+                bodies = self._kept.pop(which)
+                del self._since[which]
+                await self._send(which[0], which[1], bodies)
         finally:
             self._flushing = None
+        if self._kept and self._timer is None:
+            due = self._since[next(iter(self._kept))] + FLUSH_AFTER - time.monotonic()
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, due), self._flush_soon)
 
     async def close(self) -> None:
         """Send what is kept and stop the timer (the worker stops; nothing is kept after this)."""
@@ -220,7 +233,13 @@ class _AppEvents:
             self._timer = None
         if self._flushing is not None:
             await asyncio.shield(self._flushing)
-        await self._flush_all()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        kept, self._kept = self._kept, {}
+        self._since.clear()
+        for (queue, key), bodies in kept.items():
+            await self._send(queue, key, bodies)
 
     async def _send(self, queue: str, key: str | None, bodies: list[dict[str, Any]]) -> None:
         """One message: a lone event as itself, several events of a key as a batch."""
