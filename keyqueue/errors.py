@@ -11,6 +11,7 @@
     │   ├── Disconnected                 the connection is down right now: the message was not sent
     │   └── ReplyLost                    the connection dropped between a request and its reply
     ├── KeyqueueTimeout                  an operation took too long (also a TimeoutError)
+    │   └── SyncTimeout                  a sync call (delay, call_sync, ...) did not finish within its bound
     ├── WireError                        a message that cannot be decoded or encoded
     │   ├── MissingHeader                a required header is absent
     │   ├── UnsupportedContentType       X-CONTENT-TYPE is not cbor or json
@@ -79,6 +80,7 @@ __all__ = [
     "ServerNotFound",
     "StreamNotFound",
     "Superseded",
+    "SyncTimeout",
     "TaskFailure",
     "TokenPublishFailed",
     "TopologyMismatch",
@@ -158,6 +160,20 @@ class ReplyLost(ConnectionFailed):
 
 class KeyqueueTimeout(KeyqueueError, TimeoutError):
     """An operation did not finish in time."""
+
+
+class SyncTimeout(KeyqueueTimeout):
+    """A sync call (``delay``, ``call_sync``, ``result_sync``, ...) did not finish within its bound.
+
+    A sync call never waits without a bound: past it the work is cancelled. An enqueue cut off
+    this way may still have stored its request: enqueue it again with the same ``request_id``.
+    """
+
+    def __init__(self, what: str, bound: float) -> None:
+        self.what, self.bound = what, bound
+        super().__init__(f"{what} did not finish within {bound:g}s; the server may be unreachable (check "
+                         "KEYQUEUE_URL and that it runs), and a request may have been stored: enqueue it again "
+                         "with the same request_id to be sure it is stored once")
 
 
 # --- wire format -------------------------------------------------------------------------------

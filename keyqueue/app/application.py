@@ -20,11 +20,9 @@ one named ``default``. That, and the list of such shared tasks, is the only proc
 from __future__ import annotations
 
 import asyncio
-import atexit
 import dataclasses
 import datetime
 import logging
-import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -32,8 +30,9 @@ from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, CancelState
+from keyqueue.app.portal import SYNC_BOUND, SyncRunner
 from keyqueue.app.schedules import Periodic, make_periodic
-from keyqueue.app.transport import Connections, NatsTransport, Portal, Transport
+from keyqueue.app.transport import Connections, NatsTransport, Transport
 from keyqueue.core.processor import ProcessorFactory, Reply
 from keyqueue.errors import ConfigError, EnqueueError
 from keyqueue.jetstream.subjects import validate_key, validate_queue_name, validate_request_id
@@ -165,8 +164,8 @@ class App:
         self._local = LocalServer(name, Path(data_dir) if data_dir is not None else None)
         self._reconnect_listeners: list[Callable[[], None]] = []
         self._eager: Transport | None = None
-        self._portal: Portal | None = None
-        self._portal_lock = threading.Lock()
+        self._sync = SyncRunner(self._after_fork, self._connections.close)
+        """The private loop of sync calls (``delay``, ``call_sync``, ...), remade in a forked child."""
         if set_as_default and _DEFAULTS.app is None:
             _DEFAULTS.app = self
 
@@ -352,26 +351,33 @@ class App:
         previous, self._eager = self._eager, transport
         return previous
 
-    def run_sync(self, make: Callable[[], Awaitable[T]]) -> T:
-        """Run ``make()`` to completion from code without a running event loop."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            raise ConfigError("this is the sync form, for code without a running event loop; "
-                              "in async code, await the async form (task.enqueue(...))")
+    def run_sync(self, make: Callable[[], Awaitable[T]], *, bound: float | None = None,
+                 what: str = "a sync call") -> T:
+        """Run ``make()`` to completion from code without a running event loop, for at most ``bound``
+        seconds (default :data:`~keyqueue.app.portal.SYNC_BOUND`; then ``SyncTimeout``).
 
-        async def run() -> T:
-            return await make()
-
+        Safe in a forked child (gunicorn ``--preload``, uWSGI, ``multiprocessing``): the child gets a
+        loop and a connection of its own (``keyqueue.app.portal``).
+        """
         if self._eager is not None:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+            else:
+                raise ConfigError("this is the sync form, for code without a running event loop; "
+                                  "in async code, await the async form (task.enqueue(...))")
+
+            async def run() -> T:
+                return await make()
+
             return asyncio.run(run())
-        with self._portal_lock:
-            if self._portal is None:
-                self._portal = Portal()
-                atexit.register(self._close_portal)
-        return self._portal.run(run())
+        return self._sync.run(make, bound=SYNC_BOUND if bound is None else bound, what=what)
+
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's connections and its embedded server (it is the parent's)."""
+        self._connections.forget_all()
+        self._local.forget_after_fork()
 
     # --- sending requests: the ``Dispatcher`` tasks send through (processor plugins may use it too) ---
 
@@ -524,19 +530,8 @@ class App:
     async def close(self) -> None:
         """Close the connection of the running loop and of ``delay``; stop an embedded server this app started."""
         await self._connections.close()
-        await asyncio.to_thread(self._close_portal)
+        await asyncio.to_thread(self._sync.close_sync)
         await self._local.close()
-
-    def _close_portal(self) -> None:
-        with self._portal_lock:
-            portal, self._portal = self._portal, None
-        if portal is None:
-            return
-        try:
-            portal.run(self._connections.close())
-        except Exception as exc:
-            log.debug("closing the sync connection: %r", exc)
-        portal.close()
 
     async def __aenter__(self) -> App:
         return self

@@ -1,10 +1,10 @@
-"""How an app's requests reach NATS: a connection per event loop, replies, and the sync portal.
+"""How an app's requests reach NATS: a connection per event loop, and replies.
 
 ``Transport`` is where an app's requests go: ``NatsTransport`` here, or the in-process runner of
 ``keyqueue.testing.eager``.
 
 An ``App`` may be used from several event loops (pytest gives each test its own; ``delay`` runs
-on a private loop in a thread), and a nats-py connection belongs to the loop that made it, so
+on a private loop in a thread, ``keyqueue.app.portal``), and a nats-py connection belongs to the loop that made it, so
 ``Connections`` keeps one per loop, made on first use. Each has one wildcard subscription that
 routes every ``call``'s reply to its waiter, and remembers the queues whose streams it has
 ensured.
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import threading
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from keyqueue.app.cancel import CancelWatch, request_cancel
 from keyqueue.errors import ConnectionFailed, EnqueueError, KeyqueueError, KeyqueueTimeout, PayloadTooLarge
@@ -37,9 +36,8 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
-__all__ = ["Connections", "LoopConnection", "NatsTransport", "Portal", "ReplyRouter", "Transport", "open_connection"]
+__all__ = ["Connections", "LoopConnection", "NatsTransport", "ReplyRouter", "Transport", "open_connection"]
 
-T = TypeVar("T")
 
 Reply = tuple[Mapping[str, str], bytes]
 """A reply's headers and body."""
@@ -142,6 +140,10 @@ class Connections:
                     state.router = ReplyRouter(state.nc)
                     await state.router.start()
         return state
+
+    def forget_all(self) -> None:
+        """Drop every loop's connection unclosed: in a forked child, they are the parent's."""
+        self._by_loop = weakref.WeakKeyDictionary()
 
     async def close(self) -> None:
         """Drain and close the running loop's connection, if it has one."""
@@ -317,22 +319,3 @@ async def open_connection(settings: Settings, *, name: str = "keyqueue",
 
 def _receipt(stored: Enqueued, request: TaskRequest) -> Receipt:
     return Receipt(stored.request_id, stored.key, stored.seq, stored.duplicate, request.queue, request.message_type)
-
-
-class Portal:
-    """A private event loop in a daemon thread, for sync callers such as ``delay``."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="keyqueue-portal", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()

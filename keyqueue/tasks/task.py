@@ -253,8 +253,10 @@ class Dispatcher(Protocol):
     async def ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
         """Store the request and wait for its reply: ``(headers, body)``; ``KeyqueueTimeout`` if none."""
 
-    def run_sync(self, make: Callable[[], Awaitable[T]]) -> T:
-        """Run ``make()`` to completion from code without a running event loop (``delay``)."""
+    def run_sync(self, make: Callable[[], Awaitable[T]], *, bound: float | None = None,
+                 what: str = "a sync call") -> T:
+        """Run ``make()`` to completion from code without a running event loop (``delay``), waiting at
+        most ``bound`` seconds (None: the app's default bound); ``what`` names the work in its timeout."""
 
 
 # --- tasks ---------------------------------------------------------------------------------------
@@ -355,7 +357,7 @@ class _TaskBase:
         return await self.app.publish(requests)
 
     def _delay(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
-        return self.app.run_sync(lambda: self._enqueue(opts, args, kwargs))
+        return self.app.run_sync(lambda: self._enqueue(opts, args, kwargs), what=f"{self.spec.name}.delay()")
 
     # --- running (the worker side) ---
 
