@@ -21,6 +21,7 @@ from __future__ import annotations
 from keyqueue.app.application import App, default_app, task
 from keyqueue.app.cancel import CancelState
 from keyqueue.app.schedules import Periodic
+from keyqueue.app.status import RequestStatus
 from keyqueue.app.worker import Worker
 from keyqueue.core.processor import (
     BaseProcessor,
@@ -42,6 +43,7 @@ from keyqueue.errors import (
     Disconnected,
     EnqueueError,
     EnqueueTimeout,
+    Expired,
     InvalidKey,
     InvalidRequestId,
     InvalidSchedule,
@@ -57,6 +59,7 @@ from keyqueue.errors import (
     Reject,
     RemoteError,
     ReplyLost,
+    RequestNotFound,
     ResultExpired,
     ResultNotKept,
     ResultUnavailable,
@@ -97,6 +100,7 @@ __all__ = [
     "Dispatcher",
     "EnqueueError",
     "EnqueueTimeout",
+    "Expired",
     "InvalidKey",
     "InvalidRequestId",
     "InvalidSchedule",
@@ -120,6 +124,8 @@ __all__ = [
     "ReplyLost",
     "Request",
     "RequestContext",
+    "RequestNotFound",
+    "RequestStatus",
     "ResultExpired",
     "ResultNotKept",
     "ResultUnavailable",

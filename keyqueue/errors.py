@@ -29,6 +29,7 @@
     │   ├── WrongLastSequence            10071, or 10164 on a replicated stream (a compare-and-set lost the race)
     │   └── KeyAlreadyScheduled          10077 on a token subject (callers treat it as success)
     ├── LeaseLost                        this worker no longer owns the key; stop without side effects
+    ├── RequestNotFound                  no request with this id was found (keyqueue cancel of an unknown id)
     ├── ResultUnavailable                a request's result cannot be had
     │   ├── ResultNotKept                its task keeps no results (no result_ttl)
     │   └── ResultExpired                it was kept, but its result_ttl has passed
@@ -38,6 +39,7 @@
         ├── RemoteError                  a request failed in a worker; re-raised to the caller
         ├── DeadLettered                 the request went to the DLQ (reply to a caller)
         ├── Cancelled                    the request was cancelled before it started
+        ├── Expired                      its expires= time passed before it started
         └── Superseded                   a newer request for the key replaced this one
 
 Timeouts subclass the built-in ``TimeoutError`` (which ``asyncio.TimeoutError`` aliases) so
@@ -59,6 +61,7 @@ __all__ = [
     "DeadLettered",
     "Disconnected",
     "EnqueueError",
+    "Expired",
     "InvalidKey",
     "InvalidRequestId",
     "InvalidSchedule",
@@ -74,6 +77,7 @@ __all__ = [
     "Reject",
     "RemoteError",
     "ReplyLost",
+    "RequestNotFound",
     "ResultExpired",
     "ResultNotKept",
     "ResultUnavailable",
@@ -345,6 +349,10 @@ class LeaseLost(KeyqueueError):
     """
 
 
+class RequestNotFound(KeyqueueError):
+    """No request with this id was found where it was looked for (``keyqueue cancel`` of an unknown id)."""
+
+
 class ResultUnavailable(KeyqueueError):
     """A request's result cannot be had: not kept, or expired (see the subclasses)."""
 
@@ -412,6 +420,14 @@ class Cancelled(TaskFailure):
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         super().__init__(f"request {request_id} was cancelled before it started; it did not run")
+
+
+class Expired(TaskFailure):
+    """The request's ``expires`` time passed before it started (``options(expires=...)``): it never ran."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"request {request_id} expired before it started (expires=); it did not run")
 
 
 class Superseded(TaskFailure):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, CancelState
 from keyqueue.app.portal import SYNC_BOUND, SyncRunner
 from keyqueue.app.schedules import Periodic, make_periodic
+from keyqueue.app.status import RequestStatus
 from keyqueue.app.transport import Connections, NatsTransport, Transport
 from keyqueue.core.processor import ProcessorFactory, Reply
 from keyqueue.errors import ConfigError, EnqueueError
@@ -341,7 +342,12 @@ class App:
 
     def transport(self) -> Transport:
         """NATS, or the in-process runner while ``keyqueue.testing.eager`` is active."""
-        return self._eager if self._eager is not None else NatsTransport(self._connections, self.queue_config)
+        if self._eager is not None:
+            return self._eager
+        return NatsTransport(self._connections, self.queue_config, self._keeps_result)
+
+    def _keeps_result(self, request: TaskRequest) -> bool:
+        return request.task is not None and (request.task.result_ttl is not None or self.result_ttl is not None)
 
     def set_transport(self, transport: Transport | None) -> Transport | None:
         """Send requests through ``transport`` (``None``: NATS again); returns the one it replaces.
@@ -444,32 +450,95 @@ class App:
 
     # --- requests by id: kept results, cancels ---
 
+    def lookup_queues(self, queue: str | None = None, task: str | None = None) -> list[str]:
+        """Where to look for a request given by id: ``queue``; else the queue of ``task``; else every
+        queue the app serves or sends to (its tasks' and processors'); else the app's name."""
+        if queue is not None:
+            return [validate_queue_name(queue)]
+        if task:
+            declared = self.tasks.get(task)
+            if declared is not None:
+                return [declared.queue]
+        return self.queues or [self.name]
+
     async def result(self, request_id: str, *, queue: str | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,
                      task: str | None = None) -> Any:
-        """The result of request ``request_id`` of ``queue`` (default: the app's name), from any process.
+        """The result of request ``request_id``, from any process.
 
-        Waits up to ``timeout`` seconds for it to exist (``KeyqueueTimeout`` if it does not). A
-        failed request's error is raised as ``call`` raises it (``DeadLettered``, ``Cancelled``, ...).
-        ``ResultNotKept`` if the task (``task=``, or every task the app knows in ``queue``) keeps no
-        results, ``ResultExpired`` if it was kept and its ``result_ttl`` has passed.
+        ``queue``: where it was sent; without it, the queue of ``task=``, else every queue of the app
+        whose tasks keep results (the first that has it answers). Waits up to ``timeout`` seconds for
+        it to exist (``KeyqueueTimeout`` if it does not). A failed request's error is raised as
+        ``call`` raises it (``DeadLettered``, ``Cancelled``, ...). ``ResultNotKept`` if the task
+        (``task=``, or every task the app knows in the queue) keeps no results, ``ResultExpired`` if
+        it was kept and its ``result_ttl`` has passed.
         """
         from keyqueue.app.results import fetch_result
 
         return await fetch_result(self, request_id, queue=queue, timeout=timeout, task=task)
 
-    async def cancel(self, queue: str, request_id: str, *, seq: int | None = None) -> CancelState:
-        """Cancel request ``request_id`` of ``queue`` unless it has started; what became of it.
+    async def cancel(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None) -> CancelState:
+        """Cancel request ``request_id`` unless it has started; what became of it.
 
         ``cancelled``: it never ran (its caller gets ``Cancelled``); ``pending``: it has not started
         and never will (its key's holder removes it when it gets there); ``running``: it had started
         and is not interrupted (``ctx.cancel_requested`` is true); ``done``: it had finished;
-        ``requested``: it will not start from now on, but whether it already ran is unknown (give
-        ``seq``, the receipt's inbox sequence, to know). See docs/decisions.md.
+        ``unknown``: no such request was found, nothing was cancelled and the id stays usable.
+        Without ``queue`` the app's queues are searched (``status``). A pending request is found by
+        its id alone when its task keeps results; otherwise give ``seq`` (the receipt's inbox
+        sequence) or ``key``. See docs/decisions.md.
         """
-        validate_queue_name(queue)
         validate_request_id(request_id)
-        state = await self.transport().cancel(queue, request_id, seq, CANCEL_ANSWER_WAIT)
+        if key is not None:
+            validate_key(key)
+        queues = self.lookup_queues(queue)
+        if len(queues) > 1:
+            found = await self._where(request_id, queues, seq, key)
+            if found is None:
+                return "unknown"
+            queues = [found]
+        state = await self.transport().cancel(queues[0], request_id, seq, CANCEL_ANSWER_WAIT, key)
         return cast("CancelState", state)
+
+    async def status(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None) -> RequestStatus:
+        """Where request ``request_id`` is: ``unknown``, ``pending``, ``scheduled``, ``running``,
+        ``done``, ``failed``, ``cancelled`` or ``expired`` (``keyqueue.app.status``).
+
+        Without ``queue`` the app's queues are searched. By its id alone a request is found in every
+        state when its task keeps results (``result_ttl``); otherwise a pending one is found only
+        with ``seq`` (its receipt's inbox sequence) or ``key``.
+        """
+        validate_request_id(request_id)
+        if key is not None:
+            validate_key(key)
+        queues = self.lookup_queues(queue)
+        answers = await asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
+        return cast("RequestStatus", next((a for a in answers if a != "unknown"), "unknown"))
+
+    async def _where(self, request_id: str, queues: Sequence[str], seq: int | None, key: str | None) -> str | None:
+        answers = await asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
+        return next((q for q, a in zip(queues, answers, strict=True) if a != "unknown"), None)
+
+    # --- the sync face: the same, for code without an event loop (Django, Flask, a script) ---
+
+    def result_sync(self, request_id: str, *, queue: str | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,
+                    task: str | None = None) -> Any:
+        """``result`` for code without a running event loop (blocks up to ``timeout`` plus the sync bound)."""
+        return self.run_sync(lambda: self.result(request_id, queue=queue, timeout=timeout, task=task),
+                             bound=timeout + SYNC_BOUND, what=f"the result of request {request_id}")
+
+    def cancel_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None) -> CancelState:
+        """``cancel`` for code without a running event loop."""
+        return self.run_sync(lambda: self.cancel(request_id, queue=queue, seq=seq, key=key),
+                             what=f"cancelling request {request_id}")
+
+    def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None) -> RequestStatus:
+        """``status`` for code without a running event loop."""
+        return self.run_sync(lambda: self.status(request_id, queue=queue, seq=seq, key=key),
+                             what=f"the status of request {request_id}")
 
     # --- the connection ---
 

@@ -25,19 +25,14 @@ import os
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 from keyqueue.errors import ConfigError, SyncTimeout
+from keyqueue.tasks.task import SYNC_BOUND
 
 __all__ = ["SYNC_BOUND", "Portal", "SyncRunner"]
 
 T = TypeVar("T")
-
-SYNC_BOUND: Final = 60.0
-"""Seconds a sync call waits beyond what it waits for by design (a ``call``'s own timeout): an
-enqueue's longest path is a first connect (2 x ``connect_timeout`` + 1, 11 s by default), a
-producer's outage wait (15 s) and a few JetStream replies (5 s each)."""
-
 
 class Portal:
     """A private event loop in a daemon thread, for sync callers."""

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from keyqueue.app.cancel import CancelWatch, request_cancel
+from keyqueue.app.status import request_status
 from keyqueue.errors import ConnectionFailed, EnqueueError, KeyqueueError, KeyqueueTimeout, PayloadTooLarge
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
@@ -35,6 +37,8 @@ from keyqueue.wire import headers as H
 if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
+
+log = logging.getLogger("keyqueue.app")
 
 __all__ = ["Connections", "LoopConnection", "NatsTransport", "ReplyRouter", "Transport", "open_connection"]
 
@@ -56,9 +60,13 @@ class Transport(Protocol):
         """The kept reply of a request (waiting up to ``timeout`` seconds for it), an expired one's
         headers without ``X-KQ-Status``, or None if none came."""
 
-    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float) -> str:
+    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float,
+                     key: str | None = None) -> str:
         """Ask for the request to be cancelled; its state: ``cancelled``, ``pending``, ``running``,
-        ``done`` or ``requested`` (see ``keyqueue.app.cancel``)."""
+        ``done`` or ``unknown`` (see ``keyqueue.app.cancel``)."""
+
+    async def status(self, queue: str, request_id: str, seq: int | None, key: str | None) -> str:
+        """The request's status (``keyqueue.app.status``)."""
 
 
 class ReplyRouter:
@@ -161,9 +169,13 @@ class Connections:
 class NatsTransport:
     """Requests through NATS, on the connection of the running loop."""
 
-    def __init__(self, connections: Connections, queue_config: Callable[[str], QueueConfig]) -> None:
+    def __init__(self, connections: Connections, queue_config: Callable[[str], QueueConfig],
+                 keeps_result: Callable[[TaskRequest], bool] = lambda request: False) -> None:
+        """``keeps_result(request)``: whether the request's task keeps results (then a pending
+        record is written once it is stored, so it is found by its id alone)."""
         self.connections = connections
         self.queue_config = queue_config
+        self.keeps_result = keeps_result
 
     async def _publisher(self, queue: str) -> tuple[LoopConnection, Publisher]:
         state = await self.connections.current()
@@ -196,7 +208,22 @@ class NatsTransport:
                 results = [exc]
         else:
             results = await publisher.enqueue_many(outgoing)
+        await self._mark_pending(queue, [request.request_id for request, result in zip(requests, results, strict=True)
+                                         if not isinstance(result, EnqueueError) and not result.duplicate
+                                         and self.keeps_result(request)])
         return [r if isinstance(r, EnqueueError) else _receipt(r, requests[0]) for r in results]
+
+    async def _mark_pending(self, queue: str, request_ids: Sequence[str]) -> None:
+        """Write the pending records of stored requests whose tasks keep results (``keyqueue.app.status``).
+        A record that cannot be written leaves the request stored: it is then found by its receipt only."""
+        if not request_ids:
+            return
+        try:
+            records = await self.records(queue)
+            await asyncio.gather(*(records.put_pending(request_id) for request_id in request_ids))
+        except KeyqueueError as exc:
+            log.warning("queue %s: %d request(s) stored, but their pending records were not written (%s); "
+                        "find them by their receipts", queue, len(request_ids), exc)
 
     async def _enqueue_delayed(self, state: LoopConnection, publisher: Publisher,
                                requests: Sequence[TaskRequest]) -> list[Receipt | EnqueueError]:
@@ -233,6 +260,9 @@ class NatsTransport:
                 results.append(exc)
             except KeyqueueError as exc:
                 results.append(EnqueueError(f"delayed request for key {request.key!r} not stored: {exc}"))
+        await self._mark_pending(queue, [request.request_id for request, result in zip(requests, results, strict=True)
+                                         if isinstance(result, Receipt) and not result.duplicate
+                                         and result.due is None and self.keeps_result(request)])
         return results
 
     async def call(self, request: TaskRequest, timeout: float) -> Reply:
@@ -246,17 +276,25 @@ class NatsTransport:
                 raise result
             request.receipt = result
             if result.duplicate:
-                raise EnqueueError(
-                    f"request {request.request_id} was already accepted (a duplicate id): its result goes to "
-                    "the first caller; use a new request id to run it again"
-                )
-            try:
-                return await asyncio.wait_for(future, timeout)
-            except TimeoutError:
-                raise KeyqueueTimeout(
-                    f"no result for {request.message_type} request {request.request_id} (key {request.key!r}) within "
-                    f"{timeout}s; the request is stored and will still run"
-                ) from None
+                if not self.keeps_result(request):
+                    raise EnqueueError(
+                        f"request {request.request_id} was already accepted (a duplicate id) and its task keeps no "
+                        "results, so only the first caller gets its result: declare the task with result_ttl= to "
+                        "have a repeated call return it, or use a new request id to run it again"
+                    )
+                # The same call made again (a retry of a caller that timed out, say): the result is the kept one.
+                kept = await self.kept_result(request.queue, request.request_id, timeout)
+                if kept is not None:
+                    return kept
+            else:
+                try:
+                    return await asyncio.wait_for(future, timeout)
+                except TimeoutError:
+                    pass
+            raise KeyqueueTimeout(
+                f"no result for {request.message_type} request {request.request_id} (key {request.key!r}) within "
+                f"{timeout}s; the request is stored and will still run"
+            )
         finally:
             state.router.forget(subject)
 
@@ -287,11 +325,17 @@ class NatsTransport:
     async def kept_result(self, queue: str, request_id: str, timeout: float) -> Reply | None:
         return await (await self.records(queue)).wait_result(request_id, timeout)
 
-    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float) -> str:
+    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float,
+                     key: str | None = None) -> str:
         state = await self.connections.current()
         assert state.nc is not None
         return await request_cancel(await self.records(queue), JetStreamApi(state.nc),
-                                    self.queue_config(queue).names.inbox_stream, request_id, seq, wait)
+                                    self.queue_config(queue).names.inbox_stream, request_id, seq, wait, key=key)
+
+    async def status(self, queue: str, request_id: str, seq: int | None, key: str | None) -> str:
+        state = await self.connections.current()
+        assert state.nc is not None
+        return await request_status(await self.records(queue), JetStreamApi(state.nc), request_id, seq=seq, key=key)
 
 
 async def open_connection(settings: Settings, *, name: str = "keyqueue",

@@ -65,6 +65,7 @@ from keyqueue.wire import headers as H
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
     "POLICIES",
+    "SYNC_BOUND",
     "Backoff",
     "BatchTask",
     "BatchTaskCall",
@@ -92,6 +93,12 @@ POLICIES: Final = ("serial", "batch", "latest", "merge")
 
 DEFAULT_CALL_TIMEOUT: Final = 30.0
 """Seconds ``call`` waits for a result unless told otherwise."""
+
+SYNC_BOUND: Final = 60.0
+"""Seconds a sync call waits beyond what it waits for by design (a ``call``'s own timeout): an
+enqueue's longest path is a first connect (2 x ``connect_timeout`` + 1, 11 s by default), a
+producer's outage wait (15 s) and a few JetStream replies (5 s each)."""
+
 
 KeySpec = str | Callable[..., str]
 """A key template over the task's arguments (``"{order_id}"``) or a callable returning the key."""
@@ -184,8 +191,13 @@ class Receipt:
 
     def _lookup(self) -> RequestLookup:
         if self.source is None:
-            raise ConfigError("this receipt was not returned by an app; use App.result / App.cancel")
+            raise ConfigError("this receipt was not returned by an app; use App.result / App.cancel / App.status")
         return self.source
+
+    @property
+    def _inbox_seq(self) -> int | None:
+        # A delayed request's seq is in the schedules stream, not the inbox: not a clue to its state.
+        return self.seq if self.due is None else None
 
     async def result(self, timeout: float = DEFAULT_CALL_TIMEOUT) -> Any:
         """The request's result, waiting up to ``timeout`` seconds for it (see ``App.result``)."""
@@ -193,8 +205,23 @@ class Receipt:
 
     async def cancel(self) -> str:
         """Cancel the request unless it has started; what became of it (see ``App.cancel``)."""
-        # A delayed request's seq is in the schedules stream, not the inbox: not a clue to its state.
-        return await self._lookup().cancel(self.queue, self.request_id, seq=self.seq if self.due is None else None)
+        return await self._lookup().cancel(self.request_id, queue=self.queue, seq=self._inbox_seq, key=self.key)
+
+    async def status(self) -> str:
+        """Where the request is: pending, scheduled, running, done, failed, cancelled, expired (``App.status``)."""
+        return await self._lookup().status(self.request_id, queue=self.queue, seq=self._inbox_seq, key=self.key)
+
+    def result_sync(self, timeout: float = DEFAULT_CALL_TIMEOUT) -> Any:
+        """``result`` for code without a running event loop."""
+        return self._lookup().result_sync(self.request_id, queue=self.queue, timeout=timeout, task=self.task)
+
+    def cancel_sync(self) -> str:
+        """``cancel`` for code without a running event loop."""
+        return self._lookup().cancel_sync(self.request_id, queue=self.queue, seq=self._inbox_seq, key=self.key)
+
+    def status_sync(self) -> str:
+        """``status`` for code without a running event loop."""
+        return self._lookup().status_sync(self.request_id, queue=self.queue, seq=self._inbox_seq, key=self.key)
 
 
 class RequestLookup(Protocol):
@@ -204,8 +231,25 @@ class RequestLookup(Protocol):
                      task: str | None = None) -> Any:
         """The request's kept result (or its error, raised)."""
 
-    async def cancel(self, queue: str, request_id: str, *, seq: int | None = None) -> str:
+    async def cancel(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None) -> str:
         """Cancel the request unless it started; its state."""
+
+    async def status(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None) -> str:
+        """Where the request is."""
+
+    def result_sync(self, request_id: str, *, queue: str | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,
+                    task: str | None = None) -> Any:
+        """``result`` from code without a running event loop."""
+
+    def cancel_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None) -> str:
+        """``cancel`` from code without a running event loop."""
+
+    def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None) -> str:
+        """``status`` from code without a running event loop."""
 
 
 @dataclass
@@ -359,6 +403,11 @@ class _TaskBase:
     def _delay(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
         return self.app.run_sync(lambda: self._enqueue(opts, args, kwargs), what=f"{self.spec.name}.delay()")
 
+    def _call_sync(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        timeout = opts.timeout if opts.timeout is not None else DEFAULT_CALL_TIMEOUT
+        return self.app.run_sync(lambda: self._call(opts, args, kwargs), bound=timeout + SYNC_BOUND,
+                                 what=f"{self.spec.name}.call_sync()")
+
     # --- running (the worker side) ---
 
     async def run(self, context: Context | None, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -472,6 +521,26 @@ class Task(_TaskBase, Generic[F]):
         """``enqueue`` for code without a running event loop (blocks until stored)."""
         return self._delay(CallOptions(), args, kwargs)
 
+    @overload
+    def call_sync(self: Task[_AsyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: Task[_SyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: Task[_Async[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: Task[_Sync[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: Task[Callable[..., Coroutine[Any, Any, R]]], *args: Any, timeout: float | None,
+                  **kwargs: Any) -> R: ...
+    @overload
+    def call_sync(self: Task[Callable[..., R]], *args: Any, timeout: float | None, **kwargs: Any) -> R: ...
+
+    def call_sync(self, *args: Any, **kwargs: Any) -> Any:
+        """``call`` for code without a running event loop: blocks until the result comes (up to
+        ``timeout=`` seconds, then ``KeyqueueTimeout``), safe in a forked process."""
+        opts, arguments = self._call_timeout(CallOptions(), kwargs)
+        return self._call_sync(opts, args, arguments)
+
     async def enqueue_many(self, items: Iterable[Mapping[str, Any]]) -> list[Receipt]:
         """Store many requests, each a map of keyword arguments, with pipelined publishes.
 
@@ -522,6 +591,25 @@ class TaskCall(Generic[F]):
 
     def delay(self, *args: Any, **kwargs: Any) -> Receipt:
         return self.task._delay(self.call_options, args, kwargs)
+
+    @overload
+    def call_sync(self: TaskCall[_AsyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: TaskCall[_SyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: TaskCall[_Async[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: TaskCall[_Sync[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: TaskCall[Callable[..., Coroutine[Any, Any, R]]], *args: Any, timeout: float | None,
+                  **kwargs: Any) -> R: ...
+    @overload
+    def call_sync(self: TaskCall[Callable[..., R]], *args: Any, timeout: float | None, **kwargs: Any) -> R: ...
+
+    def call_sync(self, *args: Any, **kwargs: Any) -> Any:
+        """``Task.call_sync`` with these options."""
+        opts, arguments = self.task._call_timeout(self.call_options, kwargs)
+        return self.task._call_sync(opts, args, arguments)
 
     async def enqueue_many(self, items: Iterable[Mapping[str, Any]]) -> list[Receipt]:
         """``Task.enqueue_many`` with these options' delay (each request gets its own id)."""
@@ -614,6 +702,11 @@ class BatchTask(_TaskBase, Generic[T, R]):
         """``enqueue`` for code without a running event loop."""
         return self._delay(CallOptions(), (item,), {})
 
+    def call_sync(self, item: T, *, timeout: float | None = None) -> R:
+        """``call`` for code without a running event loop."""
+        result: R = self._call_sync(CallOptions(timeout=timeout), (item,), {})
+        return result
+
     async def enqueue_many(self, items: Iterable[T]) -> list[Receipt]:
         """Store one request per item, pipelined (see ``Task.enqueue_many``)."""
         return await self._enqueue_many(items, as_mapping=False)
@@ -637,6 +730,11 @@ class BatchTaskCall(Generic[T, R]):
 
     def delay(self, item: T) -> Receipt:
         return self.task._delay(self.call_options, (item,), {})
+
+    def call_sync(self, item: T, *, timeout: float | None = None) -> R:
+        opts = self.call_options if timeout is None else dataclasses.replace(self.call_options, timeout=timeout)
+        result: R = self.task._call_sync(opts, (item,), {})
+        return result
 
     async def enqueue_many(self, items: Iterable[T]) -> list[Receipt]:
         """``BatchTask.enqueue_many`` with these options' delay (each request gets its own id)."""

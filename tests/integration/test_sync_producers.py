@@ -29,7 +29,7 @@ def _in_child(work: object) -> tuple[int, str]:
         try:
             answer = f"ok {work()}"  # type: ignore[operator]
             code = 0
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:
             answer, code = f"error {type(exc).__name__}: {exc}", 1
         os.write(write, answer.encode())
         os._exit(code)
