@@ -45,6 +45,7 @@ from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Request, Req
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError
+from keyqueue.jetstream.api import stored_seconds
 from keyqueue.jetstream.pull import PullOptions
 
 if TYPE_CHECKING:
@@ -374,7 +375,8 @@ class Worker:
         if self._observed("keyqueue_request_started"):
             self._queue(functools.partial(self.app.plugins.lifecycle.request_started, worker=self,
                                           queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,
-                                          message_type=attempt.message_type, attempt=attempt.attempt))
+                                          message_type=attempt.message_type, attempt=attempt.attempt,
+                                          enqueued_at=stored_seconds(attempt.stored_at)))
 
     def attempt_failed(self, attempt: RequestAttempt, error: BaseException) -> None:
         began = self._attempt_began.get((attempt.queue, attempt.key))

@@ -678,7 +678,8 @@ class KeySession:
             await self.observer.wait_for_room()
             self.lease.check()
             self.ctx.request_id, self.ctx.attempt = head.request_id, attempt
-            this = self._attempt(head.seq, head.headers, attempt, len(requests), policy.max_attempts)
+            this = self._attempt(head.seq, head.headers, attempt, len(requests), policy.max_attempts,
+                                 batch[0].timestamp)
             self.observer.request_started(this)
             started = time.monotonic()
             try:
@@ -721,10 +722,10 @@ class KeySession:
             return
 
     def _attempt(self, seq: int, headers: Mapping[str, str], attempt: int, batch: int,
-                 max_attempts: int = 0) -> RequestAttempt:
-        """What the observer is told of the request stored at ``seq``."""
+                 max_attempts: int = 0, stored_at: str = "") -> RequestAttempt:
+        """What the observer is told of the request stored at ``seq`` (at ``stored_at``, its stream timestamp)."""
         return RequestAttempt(self.io.names.queue, self.key, headers.get(H.MSG_ID, ""), _message_type(headers),
-                              seq, attempt, batch, max_attempts)
+                              seq, attempt, batch, max_attempts, stored_at)
 
     async def _backoff(self, delay: float) -> bool:
         """Sleep before a retry, holding the key; False if a drain started meanwhile."""
