@@ -205,9 +205,11 @@ def unpin(queue: str, url: str | None) -> None:
               help="How many keys the whole fleet may hold at once.")
 @click.option("--max-backlog-per-key", type=click.IntRange(0), default=None, metavar="N",
               help="Pending requests a key may have (0: unlimited); one more is refused with BacklogFull.")
+@click.option("--duplicate-window", type=click.FloatRange(1), default=None, metavar="SECONDS",
+              help="How long a repeated request id (options(request_id=...)) stores nothing new (default 120).")
 @url_option
 def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, max_backlog_per_key: int | None,
-              url: str | None) -> None:
+              duplicate_window: float | None, url: str | None) -> None:
     """Change a queue's settings on the server in place, while its workers run; without options, show them.
 
     The settings belong to the queue: workers started without --ack-wait hold keys for the lease
@@ -218,6 +220,7 @@ def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, m
     \b
     Examples:
       $ keyqueue configure shop --ack-wait 60
+      $ keyqueue configure shop --duplicate-window 3600   # a repeated request id is a no-op for an hour
       $ keyqueue configure shop                 # show them
     """
 
@@ -227,7 +230,8 @@ def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, m
             topology = Topology(api, QueueConfig(queue))
             try:
                 changes = await topology.configure(ack_wait=ack_wait, max_ack_pending=max_ack_pending,
-                                                   max_backlog_per_key=max_backlog_per_key)
+                                                   max_backlog_per_key=max_backlog_per_key,
+                                                   duplicate_window=duplicate_window)
                 current = await topology.server_config()
             except StreamNotFound:
                 raise await _no_such_queue(api, queue) from None
@@ -239,6 +243,7 @@ def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, m
         if not changes:
             click.echo(f"queue {queue}: ack_wait {current.ack_wait:g}s, max_ack_pending {current.max_ack_pending}, "
                        f"max_backlog_per_key {current.max_backlog_per_key or 'unlimited'}, "
+                       f"duplicate_window {current.duplicate_window:g}s, "
                        f"priority policy {current.priority_policy}")
 
     asyncio.run(run())

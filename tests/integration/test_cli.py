@@ -390,3 +390,23 @@ async def test_a_worker_on_a_stream_keyqueue_did_not_make_is_one_line_and_exit_1
         "(`nats stream rm KQ_shop_INBOX`, which deletes its messages) and keyqueue creates it again "
         '(docs/decisions.md, "Who owns each setting")')
     assert "never retrieved" not in err and "Traceback" not in err, err
+
+
+async def test_configure_changes_the_duplicate_window_in_place(nats_url: str) -> None:
+    env = environment(KEYQUEUE_URL=nats_url)
+    app = keyqueue.App("shop", url=nats_url, set_as_default=False, autoload_plugins=False)
+
+    @app.task(key="{order_id}")
+    async def charge(order_id: str) -> None: ...
+
+    try:
+        first = await charge.options(request_id="pay-o1").enqueue(order_id="o1")
+        code, out, _ = await run("configure", "shop", "--duplicate-window", "1", env=env)
+        assert (code, out) == (0, "queue shop: duplicate_window 120s → 1s\n")
+        code, out, _ = await run("configure", "shop", env=env)
+        assert "duplicate_window 1s" in out
+        await asyncio.sleep(1.5)  # the window passes: there is no event for it
+        again = await charge.options(request_id="pay-o1").enqueue(order_id="o1")
+        assert (again.duplicate, again.seq > first.seq) == (False, True)  # a new request after the window
+    finally:
+        await app.close()
