@@ -21,6 +21,7 @@
     │   └── PayloadTooLarge              the encoded message exceeds the server's max_payload
     ├── EnqueueError                     a request could not be accepted
     │   ├── BacklogFull                  the key's per-key backlog cap is reached
+    │   ├── PartiallyEnqueued            enqueue_many stored some requests and not others (results per item)
     │   └── TokenPublishFailed           the request is stored, but its key was not scheduled
     ├── JetStreamError                   a JetStream API error not covered above (code, err_code)
     │   ├── StreamNotFound               10059
@@ -73,6 +74,7 @@ __all__ = [
     "MalformedBody",
     "MessageNotFound",
     "MissingHeader",
+    "PartiallyEnqueued",
     "PayloadTooLarge",
     "Reject",
     "RemoteError",
@@ -230,10 +232,11 @@ class MalformedBody(WireError):
 class PayloadTooLarge(WireError):
     """The encoded message is larger than the server accepts."""
 
-    def __init__(self, size: int, limit: int) -> None:
-        self.size, self.limit = size, limit
+    def __init__(self, size: int, limit: int, reserved: int = 0) -> None:
+        self.size, self.limit = size, limit - reserved
+        kept = f", less {reserved} bytes kept for its dead-letter copy's headers" if reserved else ""
         super().__init__(
-            f"message is {size} bytes but the server's max_payload is {limit} bytes; "
+            f"message is {size} bytes but the server's max_payload is {limit} bytes{kept}; "
             "store large data elsewhere and enqueue a reference to it"
         )
 
@@ -254,6 +257,21 @@ class BacklogFull(EnqueueError):
             f"key {key!r} in queue {queue!r} has a full backlog (max_backlog_per_key reached); "
             "the request was not stored, retry later or raise the cap"
         )
+
+
+class PartiallyEnqueued(EnqueueError):
+    """``enqueue_many`` stored some of its requests and not others.
+
+    ``results`` has one entry per item, in order: its ``Receipt`` if it was stored, else its
+    ``EnqueueError`` (a full backlog, say). ``receipts`` are the stored ones: enqueue only the
+    others again.
+    """
+
+    def __init__(self, message: str, results: list[Any]) -> None:
+        self.results = results
+        self.receipts = [r for r in results if not isinstance(r, EnqueueError)]
+        self.errors = {i: r for i, r in enumerate(results) if isinstance(r, EnqueueError)}
+        super().__init__(message)
 
 
 class TokenPublishFailed(EnqueueError):

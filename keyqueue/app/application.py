@@ -35,7 +35,7 @@ from keyqueue.app.schedules import Periodic, make_periodic
 from keyqueue.app.status import RequestStatus
 from keyqueue.app.transport import Connections, NatsTransport, Transport
 from keyqueue.core.processor import ProcessorFactory, Reply
-from keyqueue.errors import ConfigError, EnqueueError
+from keyqueue.errors import ConfigError, EnqueueError, PartiallyEnqueued
 from keyqueue.jetstream.subjects import validate_key, validate_queue_name, validate_request_id
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.plugins.manager import PluginManager, autoload_disabled
@@ -391,7 +391,8 @@ class App:
         """Store ``requests`` (of one queue, in order) inside their ``keyqueue_wrap_enqueue`` wrappers.
 
         One receipt per request; a single request that was not stored raises its ``EnqueueError``,
-        several raise one ``EnqueueError`` saying how many failed (the others are stored).
+        several raise ``PartiallyEnqueued``, whose ``results`` hold each request's receipt or error
+        (the others are stored).
         """
         async with AsyncExitStack() as stack:
             for request in requests:
@@ -400,15 +401,17 @@ class App:
             for request, result in zip(requests, results, strict=True):
                 if not isinstance(result, EnqueueError):
                     request.receipt = result
+            results = [dataclasses.replace(r, source=self) if isinstance(r, Receipt) else r for r in results]
             errors = [r for r in results if isinstance(r, EnqueueError)]
             if len(requests) == 1 and errors:
                 raise errors[0]
             if errors:
-                raise EnqueueError(
-                    f"{len(errors)} of {len(requests)} {requests[0].message_type} requests were not stored; "
-                    f"first: {errors[0]}"
+                raise PartiallyEnqueued(
+                    f"{len(errors)} of {len(requests)} {requests[0].message_type} requests were not stored "
+                    f"(first: item {results.index(errors[0])}: {errors[0]}); the others are: the error's "
+                    "receipts and results say which", list(results)
                 ) from errors[0]
-        return [dataclasses.replace(r, source=self) for r in results if isinstance(r, Receipt)]
+        return [r for r in results if isinstance(r, Receipt)]
 
     async def ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
         """Store ``request`` and wait up to ``timeout`` seconds for its reply: ``(headers, body)``.

@@ -25,6 +25,7 @@ from keyqueue.app.status import request_status
 from keyqueue.errors import ConnectionFailed, EnqueueError, KeyqueueError, KeyqueueTimeout, PayloadTooLarge
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.dlq_copy import DLQ_HEADROOM
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.records import RequestRecords
 from keyqueue.jetstream.schedules import ScheduleStore
@@ -198,8 +199,8 @@ class NatsTransport:
         outgoing = []
         for request in requests:
             size = header_block_size(request.headers) + len(request.body)
-            if size > state.nc.max_payload:
-                raise PayloadTooLarge(size, state.nc.max_payload)
+            if size > state.nc.max_payload - DLQ_HEADROOM:  # its dead-letter copy must fit whole
+                raise PayloadTooLarge(size, state.nc.max_payload, DLQ_HEADROOM)
             outgoing.append(OutgoingRequest(request.key, dict(request.headers), request.body, request.request_id))
         if len(outgoing) == 1:
             try:
@@ -245,8 +246,8 @@ class NatsTransport:
         results: list[Receipt | EnqueueError] = []
         for request, due in zip(requests, dues, strict=True):
             size = header_block_size(request.headers) + len(request.body) + 256  # + the schedule's headers
-            if size > state.nc.max_payload:
-                raise PayloadTooLarge(size, state.nc.max_payload)
+            if size > state.nc.max_payload - DLQ_HEADROOM:
+                raise PayloadTooLarge(size, state.nc.max_payload, DLQ_HEADROOM)
             try:
                 if due is None:
                     stored = await publisher.enqueue(

@@ -169,10 +169,10 @@ class Worker:
         """Set up every queue and start taking keys; ``keyqueue_worker_started`` fires last."""
         if self._started:
             raise ConfigError("a Worker starts once; create another with app.worker()")
-        self._started = True
-        queues = self._resolve_queues()
+        queues = self._resolve_queues()  # a worker that cannot serve what it was asked never started
         for queue in queues:
             self._tasks_by_queue[queue] = self.app.queue_tasks(queue)
+        self._started = True
         nc = await self._connect()
         # Delayed and periodic requests: the schedules streams, the app's periodic schedules kept on
         # the server, and the movers of due requests (keyqueue.app.schedules).

@@ -256,13 +256,16 @@ def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, m
 @click.option("--ack-wait", type=click.FloatRange(1), default=None, metavar="SECONDS",
               help="Set the queue's lease (default: keep the server's).")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--force", is_flag=True, help="Recreate it even while the worker registry lists live workers.")
 @url_option
-def recreate_consumer(queue: str, app_spec: str | None, ack_wait: float | None, yes: bool, url: str | None) -> None:
+def recreate_consumer(queue: str, app_spec: str | None, ack_wait: float | None, yes: bool, force: bool,
+                      url: str | None) -> None:
     """Delete and recreate a queue's token consumer, to change its priority policy or repair it.
 
     Stop every worker of the queue first: the new consumer delivers every remaining token again.
-    Requests are kept, and so are the queue's settings (its lease and max_ack_pending; change
-    them in place with `keyqueue configure`).
+    It refuses while the worker registry lists live workers of the queue (a heartbeat within the
+    last few intervals), unless --force. Requests are kept, and so are the queue's settings (its
+    lease and max_ack_pending; change them in place with `keyqueue configure`).
 
     \b
     Example:
@@ -277,6 +280,10 @@ def recreate_consumer(queue: str, app_spec: str | None, ack_wait: float | None, 
     async def run() -> None:
         async with connection(url) as nc:
             api = JetStreamApi(nc)
+            live = [w.name for w in await queue_workers(api, queue) if w.live]
+            if live and not force:
+                raise ConfigError(f"queue {queue!r} has {len(live)} live worker(s) ({', '.join(live[:5])}): stop them "
+                                  "first (the new consumer delivers every token again, to anyone), or pass --force")
             try:
                 config = app_config or await _server_config(api, queue)
                 lease = await Topology(api, config).recreate_consumer(ack_wait=ack_wait)

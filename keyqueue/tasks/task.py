@@ -545,7 +545,8 @@ class Task(_TaskBase, Generic[F]):
         """Store many requests, each a map of keyword arguments, with pipelined publishes.
 
         Requests of one key are stored in the order given. If some are not stored (a full
-        backlog, say), the others still are and ``EnqueueError`` says how many failed.
+        backlog, say), the others still are, and ``PartiallyEnqueued`` (an ``EnqueueError``) holds
+        each item's receipt or error (``results``) and the stored ones' receipts (``receipts``).
         """
         return await self._enqueue_many(items, as_mapping=True)
 
