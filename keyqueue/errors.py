@@ -36,6 +36,8 @@
     │   └── ResultExpired                it was kept, but its result_ttl has passed
     └── TaskFailure                      the outcome of running a request
         ├── Reject                       raised by a handler: do not retry, dead-letter now
+        ├── SoftTimeout                  raised inside a task that passed its soft_timeout (catch it to clean up)
+        ├── Retry                        raised by a handler: retry this request, after countdown seconds if given
         │   └── CallOnOwnKey             a task called a task on the key its own run holds
         ├── RemoteError                  a request failed in a worker; re-raised to the caller
         ├── DeadLettered                 the request went to the DLQ (reply to a caller)
@@ -83,7 +85,9 @@ __all__ = [
     "ResultExpired",
     "ResultNotKept",
     "ResultUnavailable",
+    "Retry",
     "ServerNotFound",
+    "SoftTimeout",
     "StreamNotFound",
     "Superseded",
     "SyncTimeout",
@@ -393,6 +397,32 @@ class TaskFailure(KeyqueueError):
 
 class Reject(TaskFailure):
     """Raise from a handler to dead-letter the request at once, without retries."""
+
+
+class SoftTimeout(TaskFailure):
+    """Raised inside a task function that passed its ``soft_timeout``: catch it to clean up.
+
+    Uncaught, the attempt fails with it and is retried like any failure. The hard limit
+    (``timeout``) stops the run whatever the function does.
+    """
+
+    def __init__(self, message: str = "the task passed its soft timeout") -> None:
+        super().__init__(message)
+
+
+class Retry(TaskFailure):
+    """Raise from a task to have its request retried, after ``countdown`` seconds (else the task's backoff).
+
+    The attempt counts toward ``max_attempts`` like any failed one, and the request stays at the head
+    of its key (nothing behind it overtakes it). ``Retry`` is retried even when ``retry_on`` does not
+    list it.
+    """
+
+    def __init__(self, message: str = "the task asked to be retried", *, countdown: float | None = None) -> None:
+        if countdown is not None and not countdown >= 0:
+            raise ConfigError(f"Retry countdown must be >= 0 seconds, got {countdown}")
+        self.countdown = countdown
+        super().__init__(message)
 
 
 class CallOnOwnKey(Reject):

@@ -59,7 +59,7 @@ class EagerDeadLetter:
     request_id: str
     task: str
     reason: str
-    """``rejected`` (bad input, unknown task, ``Reject``) or ``max-attempts``."""
+    """``rejected`` (bad input, unknown task, ``Reject``), ``not-retried`` (not in ``retry_on``) or ``max-attempts``."""
     error: BaseException
     attempts: int
 
@@ -308,6 +308,9 @@ class EagerRunner:
                 self._dead_letter(batch, exc, attempt, "rejected")
                 return
             except Exception as exc:
+                if not policy.retries(exc):
+                    self._dead_letter(batch, exc, attempt, "not-retried")
+                    return
                 if policy.exhausted(attempt):
                     self._dead_letter(batch, exc, attempt, "max-attempts")
                     return

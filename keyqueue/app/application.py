@@ -102,25 +102,28 @@ def default_app() -> App:
 def task(*, queue: str, key: KeySpec, policy: Literal["batch"], name: str | None = None, max_attempts: int = 5,
          backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
          upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
-         result_ttl: float | None = None, rate_limit: str | None = None) -> BatchTaskDecorator: ...
+         result_ttl: float | None = None, rate_limit: str | None = None, soft_timeout: float | None = None,
+         retry_on: Sequence[type[BaseException]] | None = None) -> BatchTaskDecorator: ...
 @overload
 def task(*, queue: str, key: KeySpec, policy: Literal["serial", "latest", "merge"] = "serial",
          name: str | None = None, max_attempts: int = 5, backoff: Backoff | float = ..., timeout: float | None = None,
          version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
          merge: Merge | None = None, result_ttl: float | None = None,
-         rate_limit: str | None = None) -> TaskDecorator: ...
+         rate_limit: str | None = None, soft_timeout: float | None = None,
+         retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator: ...
 
 
 def task(*, queue: str, key: KeySpec, policy: Policy = "serial", name: str | None = None, max_attempts: int = 5,
          backoff: Backoff | float = Backoff(), timeout: float | None = None, version: int = 1,  # noqa: B008
          upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
          merge: Merge | None = None, result_ttl: float | None = None,
-         rate_limit: str | None = None) -> TaskDecorator | BatchTaskDecorator:
+         rate_limit: str | None = None, soft_timeout: float | None = None,
+         retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator | BatchTaskDecorator:
     """Declare a task on the default app (see ``App.task`` for the options; ``queue`` is required)."""
     return declare(key=key, queue=queue, name=name, policy=policy, max_attempts=max_attempts, backoff=backoff,
                    timeout=timeout, version=version, upgrades=upgrades, max_batch=max_batch, merge=merge,
                    register=_DEFAULTS.add_shared, dispatcher=default_app, result_ttl=result_ttl,
-                   rate_limit=rate_limit)
+                   rate_limit=rate_limit, soft_timeout=soft_timeout, retry_on=retry_on)
 
 
 # --- the app -------------------------------------------------------------------------------------
@@ -179,20 +182,23 @@ class App:
     def task(self, *, key: KeySpec, policy: Literal["batch"], queue: str | None = None, name: str | None = None,
              max_attempts: int = 5, backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
              upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
-             result_ttl: float | None = None, rate_limit: str | None = None) -> BatchTaskDecorator: ...
+             result_ttl: float | None = None, rate_limit: str | None = None, soft_timeout: float | None = None,
+         retry_on: Sequence[type[BaseException]] | None = None) -> BatchTaskDecorator: ...
     @overload
     def task(self, *, key: KeySpec, policy: Literal["serial", "latest", "merge"] = "serial",
              queue: str | None = None, name: str | None = None, max_attempts: int = 5,
              backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
              upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
              merge: Merge | None = None, result_ttl: float | None = None,
-             rate_limit: str | None = None) -> TaskDecorator: ...
+             rate_limit: str | None = None, soft_timeout: float | None = None,
+             retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator: ...
 
     def task(self, *, key: KeySpec, policy: Policy = "serial", queue: str | None = None, name: str | None = None,
              max_attempts: int = 5, backoff: Backoff | float = Backoff(), timeout: float | None = None,  # noqa: B008
              version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
              merge: Merge | None = None, result_ttl: float | None = None,
-             rate_limit: str | None = None) -> TaskDecorator | BatchTaskDecorator:
+             rate_limit: str | None = None, soft_timeout: float | None = None,
+             retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator | BatchTaskDecorator:
         """Declare a task of this app.
 
         ``key``: a template over the arguments (``"{order_id}"``, ``"{user}.{doc}"``) or a callable
@@ -200,7 +206,9 @@ class App:
         name. ``name``: the task's name on the wire (``X-MESSAGE-TYPE``), default the function's
         name. ``policy``: ``serial``, ``batch``, ``latest`` or ``merge`` (``keyqueue.task``).
         ``max_attempts`` and ``backoff`` (a ``Backoff``, or the first delay in seconds) govern
-        retries; ``timeout`` bounds one attempt. ``version`` is the message version; a task
+        retries; ``timeout`` is the hard limit of one attempt (it is stopped), ``soft_timeout`` raises
+        ``SoftTimeout`` inside it first; ``retry_on``: only these exceptions are retried (others
+        dead-letter at once, reason ``not-retried``). ``version`` is the message version; a task
         at version N > 1 declares ``upgrades={1: v1_to_v2, ..., N-1: ...}`` for older requests.
         ``max_batch`` caps the requests one run takes; ``merge`` folds them for ``merge``.
         ``result_ttl``: seconds each request's result (or final error) is kept, for
@@ -211,7 +219,7 @@ class App:
         return declare(key=key, queue=queue or self.name, name=name, policy=policy, max_attempts=max_attempts,
                        backoff=backoff, timeout=timeout, version=version, upgrades=upgrades,
                        max_batch=max_batch, merge=merge, register=self._register, dispatcher=lambda: self,
-                       result_ttl=result_ttl, rate_limit=rate_limit)
+                       result_ttl=result_ttl, rate_limit=rate_limit, soft_timeout=soft_timeout, retry_on=retry_on)
 
     def _register(self, task: AnyTask) -> None:
         tasks = self._all_tasks()

@@ -172,9 +172,12 @@ class RecordingTaskProcessor(TaskProcessor):
         """Keep the error of requests whose failure is final (rejected, or their last attempt)."""
         if self.records is None or not requests or isinstance(error, LeaseLost):
             return
+        policy = self.retry_policy(requests[0]) or RetryPolicy()
         if isinstance(error, WireError | Reject):
             reason = "rejected"
-        elif (self.retry_policy(requests[0]) or RetryPolicy()).exhausted(ctx.attempt):
+        elif not policy.retries(error):
+            reason = "not-retried"
+        elif policy.exhausted(ctx.attempt):
             reason = "max-attempts"
         else:
             return

@@ -698,10 +698,13 @@ class KeySession:
                 if isinstance(e, WireError | Reject):
                     await self._dead_letter(batch, e, attempt, reason="rejected")
                     return
+                if not policy.retries(e):  # the task's retry_on does not list it
+                    await self._dead_letter(batch, e, attempt, reason="not-retried")
+                    return
                 if policy.exhausted(attempt):
                     await self._dead_letter(batch, e, attempt, reason="max-attempts")
                     return
-                delay = policy.delay(attempt)
+                delay = policy.delay_after(attempt, e)
                 self.observer.request_retried(this, delay, e)
                 if not await self._backoff(delay):
                     return  # draining: the request stays at the head for the next holder

@@ -136,7 +136,12 @@ class TaskSpec:
     max_attempts: int = 5
     backoff: Backoff = field(default_factory=Backoff)
     timeout: float | None = None
-    """Seconds one attempt may run; a timed-out attempt fails (and is retried)."""
+    """The hard limit: seconds one attempt may run before it is stopped; it then fails (and is retried)."""
+    soft_timeout: float | None = None
+    """Seconds after which ``SoftTimeout`` is raised inside the attempt (it may catch it to clean up)."""
+    retry_on: tuple[type[BaseException], ...] | None = None
+    """Only these exceptions (and their subclasses) are retried; any other dead-letters at once
+    (reason ``not-retried``). None: every exception is retried, up to ``max_attempts``."""
     version: int = 1
     upgrades: Mapping[int, Upgrade] = field(default_factory=dict)
     max_batch: int = 100
@@ -159,6 +164,15 @@ class TaskSpec:
             raise ConfigError(f"task {self.name}: max_batch must be at least 1, got {self.max_batch}")
         if self.timeout is not None and not self.timeout > 0:
             raise ConfigError(f"task {self.name}: timeout must be a positive number of seconds, got {self.timeout}")
+        if self.soft_timeout is not None and not self.soft_timeout > 0:
+            raise ConfigError(f"task {self.name}: soft_timeout must be a positive number of seconds, "
+                              f"got {self.soft_timeout}")
+        if self.soft_timeout is not None and self.timeout is not None and not self.soft_timeout < self.timeout:
+            raise ConfigError(f"task {self.name}: soft_timeout ({self.soft_timeout}s) must come before the hard "
+                              f"timeout ({self.timeout}s)")
+        if self.retry_on is not None and not all(isinstance(e, type) and issubclass(e, BaseException)
+                                                 for e in self.retry_on):
+            raise ConfigError(f"task {self.name}: retry_on takes exception classes, got {self.retry_on!r}")
         if self.merge is not None and self.policy != "merge":
             raise ConfigError(f"task {self.name}: merge= is only used with policy='merge'")
         check_upgrades(self.name, self.version, self.upgrades)
@@ -168,7 +182,7 @@ class TaskSpec:
         """The core's retry policy for this task's attempts and backoff."""
         b = self.backoff
         return RetryPolicy(max_attempts=self.max_attempts, base_delay=b.base, factor=b.factor,
-                           max_delay=b.max, jitter=b.jitter)
+                           max_delay=b.max, jitter=b.jitter, retry_on=self.retry_on)
 
 
 @dataclass(frozen=True)
@@ -421,7 +435,8 @@ class _TaskBase:
             args = [context, *args]
         token = _RUNNING.set((context.queue, context.key, self.spec.name)) if context is not None else None
         try:
-            return await invoke(self.spec.name, self.fn, args, kwargs, timeout=self.spec.timeout, executor=executor)
+            return await invoke(self.spec.name, self.fn, args, kwargs, timeout=self.spec.timeout,
+                                soft_timeout=self.spec.soft_timeout, executor=executor)
         finally:
             if token is not None:
                 _RUNNING.reset(token)
