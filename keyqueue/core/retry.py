@@ -34,7 +34,7 @@ class RetryPolicy:
     def retries(self, error: BaseException) -> bool:
         """Whether a failure with ``error`` is retried (attempts allowing): ``Retry`` always, others
         when ``retry_on`` is None or lists their class."""
-        return self.retry_on is None or isinstance(error, Retry | self.retry_on)
+        return self.retry_on is None or isinstance(error, (Retry, *self.retry_on))
 
     def delay_after(self, attempt: int, error: BaseException, rng: random.Random | None = None) -> float:
         """Seconds to wait after failed attempt ``attempt``: a ``Retry``'s own countdown, else :meth:`delay`."""

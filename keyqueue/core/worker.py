@@ -63,6 +63,9 @@ log = logging.getLogger("keyqueue.worker")
 NO_JETSTREAM_AFTER = 30.0
 """Seconds of "no responders" to the JetStream API after which a starting worker gives up."""
 
+DRAIN_GRACE = 2.0
+"""Seconds cut-off sessions have to end after the drain deadline (a sync task to see its stop)."""
+
 LOOP_TICK = 0.1
 """Seconds between the loop-lag monitor's ticks."""
 
@@ -330,7 +333,15 @@ class QueueWorker:
         for task in list(self.sessions.values()):
             task.cancel()
         if self.sessions:
-            await asyncio.wait(list(self.sessions.values()), timeout=5)
+            await asyncio.wait(list(self.sessions.values()), timeout=DRAIN_GRACE)
+        if self.sessions and self.watchdog is not None:
+            # A session cut off at the deadline still runs: a sync task blocked in C code, which no
+            # exception reaches. Its thread ends only with the process, so the process ends now
+            # (the drain deadline holds), before anything is given back for those keys: their
+            # leases end on the server, or the --processes parent releases them as it reaps us.
+            self.watchdog.end_process(
+                f"{len(self.sessions)} key session(s) still ran {DRAIN_GRACE:g}s after the drain deadline "
+                f"(a sync task that no exception stops: {', '.join(sorted(self.sessions)[:5])})")
 
     def reconnected(self) -> None:
         self.puller.reconnected()

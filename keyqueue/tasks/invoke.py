@@ -8,14 +8,16 @@ Two time limits bound an attempt, for async and sync functions alike:
   exception it cannot catch as an ``Exception`` (``_Stopped``, a ``BaseException``), raised in it at
   its next Python instruction. The attempt fails with ``KeyqueueTimeout``.
 
+A drain that reaches its deadline cancels the key session: a coroutine is cut off (its request
+runs again on the key's next holder); a thread is waited for, and its run kept.
+
 A thread cannot be stopped while it blocks in C (a socket read, ``time.sleep``): keyqueue then
 waits for it to return before it gives the key up, so the key never moves to another worker while
 the function still runs (for a limit that stops anything, run sync tasks in processes:
 ``keyqueue.app.process_pool``). **A run that completes is never thrown away**: a thread that
 returns after its hard limit, or after the worker's drain deadline cancelled its session, returns
 its result, and the key session records it as done (it is removed, never run again). Only a run
-that did not complete (it raised the injected stop) counts as timed out, or, at a drain, as
-interrupted (it runs again on the key's next holder).
+that did not complete (it raised the injected stop) counts as timed out.
 """
 
 from __future__ import annotations
@@ -118,12 +120,13 @@ async def _run_in_thread(task: str, call: Callable[[], Any], soft: float | None,
             if ok:
                 log.warning("sync task %s completed after its hard limit of %ss: its result stands", task, hard)
         except asyncio.CancelledError:
-            # The drain deadline (or a second signal). A thread cannot be cut off from here: ask it
-            # to stop, and hold the key until it returns, so that no other worker runs the key
-            # beside it. If it completed meanwhile, its run is kept: the key's session records it.
+            # The drain deadline (or a second signal). A thread cannot be cut off: hold the key until
+            # it returns, so that no other worker runs the key beside it, and keep its run, which
+            # the key's session then records as done. (Nothing is raised into it: its work may be
+            # done, and an exception at its last line would make it run again.) A thread that does
+            # not return within the worker's grace ends with the process (core/worker.py).
             if not future.done():
-                run.interrupt(_Stopped)
-                log.warning("sync task %s was running when its key session was cut off; stopping it", task)
+                log.warning("sync task %s was running when its key session was cut off; waiting for it", task)
             ok, value = await _wait_uncancellable(future)
             if not ok and isinstance(value, _Stopped):
                 raise
