@@ -164,6 +164,8 @@ class App:
         self._processors: dict[str, ProcessorFactory] = {}
         self._queue_configs: dict[str, QueueConfig] = {}
         self._periodic: dict[str, Periodic] = {}
+        self._routed: set[str] = set()
+        """Queues declared with ``add_queue`` (tasks are sent there with ``options(queue=...)``)."""
         self._connections = Connections(f"keyqueue:{name}", self._settings_with_url, self._reconnected)
         self._local = LocalServer(name, Path(data_dir) if data_dir is not None else None)
         self._reconnect_listeners: list[Callable[[], None]] = []
@@ -269,10 +271,21 @@ class App:
         return tasks[name]
 
     def queue_tasks(self, queue: str) -> dict[str, AnyTask]:
-        """The tasks of ``queue`` by name (checked: a non-serial task is alone in its queue)."""
-        tasks = {name: t for name, t in self.tasks.items() if t.queue == queue}
+        """The tasks a worker of ``queue`` runs, by name: the queue's own and, unless one of them has a
+        policy other than ``serial`` (then it is alone), every serial task of the app, which
+        ``options(queue=...)`` may send there (checked: a non-serial task is alone in its queue)."""
+        every = self.tasks
+        tasks = {name: t for name, t in every.items() if t.queue == queue}
         self._check_queue(queue, list(tasks.values()))
+        if all(t.spec.policy == "serial" for t in tasks.values()):
+            tasks.update({name: t for name, t in every.items() if t.spec.policy == "serial" and name not in tasks})
         return tasks
+
+    def add_queue(self, name: str) -> None:
+        """Declare a queue that has no tasks of its own: ``options(queue=name)`` sends serial tasks'
+        requests there, and its workers (``keyqueue worker app --queue name``) run them."""
+        validate_queue_name(name)
+        self._routed.add(name)
 
     def register_processor(self, queue: str, factory: ProcessorFactory, *, config: QueueConfig | None = None) -> None:
         """Serve ``queue`` with processors from ``factory(key)`` (a ``KeyProcessor``, maybe awaitable).
@@ -334,7 +347,7 @@ class App:
     def queues(self) -> list[str]:
         """Every queue with tasks or a processor, sorted."""
         self.plugins  # noqa: B018 - plugins register their processors when first loaded
-        return sorted({t.queue for t in self._all_tasks().values()} | set(self._processors))
+        return sorted({t.queue for t in self._all_tasks().values()} | set(self._processors) | self._routed)
 
     # --- plugins ---
 
@@ -402,6 +415,7 @@ class App:
         several raise ``PartiallyEnqueued``, whose ``results`` hold each request's receipt or error
         (the others are stored).
         """
+        self._check_routes(requests)
         async with AsyncExitStack() as stack:
             for request in requests:
                 await self.plugins.enter_wrappers(stack, "keyqueue_wrap_enqueue", app=self, request=request)
@@ -421,11 +435,19 @@ class App:
                 ) from errors[0]
         return [r for r in results if isinstance(r, Receipt)]
 
+    def _check_routes(self, requests: Sequence[TaskRequest]) -> None:
+        for request in requests:
+            if request.task is not None and request.queue != request.task.queue and request.queue not in self.queues:
+                raise ConfigError(f"queue {request.queue!r} is not one of app {self.name}'s queues, so no worker of "
+                                  f"the app would run {request.message_type} there: declare it with "
+                                  f"app.add_queue({request.queue!r})")
+
     async def ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
         """Store ``request`` and wait up to ``timeout`` seconds for its reply: ``(headers, body)``.
 
         Inside its ``keyqueue_wrap_enqueue`` wrappers; ``KeyqueueTimeout`` if no reply came in time.
         """
+        self._check_routes([request])
         async with AsyncExitStack() as stack:
             await self.plugins.enter_wrappers(stack, "keyqueue_wrap_enqueue", app=self, request=request)
             return await self.transport().call(request, timeout)

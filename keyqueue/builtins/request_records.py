@@ -42,8 +42,9 @@ from keyqueue.errors import (
     WrongLastSequence,
 )
 from keyqueue.events import publish_event
+from keyqueue.jetstream.api import stored_seconds
 from keyqueue.jetstream.connect import wait_connected
-from keyqueue.tasks.arguments import CANCELLED_BY, result_headers
+from keyqueue.tasks.arguments import CANCELLED_BY, EXPIRED_BY, result_headers
 from keyqueue.tasks.context import CANCEL_CHECK
 from keyqueue.tasks.task import Task
 from keyqueue.wire import headers as H
@@ -195,23 +196,34 @@ class RecordingTaskProcessor(TaskProcessor):
 
     # --- cancels ---
 
-    def _cancelled_reply(self, request: Request) -> Reply:
+    def _skipped_reply(self, request: Request, by: str) -> Reply:
         task = self._task_or_none(request)
         headers = result_headers(task.name, task.spec.version) if task is not None else {}
-        return Reply(b"", {**headers, H.STATUS: H.STATUS_SUPERSEDED, H.SUPERSEDED_BY: CANCELLED_BY})
+        return Reply(b"", {**headers, H.STATUS: H.STATUS_SUPERSEDED, H.SUPERSEDED_BY: by})
 
-    async def _skip(self, ctx: RequestContext, requests: Sequence[Request]) -> list[BatchOutcome]:
-        """The cancelled requests' replies, once their cancels are answered and recorded."""
-        assert self.watch is not None
+    def _expired(self, request: Request) -> bool:
+        """Whether the request's ``expires`` time (``options(expires=...)``) has passed."""
+        stamp = request.headers.get(H.EXPIRES)
+        if not stamp:
+            return False
+        deadline = stored_seconds(stamp)
+        return deadline is not None and self.clock() >= deadline
+
+    async def _skip(self, ctx: RequestContext, requests: Sequence[Request],
+                    by: str = CANCELLED_BY) -> list[BatchOutcome]:
+        """The replies of requests that do not run (cancelled, or expired), once answered and recorded."""
         ctx.check_lease()
-        replies: list[BatchOutcome] = [self._cancelled_reply(r) for r in requests]
-        await asyncio.gather(*(self.watch.answer(r.request_id, "cancelled") for r in requests))
+        replies: list[BatchOutcome] = [self._skipped_reply(r, by) for r in requests]
+        if by == CANCELLED_BY:
+            assert self.watch is not None
+            await asyncio.gather(*(self.watch.answer(r.request_id, "cancelled") for r in requests))
         await self._keep(ctx, requests, replies)
+        event, why = (("cancelled", "cancelled before it started") if by == CANCELLED_BY else
+                      ("expired", "its expires time passed before it started"))
         for request in requests:
-            log.info("request %s (key %s) was cancelled before it started; it does not run", request.request_id,
-                     self.key)
-            await publish_event(self.app, "cancelled", self.queue, self.key, request_id=request.request_id,
-                                task=request.headers.get(H.MESSAGE_TYPE), reason="cancelled before it started")
+            log.info("request %s (key %s): %s; it does not run", request.request_id, self.key, why)
+            await publish_event(self.app, event, self.queue, self.key, request_id=request.request_id,
+                                task=request.headers.get(H.MESSAGE_TYPE), reason=why)
         return replies
 
     # --- rate limits ---
@@ -255,6 +267,10 @@ class RecordingTaskProcessor(TaskProcessor):
         return isinstance(task, Task) and task.spec.policy == "serial"
 
     async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        if self._expired(request):
+            [expired] = await self._skip(ctx, [request], EXPIRED_BY)
+            assert isinstance(expired, Reply)
+            return expired
         if self._serial(request):  # other policies run (and count) as one batch, in handle_batch
             await self._take_slot(ctx, [request])
         watch = self.watch
@@ -292,11 +308,15 @@ class RecordingTaskProcessor(TaskProcessor):
         if watch is None:
             return await self._batch_keeping(ctx, requests)
         await watch.refresh()
-        flags = [watch.start_run(r.request_id) for r in requests]
+        expired = [i for i, r in enumerate(requests) if self._expired(r)]
+        flags = [None if i in expired else watch.start_run(r.request_id) for i, r in enumerate(requests)]
         try:
-            skipped = [i for i, flag in enumerate(flags) if flag is None]
+            skipped = [i for i, flag in enumerate(flags) if flag is None and i not in expired]
             runnable = [i for i, flag in enumerate(flags) if flag is not None]
             outcomes: dict[int, BatchOutcome] = {}
+            if expired:
+                outcomes.update(zip(expired, await self._skip(ctx, [requests[i] for i in expired], EXPIRED_BY),
+                                    strict=True))
             if skipped:
                 outcomes.update(zip(skipped, await self._skip(ctx, [requests[i] for i in skipped]), strict=True))
             if runnable:

@@ -297,6 +297,23 @@ class CallOptions:
     """Seconds ``call`` waits for the result (``DEFAULT_CALL_TIMEOUT`` when unset)."""
     delay: Delay | None = None
     """When the request may start: ``countdown=`` seconds from the enqueue, or at ``eta=``."""
+    expires: float | datetime.datetime | None = None
+    """Drop the request if it has not started by then: seconds from the enqueue, or an aware datetime."""
+    queue: str | None = None
+    """Send the request to this queue instead of the task's (``options(queue=...)``)."""
+
+
+def _expiry(expires: float | datetime.datetime | None) -> float | datetime.datetime | None:
+    """``expires=`` checked: a number of seconds > 0, or an aware datetime (``ConfigError`` otherwise)."""
+    if expires is None:
+        return None
+    if isinstance(expires, datetime.datetime):
+        if expires.tzinfo is None or expires.utcoffset() is None:
+            raise ConfigError(f"expires {expires.isoformat()} is naive: give it a time zone")
+        return expires
+    if isinstance(expires, bool) or not isinstance(expires, int | float) or not expires > 0:
+        raise ConfigError(f"expires must be a number of seconds > 0 or an aware datetime, not {expires!r}")
+    return float(expires)
 
 
 class Dispatcher(Protocol):
@@ -372,7 +389,8 @@ class _TaskBase:
 
     # --- sending ---
 
-    def _request(self, key: str, fields: dict[str, Any], request_id: str | None) -> TaskRequest:
+    def _request(self, key: str, fields: dict[str, Any], request_id: str | None,
+                 opts: CallOptions | None = None) -> TaskRequest:
         request_id = new_request_id() if request_id is None else validate_request_id(request_id)
         body = dumps(fields, CBOR)
         headers = {
@@ -381,11 +399,19 @@ class _TaskBase:
             H.MESSAGE_VERSION: str(self.spec.version),
             H.MSG_ID: request_id,
         }
-        return TaskRequest(self.spec.queue, key, self.spec.name, request_id, fields, headers, body, self.spec)
+        queue = self.spec.queue
+        if opts is not None:
+            if opts.expires is not None:
+                deadline = (opts.expires if isinstance(opts.expires, datetime.datetime) else
+                            datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=opts.expires))
+                headers[H.EXPIRES] = deadline.astimezone(datetime.UTC).isoformat()
+            if opts.queue is not None:
+                queue = opts.queue
+        return TaskRequest(queue, key, self.spec.name, request_id, fields, headers, body, self.spec)
 
     async def _enqueue(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
         key, fields = self.fields_for(args, kwargs)
-        request = self._request(key, fields, opts.request_id)
+        request = self._request(key, fields, opts.request_id, opts)
         request.delay = opts.delay
         [receipt] = await self.app.publish([request])
         return receipt
@@ -393,22 +419,24 @@ class _TaskBase:
     async def _call(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         key, fields = self.fields_for(args, kwargs)
         running = _RUNNING.get()
-        if running is not None and running[:2] == (self.spec.queue, key):
-            raise CallOnOwnKey(running[2], self.spec.name, self.spec.queue, key)
-        request = self._request(key, fields, opts.request_id)
+        queue = opts.queue or self.spec.queue
+        if running is not None and running[:2] == (queue, key):
+            raise CallOnOwnKey(running[2], self.spec.name, queue, key)
+        request = self._request(key, fields, opts.request_id, opts)
         request.delay = opts.delay
         timeout = opts.timeout if opts.timeout is not None else DEFAULT_CALL_TIMEOUT
         headers, body = await self.app.ask(request, timeout)
         return decode_result(headers, body, request.request_id, self.result_type())
 
-    async def _enqueue_many(self, items: Iterable[Any], as_mapping: bool, delay: Delay | None = None) -> list[Receipt]:
+    async def _enqueue_many(self, items: Iterable[Any], as_mapping: bool, delay: Delay | None = None,
+                            opts: CallOptions | None = None) -> list[Receipt]:
         requests = []
         for index, item in enumerate(items):
             try:
                 key, fields = self.fields_from_mapping(item) if as_mapping else self.fields_for((item,), {})
             except (TypeError, MalformedBody, ConfigError) as exc:
                 raise type(exc)(f"item {index}: {exc}") from None
-            requests.append(self._request(key, fields, None))
+            requests.append(self._request(key, fields, None, opts))
             requests[-1].delay = delay
         if not requests:
             return []
@@ -475,14 +503,17 @@ class Task(_TaskBase, Generic[F]):
         return self.codec.result_dataclass
 
     def options(self, *, request_id: str | None = None, timeout: float | None = None,
-                countdown: float | None = None, eta: datetime.datetime | None = None) -> TaskCall[F]:
+                countdown: float | None = None, eta: datetime.datetime | None = None,
+                expires: float | datetime.datetime | None = None, queue: str | None = None) -> TaskCall[F]:
         """This task with per-call options: ``await charge.options(timeout=10).call(...)``.
 
         ``countdown=`` (seconds) or ``eta=`` (an aware datetime) delays the request: it is stored at
         once and joins its key's order when it falls due (``InvalidSchedule`` for a naive ``eta`` or
-        a negative ``countdown``).
+        a negative ``countdown``). ``expires=`` (seconds from now, or an aware datetime): a request
+        that has not started by then is dropped (``Expired``). ``queue=``: send it to that queue
+        (whose workers run it; a key is exclusive within its queue).
         """
-        return TaskCall(self, CallOptions(request_id, timeout, Delay.of(countdown, eta)))
+        return TaskCall(self, _options(self, request_id, timeout, countdown, eta, expires, queue))
 
     @overload
     async def enqueue(self: Task[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
@@ -630,7 +661,8 @@ class TaskCall(Generic[F]):
     async def enqueue_many(self, items: Iterable[Mapping[str, Any]]) -> list[Receipt]:
         """``Task.enqueue_many`` with these options' delay (each request gets its own id)."""
         _no_request_id(self.call_options)
-        return await self.task._enqueue_many(items, as_mapping=True, delay=self.call_options.delay)
+        return await self.task._enqueue_many(items, as_mapping=True, delay=self.call_options.delay,
+                                             opts=self.call_options)
 
 
 class BatchTask(_TaskBase, Generic[T, R]):
@@ -701,9 +733,10 @@ class BatchTask(_TaskBase, Generic[T, R]):
         return item
 
     def options(self, *, request_id: str | None = None, timeout: float | None = None,
-                countdown: float | None = None, eta: datetime.datetime | None = None) -> BatchTaskCall[T, R]:
+                countdown: float | None = None, eta: datetime.datetime | None = None,
+                expires: float | datetime.datetime | None = None) -> BatchTaskCall[T, R]:
         """This task with per-call options (see ``Task.options``)."""
-        return BatchTaskCall(self, CallOptions(request_id, timeout, Delay.of(countdown, eta)))
+        return BatchTaskCall(self, _options(self, request_id, timeout, countdown, eta, expires, None))
 
     async def enqueue(self, item: T) -> Receipt:
         """Store a request carrying ``item``."""
@@ -755,7 +788,20 @@ class BatchTaskCall(Generic[T, R]):
     async def enqueue_many(self, items: Iterable[T]) -> list[Receipt]:
         """``BatchTask.enqueue_many`` with these options' delay (each request gets its own id)."""
         _no_request_id(self.call_options)
-        return await self.task._enqueue_many(items, as_mapping=False, delay=self.call_options.delay)
+        return await self.task._enqueue_many(items, as_mapping=False, delay=self.call_options.delay,
+                                             opts=self.call_options)
+
+
+def _options(task: _TaskBase, request_id: str | None, timeout: float | None, countdown: float | None,
+             eta: datetime.datetime | None, expires: float | datetime.datetime | None,
+             queue: str | None) -> CallOptions:
+    if queue is not None:
+        validate_queue_name(queue)
+        if task.spec.policy != "serial":
+            raise ConfigError(f"task {task.spec.name} (policy {task.spec.policy!r}) runs only in its own queue "
+                              f"{task.spec.queue!r}: options(queue=...) is for serial tasks")
+    return CallOptions(request_id, timeout, Delay.of(countdown, eta), _expiry(expires),
+                       None if queue == task.spec.queue else queue)
 
 
 def _no_request_id(options: CallOptions) -> None:
