@@ -553,6 +553,16 @@ class App:
         answers = await asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
         return next((q for q, a in zip(queues, answers, strict=True) if a != "unknown"), None)
 
+    async def purge(self, queue: str | None = None, *, key: str | None = None, task: str | None = None) -> int:
+        """Remove pending requests (of ``key``, of ``task``, or all) from ``queue`` (default: the queue
+        of ``task``, else the app's name); how many. They never run; a request a worker has started
+        or read ahead may still run (``keyqueue.app.purge``)."""
+        from keyqueue.app.purge import PurgeFilter, purge_pending
+        from keyqueue.jetstream.api import JetStreamApi
+
+        which = PurgeFilter(self.lookup_queues(queue, task)[0] if queue or task else self.name, key, task)
+        return await purge_pending(JetStreamApi(await self.connection()), which)
+
     # --- the sync face: the same, for code without an event loop (Django, Flask, a script) ---
 
     def result_sync(self, request_id: str, *, queue: str | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,

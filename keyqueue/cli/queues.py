@@ -17,13 +17,14 @@ import click
 from keyqueue.admin.consumers import unpin as unpin_queue
 from keyqueue.admin.inspection import KEY_LIMIT, Holder, KeyState, QueueReport, inspect_queue, list_queues
 from keyqueue.admin.workers import WorkerState, queue_workers
+from keyqueue.app.purge import PurgeFilter, count_pending, purge_pending
 from keyqueue.cli.common import connection, load_app, table, to_json, url_option
 from keyqueue.cli.common import no_such_queue as _no_such_queue
 from keyqueue.errors import ConfigError, ConsumerNotFound, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.topology import QueueConfig, Topology
 
-__all__ = ["configure", "inspect_command", "recreate_consumer", "unpin"]
+__all__ = ["configure", "inspect_command", "purge", "recreate_consumer", "unpin"]
 
 
 async def _report(api: JetStreamApi, queue: str) -> QueueReport:
@@ -301,3 +302,47 @@ async def _server_config(api: JetStreamApi, queue: str) -> QueueConfig:
         return await Topology(api, QueueConfig(queue)).server_config()
     except ConsumerNotFound:
         return QueueConfig(queue)
+
+
+@click.command()
+@click.argument("queue")
+@click.option("--key", metavar="KEY", default=None, help="Only this key's pending requests.")
+@click.option("--task", metavar="TASK", default=None, help="Only this task's pending requests (the others keep "
+              "their order).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@url_option
+def purge(queue: str, key: str | None, task: str | None, yes: bool, url: str | None) -> None:
+    """Remove pending requests of a queue (all, one key's, one task's): they never run.
+
+    A request a worker has already started (or read ahead) may still run; delayed requests not
+    yet due are not pending yet (cancel them by id). The dead-letter queue has its own purge
+    (keyqueue dlq purge).
+
+    \b
+    Examples:
+      $ keyqueue purge shop --key o17            # asks first
+      $ keyqueue purge shop --task refund --yes
+      removed 12 pending request(s) from queue shop (task refund)
+    """
+    which = PurgeFilter(queue, key, task)
+
+    async def counted() -> int:
+        async with connection(url) as nc:
+            api = JetStreamApi(nc)
+            try:
+                return await count_pending(api, which)
+            except StreamNotFound:
+                raise await _no_such_queue(api, queue) from None
+
+    async def removed() -> int:
+        async with connection(url) as nc:
+            return await purge_pending(JetStreamApi(nc), which)
+
+    found = asyncio.run(counted())
+    if not found:
+        click.echo(f"no pending requests in queue {queue}{which.describe()}")
+        return
+    if not yes:
+        click.confirm(f"Remove {found} pending request(s) from queue {queue}{which.describe()}? They will never run",
+                      abort=True)
+    click.echo(f"removed {asyncio.run(removed())} pending request(s) from queue {queue}{which.describe()}")

@@ -20,9 +20,10 @@ import click
 from keyqueue.admin.release import release_keys
 from keyqueue.app.application import App
 from keyqueue.cli.common import LOG_FORMATS, configure_logging, load_app, url_option
-from keyqueue.cli.supervisor import Supervisor, WorkerCommand
+from keyqueue.cli.supervisor import EXIT_RECYCLED, Supervisor, WorkerCommand
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
+from keyqueue.plugins.manager import hookimpl
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -81,6 +82,10 @@ class ProcessCount(click.ParamType[int, Any]):
 @click.option("--processes", "-p", type=ProcessCount(), default="1", show_default=True,
               help="Worker processes to run, each with these options, under a parent that restarts them "
                    "(auto: one per CPU).")
+@click.option("--max-requests-per-child", type=click.IntRange(1), default=None, metavar="N",
+              help="Each worker process drains and is replaced by a fresh one after N requests (succeeded or "
+                   "dead-lettered): a bound on what a leaking task can hold. Runs the workers under a parent, "
+                   "as --processes does (with --processes 1: one child).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (with --processes N, worker k "
                    "of N listens on PORT+k-1). See docs/dashboard.md.")
@@ -98,7 +103,7 @@ class ProcessCount(click.ParamType[int, Any]):
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
            drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
            priority: int | None, connect_timeout: float | None, watchdog: bool, processes: int,
-           metrics_port: int | None,
+           max_requests_per_child: int | None, metrics_port: int | None,
            metrics_host: str, url: str | None, log_level: str, log_format: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
@@ -133,7 +138,8 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     """
     configure_logging(log_level, log_format.lower())
     app = load_app(app_spec, url)
-    if processes > 1:
+    supervised = os.environ.get(_CHILD_ENV) == "1"
+    if processes > 1 or (max_requests_per_child is not None and not supervised):
         json_lines = log_format.lower() == "json"
         asyncio.run(_supervise(app, click.get_current_context(), processes, name, json_lines=json_lines))
         return
@@ -141,6 +147,10 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
                          drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
                          overflow_min_ack_pending=overflow_min_ack_pending, priority=priority,
                          connect_timeout=connect_timeout, watchdog=watchdog)
+
+    recycle = _Recycle(serving, max_requests_per_child) if max_requests_per_child is not None else None
+    if recycle is not None:
+        app.plugins.register(recycle, name="keyqueue.cli.worker.recycle")
 
     async def run() -> None:
         try:
@@ -150,6 +160,34 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
 
     with _metrics(app, metrics_port, metrics_host):
         asyncio.run(run())
+    if recycle is not None and recycle.drained:
+        sys.exit(EXIT_RECYCLED)
+
+
+class _Recycle:
+    """``--max-requests-per-child``: drains the worker once it has finished ``limit`` requests."""
+
+    def __init__(self, worker: Any, limit: int) -> None:
+        self.worker, self.limit = worker, limit
+        self.done = 0
+        self.drained = False
+
+    def _count(self) -> None:
+        self.done += 1
+        if self.done >= self.limit and not self.drained:
+            self.drained = True
+            logging.getLogger("keyqueue.worker").info(
+                "served %d request(s) (--max-requests-per-child): draining; the parent starts a fresh process",
+                self.done)
+            self.worker.request_stop()
+
+    @hookimpl
+    def keyqueue_request_succeeded(self) -> None:
+        self._count()
+
+    @hookimpl
+    def keyqueue_request_dead_lettered(self) -> None:
+        self._count()
 
 
 @contextlib.contextmanager
@@ -166,6 +204,9 @@ def _metrics(app: App, port: int | None, host: str) -> Iterator[None]:
         logging.getLogger("keyqueue.worker").info("metrics on http://%s:%d/metrics", host, bound)
         yield
 
+
+_CHILD_ENV: Final = "KEYQUEUE_SUPERVISED"
+"""Set in a worker process's environment by its parent: it serves, and exits when it should be replaced."""
 
 _URL_ENV: Final = "KEYQUEUE_URL"
 """How the parent gives its worker processes the server's URL (in their environment, not in ``ps``)."""
@@ -203,7 +244,7 @@ async def _supervise(app: App, ctx: click.Context, processes: int, name: str | N
         url = await app.url()
         port = ctx.params.get("metrics_port")
         return WorkerCommand([sys.executable, "-m", "keyqueue", "worker", ctx.params["app_spec"],
-                              *_worker_options(ctx)], {**os.environ, _URL_ENV: url},
+                              *_worker_options(ctx)], {**os.environ, _URL_ENV: url, _CHILD_ENV: "1"},
                              # Worker k of N serves its metrics on port + k - 1 (the parent serves none).
                              child_args=None if port is None else lambda k: ["--metrics-port", str(port + k - 1)])
 
