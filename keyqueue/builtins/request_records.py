@@ -247,7 +247,9 @@ class RecordingTaskProcessor(TaskProcessor):
             delay = limit.wait(starts, self.clock())
             if delay > 0:
                 log.debug("task %s on key %s waits %.3fs for its rate limit %s", task.name, self.key, delay, limit)
-                await self.sleep(delay)
+                pause = getattr(ctx, "pause", None) if self.sleep is asyncio.sleep else None
+                # Through the session where it can: the key stays held, its worker slot serves another key.
+                await (pause(delay) if pause is not None else self.sleep(delay))
                 continue
             now = self.clock()
             window = [*limit.window(starts, now), now][-limit.count:]

@@ -41,6 +41,7 @@ from keyqueue.core.lock import KeyLock
 from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
+from keyqueue.core.slots import Slots
 from keyqueue.core.turns import Turns
 from keyqueue.errors import (
     ConnectionFailed,
@@ -136,6 +137,11 @@ class _Context:
     def check_lease(self) -> None:
         self._session.lease.check()
 
+    async def pause(self, seconds: float) -> None:
+        """Wait ``seconds`` holding the key but not a worker slot (a rate limit's wait)."""
+        async with self._session.off_slot():
+            await asyncio.sleep(seconds)
+
     async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
         self.check_lease()
         extra = {H.REQUEST_ID: self.request_id} if self.request_id else {}
@@ -178,6 +184,7 @@ class KeySession:
         "republished",
         "settings",
         "should_yield",
+        "slots",
         "token",
         "turns",
         "worker",
@@ -186,7 +193,7 @@ class KeySession:
     def __init__(self, io: QueueIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
                  observer: SessionObserver, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
                  worker: str = "", turns: Turns | None = None, idle: dict[str, KeySession] | None = None,
-                 recheck_later: Callable[[Token, int], None] | None = None) -> None:
+                 recheck_later: Callable[[Token, int], None] | None = None, slots: Slots | None = None) -> None:
         self.io = io
         self.token = token
         self.key = token.key
@@ -202,6 +209,8 @@ class KeySession:
         """Shared by the worker's sessions: those waiting for a request, longest waiting first. The
         worker wakes them (:meth:`wake`) to give their keys back when more keys wait for a worker
         than it has free slots."""
+        self.slots = slots
+        """The worker's slots: a session waiting out a backoff or a rate limit gives its own back (core/slots.py)."""
         self.recheck_later = recheck_later
         """Who re-checks the key's inbox (and removes this token) once the connection allows, when
         this session could not (the worker: :meth:`~keyqueue.core.worker.QueueWorker.recheck_later`)."""
@@ -731,15 +740,23 @@ class KeySession:
                               seq, attempt, batch, max_attempts, stored_at)
 
     async def _backoff(self, delay: float) -> bool:
-        """Sleep before a retry, holding the key; False if a drain started meanwhile."""
-        # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancel that arrives as
-        # the drain starts.
-        waiter = asyncio.ensure_future(self.draining.wait())
-        try:
-            await asyncio.wait({waiter}, timeout=delay)
-        finally:
-            waiter.cancel()
+        """Sleep before a retry, holding the key but not a slot; False if a drain started meanwhile."""
+        async with self.off_slot():
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancel that arrives as
+            # the drain starts.
+            waiter = asyncio.ensure_future(self.draining.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=delay)
+            finally:
+                waiter.cancel()
         return not self.draining.is_set()
+
+    def off_slot(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """While the session only waits (a backoff, a rate limit), it keeps its key (its lease is
+        renewed, nothing behind its request runs) and lends its slot to another key (core/slots.py)."""
+        if self.slots is None:
+            return contextlib.nullcontext()
+        return self.slots.parked_while(self.draining)
 
     async def _succeeded(self, batch: list[StoredMsg], requests: list[Request], replies: list[Reply | None],
                          elapsed: float, through: int, attempt: int) -> None:
