@@ -16,6 +16,8 @@ import click
 
 from keyqueue.admin.consumers import unpin as unpin_queue
 from keyqueue.admin.inspection import KEY_LIMIT, Holder, KeyState, QueueReport, inspect_queue, list_queues
+from keyqueue.admin.permissions import ROLES, server_block
+from keyqueue.admin.permissions import permissions as role_permissions
 from keyqueue.admin.workers import WorkerState, queue_workers
 from keyqueue.app.purge import PurgeFilter, count_pending, purge_pending
 from keyqueue.cli.common import connection, load_app, table, to_json, url_option
@@ -24,7 +26,7 @@ from keyqueue.errors import ConfigError, ConsumerNotFound, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.topology import QueueConfig, Topology
 
-__all__ = ["configure", "inspect_command", "purge", "recreate_consumer", "unpin"]
+__all__ = ["configure", "inspect_command", "permissions_command", "purge", "recreate_consumer", "unpin"]
 
 
 async def _report(api: JetStreamApi, queue: str) -> QueueReport:
@@ -346,3 +348,32 @@ def purge(queue: str, key: str | None, task: str | None, yes: bool, url: str | N
         click.confirm(f"Remove {found} pending request(s) from queue {queue}{which.describe()}? They will never run",
                       abort=True)
     click.echo(f"removed {asyncio.run(removed())} pending request(s) from queue {queue}{which.describe()}")
+
+
+@click.command("permissions")
+@click.argument("role", type=click.Choice(ROLES))
+@click.argument("queues", nargs=-1, metavar="QUEUE...")
+@click.option("--json", "as_json", is_flag=True, help="Print {publish: [...], subscribe: [...]} as JSON.")
+def permissions_command(role: str, queues: tuple[str, ...], as_json: bool) -> None:
+    """Print the NATS permissions a role needs, as a nats-server `permissions` block for its user.
+
+    \b
+    producer   enqueue (and call) only: cannot read requests, results or the DLQ, nor purge
+    worker     run the queues' requests
+    dashboard  read-only: streams, consumers, stored messages, events and progress of every queue
+    operator   the command line's writes (purge, configure, dlq replay, release)
+
+    \b
+    Example:
+      $ keyqueue permissions producer shop
+      permissions: {
+        publish: { allow: ["$JS.API.INFO", "kq.shop.in.>", ...] }
+        subscribe: { allow: ["_INBOX.>"] }
+      }
+    """
+    if role in ("producer", "worker") and not queues:
+        raise ConfigError(f"the {role} role's permissions are per queue: name at least one QUEUE")
+    if as_json:
+        click.echo(to_json(role_permissions(role, list(queues))))  # type: ignore[arg-type]
+    else:
+        click.echo(server_block(role, list(queues)))  # type: ignore[arg-type]
