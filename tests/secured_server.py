@@ -63,12 +63,16 @@ def operator_setup(folder: Path) -> tuple[str, Path]:
 
     operator, account, user = keypair(nkeys.PREFIX_BYTE_OPERATOR), keypair(nkeys.PREFIX_BYTE_ACCOUNT), \
         keypair(nkeys.PREFIX_BYTE_USER)
+    system = nkeys.from_seed(nkeys.encode_seed(hashlib.sha256(b"sys" + folder.name.encode()).digest(),
+                                               nkeys.PREFIX_BYTE_ACCOUNT))
     operator_jwt = _jwt({"sub": operator.public_key.decode(), "name": "op",
                          "nats": {"type": "operator", "version": 2}}, operator)
     unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True,
                  "conn": -1, "leaf": -1, "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
     account_jwt = _jwt({"sub": account.public_key.decode(), "name": "shop",
                         "nats": {"type": "account", "version": 2, "limits": unlimited}}, operator)
+    system_jwt = _jwt({"sub": system.public_key.decode(), "name": "SYS",
+                       "nats": {"type": "account", "version": 2}}, operator)
     user_jwt = _jwt({"sub": user.public_key.decode(), "name": "worker",
                      "nats": {"type": "user", "version": 2, "subs": -1, "data": -1, "payload": -1}}, account)
     (folder / "operator.jwt").write_text(operator_jwt)
@@ -76,28 +80,42 @@ def operator_setup(folder: Path) -> tuple[str, Path]:
     creds.write_text(f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"
                      f"-----BEGIN USER NKEY SEED-----\n{user.seed.decode()}\n------END USER NKEY SEED------\n")
     config = (f"operator: {json.dumps(str(folder / 'operator.jwt'))}\n"
+              f"system_account: {system.public_key.decode()}\n"
               "resolver: MEMORY\n"
-              f"resolver_preload: {{ {account.public_key.decode()}: {json.dumps(account_jwt)} }}\n")
+              f"resolver_preload: {{ {account.public_key.decode()}: {json.dumps(account_jwt)}, "
+              f"{system.public_key.decode()}: {json.dumps(system_jwt)} }}\n")
     return config, creds
+
+
+def _write_config(folder: Path, config: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    conf = folder / "server.conf"
+    conf.write_text(f"listen: 127.0.0.1:-1\nports_file_dir: {json.dumps(str(folder))}\n"
+                    f"jetstream {{ store_dir: {json.dumps(str(folder / 'store'))} }}\n{config}\n")
+    return conf
+
+
+def _port(folder: Path) -> int | None:
+    """The client port from the server's ports file, once it has written it."""
+    ports = list(folder.glob("*.ports"))
+    text = ports[0].read_text().strip() if ports else ""
+    return int(json.loads(text)["nats"][0].rsplit(":", 1)[1]) if text else None
 
 
 @asynccontextmanager
 async def secured_server(folder: Path, config: str) -> AsyncIterator[int]:
     """Run nats-server with JetStream and ``config`` (authorization, tls, ...) on a free port; yields the port."""
-    folder.mkdir(parents=True, exist_ok=True)
-    conf = folder / "server.conf"
-    conf.write_text(f"listen: 127.0.0.1:-1\nports_file_dir: {json.dumps(str(folder))}\n"
-                    f"jetstream {{ store_dir: {json.dumps(str(folder / 'store'))} }}\n{config}\n")
+    conf = _write_config(folder, config)
     proc = await asyncio.create_subprocess_exec(find_nats_server(), "-c", str(conf), "-l", str(folder / "log"))
     try:
-        async with asyncio.timeout(20):
-            while not (ports := list(folder.glob("*.ports"))):
-                if proc.returncode is not None:
-                    raise AssertionError(f"nats-server exited: {(folder / 'log').read_text()[-2000:]}")
-                await asyncio.sleep(0.02)
-            while not (text := ports[0].read_text()).strip():
-                await asyncio.sleep(0.02)
-        port = int(json.loads(text)["nats"][0].rsplit(":", 1)[1])
+        port = None
+        for _ in range(1000):
+            if (port := _port(folder)) is not None:
+                break
+            if proc.returncode is not None:
+                raise AssertionError(f"nats-server exited; its log is {folder / 'log'}")
+            await asyncio.sleep(0.02)  # the server writes its ports file once it listens
+        assert port is not None, "nats-server did not listen within 20 s"
         yield port
     finally:
         proc.terminate()

@@ -62,6 +62,8 @@ def permissions(role: Role, queues: list[str]) -> dict[str, list[str]]:
                         f"kq.{queue}.result.>",  # the pending record of a task that keeps results
                         f"kq.{queue}.events.>"]  # the enqueued event (core publishes)
             publish += [f"$JS.API.STREAM.INFO.{s}" for s in streams]
+            names = QueueNames(queue)  # a producer checks that the token consumer exists (it reads no state)
+            publish.append(f"$JS.API.CONSUMER.INFO.{names.token_stream}.{names.consumer}")
         else:  # worker
             publish += [f"kq.{queue}.>", INBOXES, f"$JS.ACK.{QueueNames(queue).token_stream}.>",
                         f"$JS.ACK.{ScheduleNames(queue).stream}.>"]
