@@ -615,7 +615,8 @@ class App:
     def worker(self, *, queues: Sequence[str] | None = None, concurrency: int = 16, linger: float = 0.05,
                ack_wait: float | None = None, drain_timeout: float = 10.0, name: str | None = None,
                overflow_min_pending: int = 0, overflow_min_ack_pending: int = 0,
-               priority: int | None = None, connect_timeout: float | None = None, watchdog: bool = False) -> Worker:
+               priority: int | None = None, connect_timeout: float | None = None, watchdog: bool = False,
+               sync_pool: str = "threads", app_spec: str | None = None) -> Worker:
         """A worker for ``queues`` (default: all of the app's); use it as ``async with app.worker():``.
 
         ``concurrency``: keys held at once per queue. ``linger``: seconds a key stays held with no
@@ -628,14 +629,16 @@ class App:
         unreachable server at start, retrying with a backoff (None: wait forever). ``watchdog``:
         end this process (exit status 75) before an event loop blocked by a handler outlives a
         lease, so no other worker runs its keys beside it (``keyqueue worker`` turns it on; off
-        here, where the worker may be a guest in your process).
+        here, where the worker may be a guest in your process). ``sync_pool="processes"``: run serial
+        sync tasks in child processes, which the hard limit and a drain's deadline can stop
+        (``keyqueue.app.process_pool``; ``app_spec`` is the app as ``MODULE:APP`` for the children).
         """
         from keyqueue.app.worker import Worker
 
         return Worker(self, queues=queues, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
                       drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
                       overflow_min_ack_pending=overflow_min_ack_pending, priority=priority,
-                      connect_timeout=connect_timeout, watchdog=watchdog)
+                      connect_timeout=connect_timeout, watchdog=watchdog, sync_pool=sync_pool, app_spec=app_spec)
 
     # --- closing ---
 

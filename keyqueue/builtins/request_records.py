@@ -52,6 +52,7 @@ from keyqueue.wire import headers as H
 if TYPE_CHECKING:
     from keyqueue.app.application import App
     from keyqueue.app.cancel import CancelWatch
+    from keyqueue.app.process_pool import ProcessPool
     from keyqueue.jetstream.records import RequestRecords
     from keyqueue.tasks.task import AnyTask
 
@@ -77,12 +78,12 @@ class RecordingTaskProcessor(TaskProcessor):
     """``TaskProcessor`` plus cancels and kept results (see the module docstring)."""
 
     def __init__(self, app: App, queue: str, key: str, tasks: Mapping[str, AnyTask],
-                 executor: Executor | None = None, *, runs: RunStore | None = None,
+                 executor: Executor | None = None, *, pool: ProcessPool | None = None, runs: RunStore | None = None,
                  clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         """``runs``, ``clock`` and ``sleep`` serve rate limits (default: the queue's records, wall
         time, real sleeps; the eager test mode passes its own)."""
-        super().__init__(app, queue, key, tasks, executor)
+        super().__init__(app, queue, key, tasks, executor, pool)
         self.watch: CancelWatch | None = None
         self.records: RequestRecords | None = None
         self.runs = runs

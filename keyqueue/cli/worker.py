@@ -79,6 +79,10 @@ class ProcessCount(click.ParamType[int, Any]):
               help="End the process (exit status 75) before an event loop blocked by a handler (sync code in an "
                    "async def) outlives a key's lease, so that no other worker runs the key beside it; the "
                    "blocked attempt counts toward the task's max_attempts.")
+@click.option("--pool", "sync_pool", type=click.Choice(["threads", "processes"]), default="threads",
+              show_default=True,
+              help="Where sync task functions run: threads, or child processes, which a task's hard timeout and "
+                   "the drain deadline can stop (like Celery's prefork; serial tasks only).")
 @click.option("--processes", "-p", type=ProcessCount(), default="1", show_default=True,
               help="Worker processes to run, each with these options, under a parent that restarts them "
                    "(auto: one per CPU).")
@@ -102,7 +106,7 @@ class ProcessCount(click.ParamType[int, Any]):
                    "queue, key, request_id, attempt).")
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
            drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
-           priority: int | None, connect_timeout: float | None, watchdog: bool, processes: int,
+           priority: int | None, connect_timeout: float | None, watchdog: bool, sync_pool: str, processes: int,
            max_requests_per_child: int | None, metrics_port: int | None,
            metrics_host: str, url: str | None, log_level: str, log_format: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
@@ -146,7 +150,8 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     serving = app.worker(queues=list(queues) or None, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
                          drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
                          overflow_min_ack_pending=overflow_min_ack_pending, priority=priority,
-                         connect_timeout=connect_timeout, watchdog=watchdog)
+                         connect_timeout=connect_timeout, watchdog=watchdog, sync_pool=sync_pool,
+                         app_spec=app_spec)
 
     recycle = _Recycle(serving, max_requests_per_child) if max_requests_per_child is not None else None
     if recycle is not None:

@@ -78,6 +78,18 @@ async def stubborn_async(key: str) -> str:
     return "slept"
 
 
+@app.task(key="{key}", max_attempts=1, soft_timeout=0.3, timeout=1)
+def blocked(key: str, cleanup: bool) -> str:
+    note(f"blocked {key}")
+    try:
+        time.sleep(60)  # C code: only a process pool stops it at the hard limit
+    except keyqueue.SoftTimeout:
+        if cleanup:
+            return "cleaned up (process)"
+        time.sleep(60)
+    return "slept"
+
+
 @app.task(key="{key}", max_attempts=5, backoff=0.01, retry_on=(ConnectionError,))
 def flaky(key: str, error: str) -> str:
     note(f"flaky {key}")
@@ -192,3 +204,26 @@ async def test_retry_only_listed_exceptions_and_retry_with_a_countdown(limits: t
     assert lines.count("flaky k1") == 3 and lines.count("flaky k2") == 1
     [first, second] = [float(line.split()[2]) for line in lines if line.startswith("later k3")]
     assert second - first >= 1.0  # the task's own countdown, not its backoff (0.5 s)
+
+
+async def test_the_process_pool_stops_sync_tasks_blocked_in_c_at_their_limits_and_the_drain(
+        limits: tuple[Limits, Any]) -> None:
+    lim, mod = limits
+    worker = await lim.worker("--pool", "processes", "--drain-timeout", "1")
+    try:
+        # The soft limit interrupts time.sleep inside the child; the hard limit kills it.
+        assert await mod.blocked.call(key="p1", cleanup=True, timeout=20) == "cleaned up (process)"
+        with pytest.raises(keyqueue.DeadLettered) as dead:
+            await mod.blocked.call(key="p2", cleanup=False, timeout=20)
+        assert dead.value.type_name == "KeyqueueTimeout"
+        await mod.ledger.enqueue(key="pool", n=1, seconds=60.0)
+        await worker.wait_for("start pool 1")
+    finally:
+        # The drain deadline holds: the child is killed, its run did not complete and stays stored.
+        assert await worker.stop(timeout=15) == 0
+    second = await lim.worker()
+    try:
+        await second.wait_for("start pool 1")  # runs again on the key's next holder
+    finally:
+        await second.stop(timeout=15)
+    assert "end pool 1" not in lim.lines()
