@@ -24,7 +24,7 @@ import os
 
 import keyqueue
 
-app = keyqueue.App("habits", result_ttl=600)
+app = keyqueue.App("habits", result_ttl=600, set_as_default=False)
 app.add_queue("habits-priority")
 
 

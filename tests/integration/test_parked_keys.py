@@ -20,7 +20,7 @@ KEYQUEUE = str(Path(sys.executable).with_name("keyqueue"))
 APP = '''
 import keyqueue
 
-app = keyqueue.App("parked", result_ttl=600)
+app = keyqueue.App("parked", result_ttl=600, set_as_default=False)
 seen: dict[str, int] = {}
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import keyqueue
 
-app = keyqueue.App("views", result_ttl=600)
+app = keyqueue.App("views", result_ttl=600, set_as_default=False)
 GATE = Path(__file__).with_name("gate")
 RUNS = Path(__file__).with_name("runs")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import keyqueue
 
-app = keyqueue.App("limits", result_ttl=600)
+app = keyqueue.App("limits", result_ttl=600, set_as_default=False)
 LOG = Path(__file__).with_name("runs.log")
 
 
