@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint java-check chromium-check bench bench-quick chaos chaos-cluster clean
+.PHONY: demo test lint java-check chromium-check bench bench-quick bench-spark chaos chaos-cluster clean
 
 # keyqueue's own plugins, each a distribution of its own (OpenTelemetry, Spark, the Rebaser).
 PLUGINS := plugins/keyqueue_otel plugins/keyqueue_spark contrib/rebaser
@@ -30,6 +30,10 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(PY) -m bench --quick $(BENCH_ARGS)
+
+# keyqueue on Spark (docs/benchmarks.md, issue 26): a backfill and a report over a million, ~20 min.
+bench-spark: $(BENCH_STAMP) java-check
+	$(PY) -m bench.spark $(BENCH_ARGS)
 
 # The full soak (docs/chaos.md): 500 faults of every class, then the checker's verdict.
 CHAOS_ARGS ?= --seed 7 --faults 500 --duration 1200

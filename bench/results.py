@@ -62,7 +62,7 @@ class Row:
     def figure(self) -> str:
         if math.isnan(self.value):
             return "n/a"
-        if self.unit == "req/s" or self.unit == "msg/s":
+        if self.unit in ("req/s", "msg/s", "events/s"):
             return f"{self.value:,.0f} {self.unit}"
         if self.unit == "ms":
             return f"{self.value:.2f} ms"

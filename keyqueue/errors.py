@@ -28,6 +28,7 @@
     │   ├── ConsumerNotFound             10014
     │   ├── MessageNotFound              10037
     │   ├── WrongLastSequence            10071, or 10164 on a replicated stream (a compare-and-set lost the race)
+    │   ├── JetStreamUnavailable         10008: JetStream is temporarily unavailable (a cluster electing, catching up)
     │   └── KeyAlreadyScheduled          10077 on a token subject (callers treat it as success)
     ├── LeaseLost                        this worker no longer owns the key; stop without side effects
     ├── RequestNotFound                  no request with this id was found (keyqueue cancel of an unknown id)
@@ -69,6 +70,7 @@ __all__ = [
     "InvalidRequestId",
     "InvalidSchedule",
     "JetStreamError",
+    "JetStreamUnavailable",
     "KeyAlreadyScheduled",
     "KeyqueueError",
     "KeyqueueTimeout",
@@ -341,6 +343,11 @@ class WrongLastSequence(JetStreamError):
     stored, and the caller reads again and decides again, as for any lost race."""
 
 
+class JetStreamUnavailable(JetStreamError):
+    """JetStream answered that it is temporarily unavailable (10008): a cluster electing a leader or
+    a server catching up. Nothing was done; the same request may succeed a moment later."""
+
+
 class KeyAlreadyScheduled(JetStreamError):
     """The key's token already exists (10077): the key is held or scheduled."""
 
@@ -351,6 +358,7 @@ ERR_CODES: Final[dict[int, type[JetStreamError]]] = {
     10037: MessageNotFound,
     10071: WrongLastSequence,
     10164: WrongLastSequence,
+    10008: JetStreamUnavailable,
     10077: KeyAlreadyScheduled,
 }
 """JetStream ``err_code`` values that keyqueue gives their own type."""

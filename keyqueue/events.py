@@ -1,7 +1,10 @@
 """The lifecycle events contract: where a queue's events are stored and what each one holds.
 
 Stream ``KQ_<queue>_EVENTS`` (limits retention: 7 days, 5 million events, oldest dropped first),
-subjects ``kq.<queue>.events.<event>``. Each message has the headers of :data:`EVENT_HEADERS`
+subjects ``kq.<queue>.events.<event>.<key>`` for an event of a key and ``kq.<queue>.events.<event>``
+for a queue-wide one (``key`` null), so a key's stored history is one subject filter away
+(:func:`key_events_filter`) and ``kq.<queue>.events.<event>.>`` selects one event of every key.
+Each message has the headers of :data:`EVENT_HEADERS`
 (``X-CONTENT-TYPE: application/cbor``, ``X-MESSAGE-TYPE: KeyqueueEvent``,
 ``X-MESSAGE-VERSION: 1``) and a CBOR map body with every field of :data:`EVENT_FIELDS`, in that
 order, null where it does not apply.
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.tasks.arguments import CANCELLED_BY
 from keyqueue.wire import CBOR
 from keyqueue.wire import headers as H
 
@@ -41,6 +45,7 @@ __all__ = [
     "MAX_AGE",
     "MAX_MSGS",
     "PUBLISHER",
+    "SUPERSEDED_BY_CANCEL",
     "EventField",
     "FieldType",
     "ensure_events_stream",
@@ -48,9 +53,11 @@ __all__ = [
     "event_names",
     "events_stream",
     "events_subject",
+    "key_events_filter",
     "publish_event",
     "register_event_names",
     "stream_config",
+    "superseded_reason",
 ]
 
 FieldType = Literal["string", "double", "long"]
@@ -86,6 +93,9 @@ EVENT_FIELDS: Final = (
     EventField("reason", "string", "DLQ reason, retry error, superseded/merged or cancelled reason; or null"),
     EventField("triggers", "long", "on a plugin's step that serves several requests at once: how many; else null"),
     EventField("run_id", "string", "the id of a plugin's step, or null"),
+    EventField("fence", "long", "on acquired: the holder's fencing number (the sequence of its lease record, "
+                                "strictly increasing per key); else null"),
+    EventField("delay", "double", "on retried: seconds until the next attempt (the backoff); else null"),
 )
 """The body fields of a ``KeyqueueEvent`` v1, in body order. Every field is nullable."""
 
@@ -125,6 +135,16 @@ _registered: dict[str, None] = {}
 # --- names -----------------------------------------------------------------------------------------
 
 
+def superseded_reason(superseded_by: str) -> str:
+    """The ``reason`` of a ``superseded`` event: ``superseded by <the request id that superseded it>``."""
+    return f"superseded by {superseded_by}"
+
+
+SUPERSEDED_BY_CANCEL: Final = superseded_reason(CANCELLED_BY)
+"""The ``reason`` of the ``superseded`` event of a request cancelled before it started. Its
+``cancelled`` event comes first and says so: a report counts it once, as a cancel."""
+
+
 def register_event_names(*names: str) -> None:
     """Add lifecycle event names of a plugin's own, e.g. ``register_event_names("dvu_started")``.
 
@@ -151,9 +171,14 @@ def events_stream(queue: str) -> str:
     return f"KQ_{queue}_EVENTS"
 
 
-def events_subject(queue: str, event: str) -> str:
-    """``kq.<queue>.events.<event>``."""
-    return f"kq.{queue}.events.{event}"
+def events_subject(queue: str, event: str, key: str | None = None) -> str:
+    """``kq.<queue>.events.<event>.<key>``, or ``kq.<queue>.events.<event>`` for a queue-wide event."""
+    return f"kq.{queue}.events.{event}" if key is None else f"kq.{queue}.events.{event}.{key}"
+
+
+def key_events_filter(queue: str, key: str) -> str:
+    """The subject filter of every stored event of ``key``: ``kq.<queue>.events.*.<key>``."""
+    return f"kq.{queue}.events.*.{key}"
 
 
 # --- bodies ----------------------------------------------------------------------------------------

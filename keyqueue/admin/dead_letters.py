@@ -39,6 +39,7 @@ __all__ = [
     "TRACEBACK",
     "DeadLetter",
     "count_dead_letters",
+    "dead_letter_of",
     "dead_letters",
     "delete_dead_letters",
     "get_dead_letter",
@@ -97,7 +98,8 @@ class DeadLetter:
             return f"<{len(self.data)} bytes that do not decode: {exc}>"
 
 
-def _dead_letter(names: QueueNames, msg: StoredMsg) -> DeadLetter:
+def dead_letter_of(names: QueueNames, msg: StoredMsg) -> DeadLetter:
+    """The dead request a message of the DLQ stream holds."""
     h = msg.headers
     return DeadLetter(
         seq=msg.seq,
@@ -148,7 +150,7 @@ async def dead_letters(api: JetStreamApi, queue: str, *, key: str | None = None,
         msg = await api.get_msg(names.dlq_stream, seq=seq, next_by_subject=subject, direct=False)
         if msg is None:
             break
-        found.append(_dead_letter(names, msg))
+        found.append(dead_letter_of(names, msg))
         seq = msg.seq + 1
     return found
 
@@ -167,7 +169,7 @@ async def get_dead_letter(api: JetStreamApi, queue: str, seq: int) -> DeadLetter
     msg = await api.get_msg(names.dlq_stream, seq=seq, direct=False)
     if msg is None:
         raise MessageNotFound(f"queue {queue} has no dead request at sequence {seq}", 404, 10037)
-    return _dead_letter(names, msg)
+    return dead_letter_of(names, msg)
 
 
 async def delete_dead_letters(api: JetStreamApi, queue: str, seqs: Collection[int]) -> None:

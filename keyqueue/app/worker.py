@@ -372,6 +372,9 @@ class Worker:
     def _observed(self, hook_name: str) -> bool:
         return bool(self.app.plugins.implementations(hook_name))
 
+    def token_received(self, queue: str, key: str, delivered: int) -> None:
+        return None  # no hook: a token is a hint; key_acquired says who works on the key
+
     def key_acquired(self, hold: KeyHold) -> None:
         if self._observed("keyqueue_key_acquired"):
             self._queue(functools.partial(self.app.plugins.lifecycle.key_acquired, worker=self, queue=hold.queue,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final
 import cbor2
 
 from keyqueue.errors import KeyqueueTimeout, TaskFailure
-from keyqueue.events import EVENT_HEADERS, ensure_events_stream, events_stream
+from keyqueue.events import EVENT_HEADERS, ensure_events_stream, events_stream, superseded_reason
 from keyqueue.jetstream.fastpub import StaticHeaders, publish_static
 from keyqueue.plugins.manager import hookimpl
 
@@ -101,7 +101,7 @@ class _AppEvents:
         self.ensured: set[str] = set()
         self._nc: tuple[asyncio.AbstractEventLoop, Client] | None = None
         self._subjects: dict[tuple[str, str], str] = {}
-        """(queue, event name) -> the event's subject."""
+        """(queue, event name) -> the event's subject without its key."""
 
     async def _connection(self) -> Client:
         loop = asyncio.get_running_loop()
@@ -134,9 +134,11 @@ class _AppEvents:
             loop, nc = cached
             if loop is not asyncio.get_running_loop() or not nc.is_connected:
                 nc = await self._connection()
-            subject = self._subjects.get((queue, body["event"]))
-            if subject is None:
-                subject = self._subjects[queue, body["event"]] = f"kq.{queue}.events.{body['event']}"
+            prefix = self._subjects.get((queue, body["event"]))
+            if prefix is None:
+                prefix = self._subjects[queue, body["event"]] = f"kq.{queue}.events.{body['event']}"
+            key = body["key"]
+            subject = prefix if key is None else f"{prefix}.{key}"
             # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
             await publish_static(nc, subject, cbor2.dumps(body), _HEADERS)
         except Exception as exc:  # telemetry must never fail the work
@@ -155,7 +157,9 @@ class _AppEvents:
                 if self.rate < 1.0 and not sampled(body.get("request_id") or body.get("key"), self.rate):
                     continue
                 # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
-                await publish_static(nc, prefix + body["event"], cbor2.dumps(body), _HEADERS)
+                key = body.get("key")
+                subject = prefix + body["event"] + ("" if key is None else f".{key}")
+                await publish_static(nc, subject, cbor2.dumps(body), _HEADERS)
         except Exception as exc:  # telemetry must never fail the work
             log.debug("events of queue %s not published: %r", queue, exc)
 
@@ -174,13 +178,15 @@ def _of(app: App) -> _AppEvents:
 
 async def _emit(worker: Worker, name: str, queue: str, key: str | None, request_id: str | None = None,
                 task: str | None = None, attempt: int | None = None, wait: float | None = None,
-                run: float | None = None, reason: str | None = None) -> None:
+                run: float | None = None, reason: str | None = None, fence: int | None = None,
+                delay: float | None = None) -> None:
     state = _APPS.get(worker.app) or _of(worker.app)
     if state.on and (state.rate >= 1.0 or sampled(request_id or key, state.rate)):
         # event() with its checks, spelt out: this runs several times per request.
         await state.publish_one(queue, {"event": name, "ts": time.time(), "queue": queue, "key": key,
                              "request_id": request_id, "task": task, "worker": worker.name, "attempt": attempt,
-                             "wait": wait, "run": run, "reason": reason, "triggers": None, "run_id": None})
+                             "wait": wait, "run": run, "reason": reason, "triggers": None, "run_id": None,
+                             "fence": fence, "delay": delay})
 
 
 async def publish(app: App, body: dict[str, Any]) -> None:
@@ -226,7 +232,8 @@ class _Enqueue:
         await self.state.publish_many(self.request.queue, [
             {"event": "enqueued", "ts": ts, "queue": request.queue, "key": request.key,
              "request_id": request.request_id, "task": request.message_type, "worker": None, "attempt": None,
-             "wait": None, "run": None, "reason": None, "triggers": None, "run_id": None}
+             "wait": None, "run": None, "reason": None, "triggers": None, "run_id": None, "fence": None,
+             "delay": None}
             for request, ts, stored in pending if stored[0]])
 
 
@@ -257,7 +264,7 @@ def keyqueue_worker_started(worker: Worker) -> Any:
 
 @hookimpl(trylast=True)
 async def keyqueue_key_acquired(worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> None:
-    await _emit(worker, "acquired", queue, key)
+    await _emit(worker, "acquired", queue, key, fence=fencing[0] or None)
 
 
 @hookimpl(trylast=True)
@@ -288,7 +295,7 @@ def keyqueue_request_failed(request_id: str, elapsed: float) -> None:
 async def keyqueue_request_retried(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
                                    attempt: int, delay: float, error: str) -> None:
     await _emit(worker, "retried", queue, key, request_id=request_id, task=message_type, attempt=attempt,
-                reason=error)
+                reason=error, delay=delay)
 
 
 @hookimpl(trylast=True)
@@ -303,7 +310,7 @@ async def keyqueue_request_superseded(worker: Worker, queue: str, key: str, requ
                                       superseded_by: str) -> None:
     _RUNS.pop(request_id, None)
     await _emit(worker, "superseded", queue, key, request_id=request_id, task=message_type,
-                reason=f"superseded by {superseded_by}")
+                reason=superseded_reason(superseded_by))
 
 
 @hookimpl(trylast=True)

@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keyqueue.chaos.checker import LivenessBounds, Verdict, check, read_log
-from keyqueue.chaos.fenced import FencedStore
+from keyqueue.chaos.fenced import FencedStore, FenceSnapshot
 from keyqueue.chaos.fleet import Faults, Fleet, LogTail, WorkerSpec
 from keyqueue.chaos.injectors import NODE_FAULT_CLASSES, node_faults, process_faults, server_faults
 from keyqueue.chaos.proxy import DEFAULT_FAULTS, Faultable, FaultProxy, FaultScript, InjectedFault, ProxyGroup
-from keyqueue.errors import EnqueueError, TokenPublishFailed
+from keyqueue.errors import ConnectionFailed, EnqueueError, JetStreamUnavailable, KeyqueueTimeout, TokenPublishFailed
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
@@ -273,7 +273,7 @@ async def soak(options: SoakOptions) -> SoakResult:
         enqueued = await producing
         say(f"chaos: faults stopped after {time.monotonic() - began:.0f}s; waiting for {enqueued} requests")
         await _settle(log_path, producer.expected, options.settle_timeout)
-        snapshot = await store.snapshot()
+        snapshot = await _snapshot(store)
         verdict = check(read_log(log_path), producer.expected, store_history=snapshot.history(),
                         handover_after=options.ack_wait / 2,
                         bounds=options.bounds or LivenessBounds.for_lease(options.ack_wait))
@@ -301,3 +301,16 @@ async def _settle(log_path: Path, expected: dict[str, list[str]], timeout: float
         if not wanted:
             return
         await asyncio.sleep(0.25)
+
+
+async def _snapshot(store: FencedStore, patience: float = 120.0) -> FenceSnapshot:
+    """The fenced store's history; a cluster still electing after the last fault answers "temporarily
+    unavailable" or nothing for a while: ask again until it answers (or ``patience`` runs out)."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return await store.snapshot()
+        except (JetStreamUnavailable, KeyqueueTimeout, ConnectionFailed):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)

@@ -66,7 +66,8 @@ class EventLog(NullObserver):
         {"w": "w1", "kind": "event", "t": ..., "event": "acquired", "queue": "q", "worker": "w1",
          "key": "k", "fencing": [7, 1], "delivered": 1}
 
-    Events and their fields: ``acquired`` (fencing, delivered), ``started`` (request_id, seq,
+    Events and their fields: ``token`` (delivered: a token reached the worker), ``acquired``
+    (fencing, delivered), ``started`` (request_id, seq,
     attempt, batch, message_type), ``retried`` (request_id, attempt, delay, error, message_type),
     ``succeeded`` (request_id, seq, elapsed, message_type), ``dead_lettered`` (request_id, seq,
     reason, attempts, error, message_type), ``released`` / ``handed-off`` (processed, republished),
@@ -80,6 +81,9 @@ class EventLog(NullObserver):
 
     def _write(self, event: str, queue: str, key: str | None, **fields: Any) -> None:
         self.log.write("event", event=event, queue=queue, worker=self.worker, key=key, **fields)
+
+    def token_received(self, queue: str, key: str, delivered: int) -> None:
+        self._write("token", queue, key, delivered=delivered)
 
     def key_acquired(self, hold: KeyHold) -> None:
         self._write("acquired", hold.queue, hold.key, fencing=hold.fencing, delivered=hold.delivered)

@@ -30,46 +30,67 @@ log = logging.getLogger("keyqueue.dashboard")
               help="Require basic credentials: this user name ...")
 @click.option("--password", envvar="KEYQUEUE_DASHBOARD_PASSWORD", show_envvar=True, default=None,
               help="... and this password (prefer the environment variable: flags show in ps).")
+@click.option("--viewer-token", envvar="KEYQUEUE_DASHBOARD_VIEWER_TOKEN", show_envvar=True, default=None,
+              help="A token for the viewer role: every page, no action.")
+@click.option("--viewer-user", envvar="KEYQUEUE_DASHBOARD_VIEWER_USER", show_envvar=True, default=None,
+              help="Basic credentials for the viewer role: this user name ...")
+@click.option("--viewer-password", envvar="KEYQUEUE_DASHBOARD_VIEWER_PASSWORD", show_envvar=True, default=None,
+              help="... and this password.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME[:PORT]",
+              help="Also serve this Host (a tunnel's or a proxy's name); on loopback, only the loopback names "
+                   "with the dashboard's port are served otherwise. Repeatable.")
 @click.option("--stuck-after", type=click.FloatRange(1), default=60.0, show_default=True, metavar="SECONDS",
-              help="A held key with no activity for this long is listed as stuck.")
+              help="A held key with no event and no progress message for this long is listed as stuck.")
+@click.option("--max-wait", type=click.FloatRange(1), default=300.0, show_default=True, metavar="SECONDS",
+              help="/health fails a queue whose oldest stored request has waited longer.")
 @click.option("--refresh", type=click.FloatRange(0.2), default=1.0, show_default=True, metavar="SECONDS",
               help="Seconds between two snapshots of the queues.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
               default="info", show_default=True, envvar="KEYQUEUE_LOG_LEVEL", show_envvar=True)
 def dashboard(app_spec: str | None, url: str | None, host: str, port: int, read_only: bool, token: str | None,
-              user: str | None, password: str | None, stuck_after: float, refresh: float, log_level: str) -> None:
+              user: str | None, password: str | None, viewer_token: str | None, viewer_user: str | None,
+              viewer_password: str | None, allow_hosts: tuple[str, ...], stuck_after: float, max_wait: float,
+              refresh: float, log_level: str) -> None:
     """Serve a live web dashboard: queues, keys and their holders, workers, dead letters, metrics.
 
-    Listens on loopback by default and asks for nothing there; on any other address it needs a
-    token (--token / KEYQUEUE_DASHBOARD_TOKEN) or basic credentials (--user and --password /
-    KEYQUEUE_DASHBOARD_USER and KEYQUEUE_DASHBOARD_PASSWORD). Actions (replay, delete, purge a
-    dead letter) are protected against cross-site requests and logged with who did them;
-    --read-only hides and refuses them. /metrics serves Prometheus metrics. See docs/dashboard.md.
+    Listens on loopback by default and asks for nothing there, serving only requests that name
+    the loopback address and its port (a page that rebinds its own name to 127.0.0.1 is refused);
+    on any other address it needs an operator's token (--token / KEYQUEUE_DASHBOARD_TOKEN) or basic
+    credentials (--user and --password). Viewers (--viewer-token, or --viewer-user and
+    --viewer-password) see every page and take no action. Actions (replay, delete, purge, cancel,
+    bulk actions on a filter) are refused from another site's pages, confirmed with the number of
+    requests they touch, and kept in an audit log (the Audit page); --read-only hides and refuses
+    them. /health answers a verdict per queue, /metrics Prometheus metrics. See docs/dashboard.md.
 
     \b
     Examples:
       $ keyqueue dashboard                          # http://127.0.0.1:8787
       $ KEYQUEUE_DASHBOARD_TOKEN=... keyqueue dashboard --host 0.0.0.0 --read-only
+      $ keyqueue dashboard --allow-host localhost:9000   # behind ssh -L 9000:localhost:8787
     """
     configure_logging(log_level)
     try:
         import uvicorn
 
-        from keyqueue.dashboard.security import Access
+        from keyqueue.dashboard.security import Access, HostPolicy, url_host
         from keyqueue.dashboard.state import Monitor
         from keyqueue.dashboard.web import DashboardOptions, create_app
     except ImportError as exc:
         raise ConfigError(f"the dashboard needs its extra ({exc.name} is missing): "
                           "pip install 'keyqueue[dashboard]'") from None
-    access = Access(token=token or None, user=user or None, password=password or None)
+    access = Access(token=token or None, user=user or None, password=password or None,
+                    viewer_token=viewer_token or None, viewer_user=viewer_user or None,
+                    viewer_password=viewer_password or None)
     access.check(host)
+    options = DashboardOptions(access, HostPolicy(host, tuple(allow_hosts)), read_only=read_only,
+                               stuck_after=stuck_after, max_wait=max_wait)
     queues = load_app(app_spec, url).queues if app_spec else None
 
     async def run() -> None:
         async with connection(url) as nc:
             monitor = Monitor(nc, queues=queues, refresh=refresh)
             await monitor.poll()
-            app = create_app(monitor, DashboardOptions(access, read_only=read_only, stuck_after=stuck_after))
+            app = create_app(monitor, options)
             config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                     lifespan="off", timeout_graceful_shutdown=1)
             server = _server_class()(config)
@@ -79,8 +100,9 @@ def dashboard(app_spec: str | None, url: str | None, host: str, port: int, read_
                 await asyncio.wait([serving, group.create_task(server.up.wait())], return_when=asyncio.FIRST_COMPLETED)
                 if server.started:
                     bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
-                    click.echo(f"keyqueue dashboard on http://{host}:{bound}/ ({'read-only, ' if read_only else ''}"
-                               f"guarded by {access.describe()}); Ctrl-C to stop", err=True)
+                    mode = "read-only, " if read_only else ""
+                    click.echo(f"keyqueue dashboard on http://{url_host(host)}:{bound}/ ({mode}guarded by "
+                               f"{access.describe()}); Ctrl-C to stop", err=True)
                 try:
                     await serving
                 finally:

@@ -45,15 +45,21 @@ def event_line(fields: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-async def _known_event_names(api: JetStreamApi, queue: str) -> list[str]:
-    """The event names ``tail --event`` accepts for ``queue``: the contract's, then those only its stream holds."""
+async def _known_event_names(api: JetStreamApi, queue: str, wanted: tuple[str, ...]) -> list[str]:
+    """The event names ``tail --event`` accepts for ``queue``: the contract's, then those only its
+    stream holds (queue-wide ones are listed; an event of keys is found when it is asked for)."""
     names = dict.fromkeys(event_names())
     prefix = events_subject(queue, "")
+    stream = events_stream(queue)
     try:
-        stored = await api.subjects(events_stream(queue), events_subject(queue, ">"))
+        stored = await api.subjects(stream, events_subject(queue, "*"))
+        names.update(dict.fromkeys(sorted(subject.removeprefix(prefix) for subject in stored)))
+        for name in wanted:
+            if name not in names and await api.get_msg(stream, seq=1, next_by_subject=events_subject(queue, name, ">"),
+                                                       direct=False) is not None:
+                names[name] = None
     except StreamNotFound:
-        stored = {}
-    names.update(dict.fromkeys(sorted(subject.removeprefix(prefix) for subject in stored)))
+        pass
     return list(names)
 
 
@@ -92,12 +98,13 @@ def tail(queue: str, names: tuple[str, ...], as_json: bool, count: int | None, t
         return json.dumps(fields, default=str) if as_json else event_line(fields)
 
     async def run() -> None:
-        subjects = [events_subject(queue, name) for name in names] or [events_subject(queue, ">")]
+        subjects = ([s for name in names for s in (events_subject(queue, name), events_subject(queue, name, ">"))]
+                    or [events_subject(queue, ">")])
         async with connection(url) as nc:
             api = JetStreamApi(nc)
             await require_queue(api, queue)
             if names:
-                known = await _known_event_names(api, queue)
+                known = await _known_event_names(api, queue, names)
                 if unknown := [name for name in names if name not in known]:
                     raise ConfigError(f"unknown event {', '.join(map(repr, unknown))}; the events of queue {queue} "
                                       f"are: {', '.join(known)}")

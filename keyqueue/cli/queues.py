@@ -15,13 +15,16 @@ from typing import Any
 import click
 
 from keyqueue.admin.consumers import unpin as unpin_queue
+from keyqueue.admin.diagnosis import diagnose_key
 from keyqueue.admin.inspection import KEY_LIMIT, Holder, KeyState, QueueReport, inspect_queue, list_queues
+from keyqueue.admin.key_history import key_events, runs_of
 from keyqueue.admin.permissions import ROLES, server_block
 from keyqueue.admin.permissions import permissions as role_permissions
 from keyqueue.admin.workers import WorkerState, queue_workers
 from keyqueue.app.purge import PurgeFilter, count_pending, purge_pending
 from keyqueue.cli.common import connection, load_app, table, to_json, url_option
 from keyqueue.cli.common import no_such_queue as _no_such_queue
+from keyqueue.cli.key_inspection import key_fields, key_text
 from keyqueue.errors import ConfigError, ConsumerNotFound, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.topology import QueueConfig, Topology
@@ -38,9 +41,12 @@ async def _report(api: JetStreamApi, queue: str) -> QueueReport:
 
 @click.command("inspect")
 @click.argument("queue", required=False)
+@click.argument("key", required=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (stable keys, numbers as numbers).")
+@click.option("--runs", type=click.IntRange(0), default=10, show_default=True, metavar="N",
+              help="With KEY: how many of the key's last runs to list (from its stored events).")
 @url_option
-def inspect_command(queue: str | None, as_json: bool, url: str | None) -> None:
+def inspect_command(queue: str | None, key: str | None, as_json: bool, runs: int, url: str | None) -> None:
     """Show what a queue holds: keys with backlog, keys held and by whom, workers, DLQ, consumer.
 
     Without QUEUE, one line per queue on the server. A held key shows its holder and since when,
@@ -48,16 +54,31 @@ def inspect_command(queue: str | None, as_json: bool, url: str | None) -> None:
     heartbeat record (written every few seconds): live ones, idle included, and those gone in the
     last ten minutes.
 
+    With KEY, why that key waits: its holder (worker, pid, host, since, fencing, last renewal, when
+    the lease ends), its head request (task, arguments, attempts, running since, last error, next
+    retry), what blocks it (a live holder running or backing off, a rate limit, a lease left by a
+    gone worker, no worker serving the queue, a full fleet), its position among waiting keys, and
+    its last runs (holder, fencing, outcome, duration) from the stored events.
+
     \b
     Examples:
       $ keyqueue inspect                 # every queue
       $ keyqueue inspect shop            # keys of queue shop, most backlog first
       $ keyqueue inspect shop --json
+      $ keyqueue inspect shop order-17   # why is key order-17 waiting?
     """
 
     async def run() -> None:
         async with connection(url) as nc:
             api = JetStreamApi(nc)
+            if queue is not None and key is not None:
+                try:
+                    diagnosis = await diagnose_key(api, queue, key)
+                    history = runs_of(await key_events(api, queue, key, limit=max(50, runs * 6)))[:runs]
+                except StreamNotFound:
+                    raise await _no_such_queue(api, queue) from None
+                click.echo(to_json(key_fields(diagnosis, history)) if as_json else key_text(diagnosis, history))
+                return
             if queue is None:
                 reports = [await _report(api, name) for name in await list_queues(api)]
                 if as_json:

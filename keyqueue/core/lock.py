@@ -121,59 +121,84 @@ class KeyLock:
     def held(self) -> bool:
         return self.lease is not None and self.lease.valid()
 
-    def _body(self) -> bytes:
+    def _body(self, sent: float) -> bytes:
+        """A record: the holder's fields and this claim's, and when this write was sent on the
+        holder's own clock (meaningful to it alone: a write found later says how long it lasts)."""
         return json.dumps({**self.holder, "nonce": self.nonce, "fence": self.fence, "since": self.since,
-                           "ttl": self.ttl}, separators=(",", ":")).encode()
+                           "ttl": self.ttl, "sent": round(sent, 6)}, separators=(",", ":")).encode()
 
     def _mine(self, record: StoredMsg | None) -> bool:
+        return self._sent_if_mine(record) is not None
+
+    def _sent_if_mine(self, record: StoredMsg | None) -> float | None:
+        """When ``record``, if it is one of this claim's, was sent (its body says); else None."""
         if record is None:
-            return False
+            return None
         try:
-            return bool(json.loads(record.data).get("nonce") == self.nonce)
-        except (ValueError, AttributeError):
-            return False
+            body = json.loads(record.data)
+        except ValueError:
+            return None
+        if not isinstance(body, dict) or body.get("nonce") != self.nonce:
+            return None
+        sent = body.get("sent")
+        return float(sent) if isinstance(sent, int | float) else math.inf
 
     async def try_acquire(self) -> bool:
         """Write the first record; False while another live record holds the key.
 
-        An acquire whose reply was lost is settled by looking: the record there is ours (the write
-        was stored: the key is ours, its lease running from when the write was sent) or it is not.
-        Raises a connection error only when that cannot be known before such a lease would end
-        (then a record of ours, if stored, expires by itself)."""
+        An acquire whose reply was lost is settled by looking: the record there is ours (a write of
+        this claim was stored: the key is ours, its lease running from when *that* write was sent,
+        which the record says: an earlier try of this claim may be the one that landed) or it is
+        not. Raises a connection error only when that cannot be known before such a lease would
+        end (then a record of ours, if stored, expires by itself, or the release removes it)."""
         sent = self.clock()
         self.since = datetime.now(UTC).isoformat(timespec="milliseconds")
         try:
-            seq = await self.store.compare_and_set(self.subject, 0, self._body(), self.ttl)
+            seq = await self.store.compare_and_set(self.subject, 0, self._body(sent), self.ttl)
         except WrongLastSequence:
-            return False
+            # An earlier try of this claim whose reply was lost may be the record in the way.
+            return await self._take_mine(sent) if self.unsettled else False
         except asyncio.CancelledError:
             self.unsettled = True  # sent, maybe stored: release() looks for it
             raise
         except _UNANSWERED:
-            lease = Lease(self.ack_wait, sent, clock=self.clock)
-            found = await self._find_mine(lease)
-            if found is None:
-                return False
-            seq = found.seq
+            self.unsettled = True
+            return await self._take_mine(sent)
         self.fence = self.seq = seq
+        self.unsettled = False
         self.lease = Lease(self.ack_wait, sent, clock=self.clock)
         return True
 
-    async def _find_mine(self, lease: Lease) -> StoredMsg | None:
-        """The key's current record if it is one of this claim's, looking (again after a reconnect)
-        while ``lease`` lasts; raises the last connection error if no look succeeded in time."""
+    async def _take_mine(self, sent: float) -> bool:
+        """After a write of this claim (sent at ``sent``) went unanswered: look at the key's record,
+        again after a reconnect, while the lease such a write would give lasts. Ours: the key is ours
+        for as long as the write that stored it allows (from its own send time), or, if that has run
+        out on our clock, the record is removed. Another's: our write cannot land any more. None:
+        ours may still land, so the claim stays unsettled (the release looks again)."""
+        patience = Lease(self.ack_wait, sent, clock=self.clock)
         while True:
             try:
-                async with asyncio.timeout(max(0.001, lease.remaining())):
+                async with asyncio.timeout(max(0.001, patience.remaining())):
                     current = await self.store.last_record(self.subject)
+                break
             except (ConnectionFailed, KeyqueueTimeout, TimeoutError) as e:
-                if lease.remaining() <= 0 or not await self.store.wait_connected(lease.remaining()):
-                    self.unsettled = True
+                if patience.remaining() <= 0 or not await self.store.wait_connected(patience.remaining()):
                     raise KeyqueueTimeout(f"could not learn whether a write to {self.subject} was stored "
                                           "before the lease it would give ended") from e
-                continue
+        if current is None:
+            return False
+        stored_sent = self._sent_if_mine(current)
+        if stored_sent is None:
             self.unsettled = False
-            return current if self._mine(current) else None
+            return False
+        lease = Lease(self.ack_wait, min(stored_sent, sent), clock=self.clock)
+        self.unsettled = False
+        if not lease.valid() or lease.remaining() < lease.interval:
+            await self.store.remove_record(current.seq)  # ours, about to expire: take the key afresh
+            return False
+        self.fence = self.seq = current.seq
+        self.lease = lease
+        return True
 
     async def renew(self) -> bool:
         """Extend the lease; True if it was extended, False if the record is still ours but this
@@ -185,7 +210,7 @@ class KeyLock:
         try:
             # A reply later than the deadline could not extend the lease anyway: waiting longer
             # would only keep a cut-off holder's work running past it.
-            seq = await self.store.compare_and_set(self.subject, self.seq, self._body(), self.ttl,
+            seq = await self.store.compare_and_set(self.subject, self.seq, self._body(sent), self.ttl,
                                                    timeout=lease.remaining())
         except WrongLastSequence:
             try:

@@ -109,6 +109,10 @@ class RequestAttempt:
 class SessionObserver(Protocol):
     """Told every step of every key session of a queue worker (see the module docstring)."""
 
+    def token_received(self, queue: str, key: str, delivered: int) -> None:
+        """A key's token reached the worker (``delivered``: its delivery count); a session will try
+        to acquire the key (or the running one adopts it, or it is handed back while draining)."""
+
     def key_acquired(self, hold: KeyHold) -> None:
         """The session holds ``hold.key`` under ``hold.fencing`` and is about to open its processor."""
 
@@ -152,6 +156,9 @@ class SessionObserver(Protocol):
 
 class NullObserver:
     """A :class:`SessionObserver` that does nothing; subclass it and override what you need."""
+
+    def token_received(self, queue: str, key: str, delivered: int) -> None:
+        return None
 
     def key_acquired(self, hold: KeyHold) -> None:
         return None

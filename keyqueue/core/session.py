@@ -46,6 +46,7 @@ from keyqueue.core.turns import Turns
 from keyqueue.errors import (
     ConnectionFailed,
     Disconnected,
+    JetStreamUnavailable,
     KeyqueueError,
     KeyqueueTimeout,
     LeaseLost,
@@ -91,9 +92,9 @@ RETRY_PAUSE: Final = (0.02, 1.0)
 RENEW_AGAIN: Final = 0.05
 """Seconds before a renewal is tried again after it lost a race to the record (which is still ours)."""
 
-_RETRIED: Final = (ConnectionFailed, KeyqueueTimeout)
+_RETRIED: Final = (ConnectionFailed, KeyqueueTimeout, JetStreamUnavailable)
 """What a session's NATS steps are tried again after: the connection down or dropped (``Disconnected``,
-``ReplyLost``), no responders, no reply in time."""
+``ReplyLost``), no responders, no reply in time, JetStream temporarily unavailable (10008)."""
 
 T = TypeVar("T")
 @dataclass(frozen=True, slots=True)

@@ -118,6 +118,9 @@ class LoopWatchdog:
                 continue
         else:
             return None
+        # A lease already past its deadline is lost: its session stops at its next check, and
+        # ending the process now would protect nothing.
+        held = [h for h in held if h.deadline > now]
         if not held or min(h.deadline for h in held) - now > self.ahead:
             return None
         return held

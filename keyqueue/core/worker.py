@@ -192,6 +192,7 @@ class QueueWorker:
         # record (core/lock.py), so even a token that sat in a buffer while this process was
         # paused is safe to act on.
         self._tokens_pending = token.pending
+        self.report.token_received(self.config.name, token.key, token.delivered)
         held = self._held.get(token.key)
         previous: asyncio.Task[str] | None = None
         if held is not None:
@@ -448,6 +449,9 @@ class _Report:
             step(*args, **kwargs)
         except Exception:
             log.exception("session observer failed in %s; carrying on", step.__name__)
+
+    def token_received(self, queue: str, key: str, delivered: int) -> None:
+        self._tell(self.observer.token_received, queue, key, delivered)
 
     def key_acquired(self, hold: KeyHold) -> None:
         self._log("acquired", logging.DEBUG, hold.key, "queue %s key %s: acquired (fencing %s)", self.queue,

@@ -16,7 +16,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Final
 
-__all__ = ["BUCKET", "RATIO", "RECENT", "WINDOW", "Latencies"]
+__all__ = ["BUCKET", "RATIO", "RECENT", "WINDOW", "Latencies", "bin_of", "bin_value", "quantile_of"]
 
 BUCKET: Final = 10.0
 """Seconds per slot: one point of a chart."""
@@ -34,13 +34,14 @@ SMALLEST: Final = 1e-5
 """The first bin's upper edge (seconds); shorter times go into it."""
 
 
-def _bin(seconds: float) -> int:
+def bin_of(seconds: float) -> int:
+    """The histogram bin of a time (bins are ``RATIO`` apart; 0 holds everything up to ``SMALLEST``)."""
     if seconds <= SMALLEST:
         return 0
     return math.ceil(math.log(seconds / SMALLEST, RATIO))
 
 
-def _value(index: int) -> float:
+def bin_value(index: int) -> float:
     """A bin's representative: the geometric middle of its edges."""
     return SMALLEST * RATIO ** (index - 0.5) if index > 0 else SMALLEST
 
@@ -63,13 +64,13 @@ class Latencies:
         if not self._ring or self._ring[-1][0] != slot:
             self._ring.append((slot, Counter()))
             self._trim(slot)
-        self._ring[-1][1][_bin(seconds)] += 1
+        self._ring[-1][1][bin_of(seconds)] += 1
 
     def quantile(self, q: float, over: float = RECENT) -> float | None:
         """The ``q`` quantile (0.5: median) of the times of the last ``over`` seconds; None without any."""
         now = self._slot()
         first = now - max(1, math.ceil(over / self.bucket)) + 1
-        return _quantile((counts for slot, counts in self._ring if slot >= first), q)
+        return quantile_of((counts for slot, counts in self._ring if slot >= first), q)
 
     def count(self, over: float = RECENT) -> int:
         """How many times the last ``over`` seconds hold."""
@@ -81,7 +82,7 @@ class Latencies:
         now = self._slot()
         self._trim(now)
         by_slot = dict(self._ring)
-        return [_quantile([by_slot[s]], q) if s in by_slot else None for s in range(now - self.slots + 1, now + 1)]
+        return [quantile_of([by_slot[s]], q) if s in by_slot else None for s in range(now - self.slots + 1, now + 1)]
 
     def _slot(self) -> int:
         return int(self.clock() // self.bucket)
@@ -91,7 +92,8 @@ class Latencies:
             self._ring.popleft()
 
 
-def _quantile(slots: Iterable[Counter[int]], q: float) -> float | None:
+def quantile_of(slots: Iterable[Counter[int]], q: float) -> float | None:
+    """The ``q`` quantile of the times counted in ``slots`` (bin -> count), None without any."""
     merged: Counter[int] = Counter()
     for counts in slots:
         merged.update(counts)
@@ -103,5 +105,5 @@ def _quantile(slots: Iterable[Counter[int]], q: float) -> float | None:
     for index in sorted(merged):
         seen += merged[index]
         if seen >= rank:
-            return _value(index)
-    return _value(max(merged))
+            return bin_value(index)
+    return bin_value(max(merged))

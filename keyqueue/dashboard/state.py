@@ -1,14 +1,24 @@
-"""What the dashboard shows: a snapshot of every queue, refreshed once a second, and recent events.
+"""What the dashboard shows: a snapshot of every queue, refreshed once a second, and what it follows live.
 
-``Monitor`` polls the server (inspection, the worker registry) and keeps, per queue, a short
-history of the inbox stream's counters, from which it derives requests per second without any
-help from the workers: *enqueued/s* from the growth of the inbox's last sequence, *done/s* from
-requests that left the inbox (processed or dead-lettered). It also subscribes to the queues'
-lifecycle events (``kq.*.events.>``) and keeps the last few per key (what a key's page shows)
-and a count per event and queue since it started (the ``/metrics`` counters), the queues' wait
-and run times over the last minutes (``latency``), and, for the keys whose page is open, their
-progress messages (``progress``). Events may be sampled or turned off (docs/observability.md):
-the rates do not depend on them.
+``Monitor`` polls the server and keeps, per queue, a few minutes of the inbox's and the DLQ's
+counters, from which it derives requests per second without any help from the workers:
+*enqueued/s* from the growth of the inbox's last sequence, *done/s* from requests that left the
+inbox (processed or dead-lettered); ``/health`` reads the backlog's and the DLQ's growth there.
+
+**Every key, at any size.** The counts (backlog, keys held, waiting, DLQ) are read at each
+refresh, in a few reads whatever the number of keys. Every key's state (``inspect_queue`` with
+every key) costs a read of the token and inbox subjects, which on 100,000 keys takes around a
+second, so it is read again only once its last reading is ``KEYS_COST_FACTOR`` times its own cost
+old (every refresh on small queues); pages say when it was read.
+
+It also follows, live: the queues' lifecycle events (``kq.*.events.>``), keeping the last few per
+key (a key's attempts and whether it is failing), a count per event and queue since it started
+(the ``/metrics`` counters), the wait and run times of the last minutes (``latency``) and the
+per-minute rollups it stores (``history``); every key's last progress time
+(``kq.*.progress.>``: a held key that reports progress is not stuck); and, for the keys whose page
+is open, their progress messages (``progress``). The search index (``search``) is brought up to
+date in a task of its own. Events may be sampled or turned off (docs/observability.md): the rates
+do not depend on them.
 """
 
 from __future__ import annotations
@@ -19,14 +29,16 @@ import logging
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 from keyqueue.admin.inspection import KeyState, QueueReport, inspect_queue, list_queues
 from keyqueue.admin.workers import WorkerState, queue_workers
+from keyqueue.dashboard.history import History
 from keyqueue.dashboard.latency import Latencies
 from keyqueue.dashboard.progress import ProgressFeed
 from keyqueue.dashboard.schedules import Delays
+from keyqueue.dashboard.search import SearchIndex
 from keyqueue.errors import KeyqueueError, StreamNotFound, WireError
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
@@ -37,12 +49,16 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
-__all__ = ["HISTORY", "KEY_EVENTS", "HeadAttempt", "KeyEvent", "Monitor", "QueueView", "Snapshot"]
+__all__ = ["KEYS_COST_FACTOR", "KEY_EVENTS", "SAMPLES_KEPT", "HeadAttempt", "KeyEvent", "Monitor", "QueueView",
+           "Snapshot"]
 
 log = logging.getLogger("keyqueue.dashboard")
 
-HISTORY: Final = 120
-"""Samples of each queue's counters kept (one per refresh: two minutes at the default)."""
+SAMPLES_KEPT: Final = 360.0
+"""Seconds of each queue's counters kept (one sample per refresh)."""
+
+KEYS_COST_FACTOR: Final = 4.0
+"""Every key's state is read again once its last reading is this many times its cost old."""
 
 KEY_EVENTS: Final = 50
 """Recent events kept per key."""
@@ -50,12 +66,16 @@ KEY_EVENTS: Final = 50
 TRACKED_KEYS: Final = 10_000
 """Keys whose recent events are kept (the least recently active are forgotten first)."""
 
+PROGRESS_KEYS: Final = 100_000
+"""Keys whose last progress time is kept (the least recently active are forgotten first)."""
+
 
 @dataclass(frozen=True)
 class Sample:
     at: float
     last_seq: int
     messages: int
+    dlq: int = 0
 
 
 @dataclass
@@ -63,16 +83,30 @@ class QueueView:
     """One queue as the pages show it."""
 
     report: QueueReport
+    """Its counts as of this snapshot; its keys as of ``keys_read``."""
     workers: list[WorkerState]
-    history: deque[Sample] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    history: deque[Sample] = field(default_factory=deque)
+    keys_read: float = 0.0
+    """When its keys were last read (Unix seconds)."""
+    keys_cost: float = 0.0
+    """Seconds that reading took."""
+
+    def sample_ago(self, seconds: float) -> Sample | None:
+        """The oldest sample at most ``seconds`` old, if one is at least ``seconds`` / 2 old."""
+        if not self.history:
+            return None
+        last = self.history[-1]
+        found = next((s for s in self.history if last.at - s.at <= seconds), None)
+        return found if found is not None and last.at - found.at >= seconds / 2 else None
 
     def rate(self, kind: str, window: float = 5.0) -> float:
         """``enqueued`` or ``done`` per second over the last ``window`` seconds."""
         return _rate(list(self.history), kind, window)
 
-    def series(self, kind: str) -> list[float]:
-        """Per-sample rates, oldest first (the sparklines)."""
-        samples = list(self.history)
+    def series(self, kind: str, span: float = 120.0) -> list[float]:
+        """Per-sample rates over the last ``span`` seconds, oldest first (the sparklines)."""
+        last = self.history[-1].at if self.history else 0.0
+        samples = [s for s in self.history if last - s.at <= span]
         return [_rate(samples[: i + 1], kind, 0.0) for i in range(1, len(samples))]
 
     @property
@@ -159,21 +193,48 @@ class Monitor:
         self.progress = ProgressFeed(nc)
         self.delays = Delays(nc, max_age=max(2.0, 2 * refresh))
         """The queues' delayed requests, read when a page shows them."""
+        self.history = History(nc)
+        """Per-minute rollups of every queue's events, stored in NATS."""
+        self.search = SearchIndex(nc)
+        self.last_progress: dict[tuple[str, str], float] = {}
+        """(queue, key) -> when its last progress message arrived (most recent last)."""
         self._version = asyncio.Condition()
-        self._subscription: Any = None
+        self._subscriptions: list[Any] = []
+        self._keys_due: dict[str, float] = {}
         self.listeners: list[Callable[[Snapshot], None]] = []
 
     async def run(self) -> None:
-        """Refresh until cancelled."""
-        self._subscription = await self.nc.subscribe("kq.*.events.>", cb=self._on_event)
+        """Refresh until cancelled (the search index is followed by a task of its own)."""
+        await self.start_following()
         try:
-            while True:
-                await self.poll()
-                await asyncio.sleep(self.refresh)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._follow_index(), name="keyqueue-dashboard-search-index")
+                while True:
+                    await self.poll()
+                    await self.history.flush(sorted(self.snapshot.queues))
+                    await asyncio.sleep(self.refresh)
         finally:
             await self.progress.close()
-            with contextlib.suppress(Exception):
-                await self._subscription.unsubscribe()
+            for subscription in self._subscriptions:
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
+
+    async def start_following(self) -> None:
+        """Subscribe to every queue's events and progress (``run`` does; a test may alone)."""
+        if not self._subscriptions:
+            self._subscriptions = [await self.nc.subscribe("kq.*.events.>", cb=self._on_event),
+                                   await self.nc.subscribe("kq.*.progress.>", cb=self._on_progress)]
+
+    async def _follow_index(self) -> None:
+        while True:
+            for queue in sorted(self.snapshot.queues):
+                try:
+                    await self.search.follow(queue)
+                except (KeyqueueError, TimeoutError, OSError) as exc:
+                    log.warning("dashboard: the search index of queue %s is behind: %s", queue, exc)
+            for gone in set(self.search.pending) - set(self.snapshot.queues):
+                self.search.forget(gone)
+            await asyncio.sleep(self.refresh)
 
     async def poll(self) -> None:
         """One refresh of every queue."""
@@ -197,16 +258,33 @@ class Monitor:
             self._version.notify_all()
 
     async def _queue(self, queue: str, before: QueueView | None) -> QueueView | None:
+        every_key = before is None or time.monotonic() >= self._keys_due.get(queue, 0.0)
+        started = time.monotonic()
         try:
-            report = await inspect_queue(self.api, queue)
+            report = await inspect_queue(self.api, queue, every_key=True, keys=every_key)
             info = await self.api.stream_info(QueueNames(queue).inbox_stream)
         except StreamNotFound:
             return None
-        view = QueueView(report, await queue_workers(self.api, queue))
+        if every_key:
+            cost = time.monotonic() - started
+            self._keys_due[queue] = time.monotonic() + max(self.refresh, KEYS_COST_FACTOR * cost)
+            view = QueueView(report, await queue_workers(self.api, queue), keys_read=time.time(), keys_cost=cost)
+            self.search.trim(report)
+        else:
+            assert before is not None
+            keys = before.report
+            report = replace(report, keys=keys.keys, workers=keys.workers, keys_total=keys.keys_total,
+                             inbox_last_seq=keys.inbox_last_seq)
+            view = QueueView(report, await queue_workers(self.api, queue), keys_read=before.keys_read,
+                             keys_cost=before.keys_cost)
         if before is not None:
             view.history.extend(before.history)
         state = info.get("state") or {}
-        view.history.append(Sample(time.monotonic(), int(state.get("last_seq", 0)), int(state.get("messages", 0))))
+        now = time.monotonic()
+        view.history.append(Sample(now, int(state.get("last_seq", 0)), int(state.get("messages", 0)),
+                                   report.dlq_size))
+        while view.history and now - view.history[0].at > SAMPLES_KEPT:
+            view.history.popleft()
         return view
 
     async def changed(self, version: int, timeout: float) -> int:
@@ -229,6 +307,7 @@ class Monitor:
         self.event_counts[(queue, name, str(fields.get("task") or ""))] += 1
         if self.only is None or queue in self.only:
             self._timings(queue, name, fields)
+            self.history.add(queue, name, fields)
         if not isinstance(key, str):
             return
         detail = " ".join(f"{k}={_short(fields[k])}" for k in ("attempt", "reason", "wait", "run")
@@ -242,6 +321,15 @@ class Monitor:
         self.events[(queue, key)] = recent  # most recently active last
         while len(self.events) > TRACKED_KEYS:
             del self.events[next(iter(self.events))]
+
+    async def _on_progress(self, msg: Msg) -> None:
+        parts = msg.subject.split(".", 3)
+        if len(parts) == 4:
+            which = (parts[1], parts[3])
+            self.last_progress.pop(which, None)
+            self.last_progress[which] = time.time()  # most recently active last
+            if len(self.last_progress) > PROGRESS_KEYS:
+                del self.last_progress[next(iter(self.last_progress))]
 
     def _timings(self, queue: str, name: str, fields: dict[str, Any]) -> None:
         if name == "started" and isinstance(wait := fields.get("wait"), int | float):
@@ -271,14 +359,16 @@ class Monitor:
         return list(reversed(self.events.get((queue, key), ())))
 
     def last_activity(self, queue: str, key: KeyState) -> float | None:
-        """When the key last did something: its last event, else its lease record's last renewal."""
+        """When the key last did something: its last event or progress message, else when its holder
+        acquired it (a lease renewal is not activity: it says the holder lives, not that work moves)."""
         recent = self.events.get((queue, key.key))
-        if recent:
-            return recent[-1].ts
-        if key.holder is not None:
+        moments = [recent[-1].ts] if recent else []
+        if (progress := self.last_progress.get((queue, key.key))) is not None:
+            moments.append(progress)
+        if not moments and key.holder is not None:
             moment = key.holder.since or key.holder.renewed
             return None if moment is None else moment.timestamp()
-        return None
+        return max(moments) if moments else None
 
 
 def _short(value: object) -> str:

@@ -1,19 +1,21 @@
-"""The dashboard's Starlette app: pages, live updates, ``/metrics`` and the DLQ actions.
+"""The dashboard's Starlette app: its pages, live updates, ``/health`` and ``/metrics``.
 
-Every page is server-rendered HTML that works without JavaScript (its tables, search, filters
-and sorting are plain links and GET forms, so each view has a shareable URL). With JavaScript,
-``static/live.js`` listens to ``/live`` (server-sent events: one ``refresh`` per snapshot) and
-replaces the page's live region with ``?fragment=1`` of the same URL, so counters move without a
-reload.
+Every page is server-rendered HTML that works without JavaScript (its tables, search, filters,
+sorting and pages are plain links and GET forms, so each view has a shareable URL). With
+JavaScript, ``static/live.js`` listens to ``/live`` (server-sent events: one ``refresh`` per
+snapshot) and replaces the page's live region with ``?fragment=1`` of the same URL, so counters
+move without a reload. The actions (POST) are in ``actions``; who may see and do what is decided
+by ``security.Guard`` before any page runs.
 """
 
 from __future__ import annotations
 
-import logging
+import asyncio
+import json
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
@@ -23,48 +25,42 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from keyqueue.admin.dead_letters import (
-    dead_letters,
-    delete_dead_letters,
-    purge_dead_letters,
-    replay,
-)
-from keyqueue.admin.inspection import KeyState, parse_time
-from keyqueue.admin.workers import WorkerState
-from keyqueue.dashboard.charts import duration, latency_chart, sparkline
+from keyqueue.admin.dead_letters import DeadLetter, dead_letters, get_dead_letter
+from keyqueue.admin.diagnosis import diagnose_key
+from keyqueue.admin.inspection import parse_time
+from keyqueue.admin.key_history import key_events, latest_events, runs_of
+from keyqueue.dashboard.actions import action_routes
+from keyqueue.dashboard.audit import AuditLog
+from keyqueue.dashboard.charts import count_chart, duration, latency_chart, sparkline, time_chart
+from keyqueue.dashboard.health import DLQ_SPAN, GROWTH_SPAN, Health, Verdict, judge, overall
+from keyqueue.dashboard.key_list import KINDS, key_page
 from keyqueue.dashboard.latency import RECENT, WINDOW
 from keyqueue.dashboard.schedules import queue_schedules
-from keyqueue.dashboard.security import (
-    CSRF_COOKIE,
-    CSRF_FIELD,
-    TOKEN_COOKIE,
-    Access,
-    csrf_matches,
-    new_csrf_token,
-)
-from keyqueue.dashboard.state import HeadAttempt, Monitor, QueueView
-from keyqueue.errors import KeyqueueError, MessageNotFound, StreamNotFound
-from keyqueue.jetstream.publish import Publisher
+from keyqueue.dashboard.search import PAGE, RequestFilter, with_where
+from keyqueue.dashboard.security import CSRF_FIELD, Access, Caller, Guard, HostPolicy
+from keyqueue.dashboard.state import Monitor, QueueView
+from keyqueue.errors import InvalidKey, KeyqueueError, MessageNotFound, StreamNotFound
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.metrics.prometheus import INSTRUMENTS, prometheus_name
+from keyqueue.wire import CBOR, loads
 from keyqueue.wire import headers as H
 
-__all__ = ["DashboardOptions", "create_app", "role_text", "sparkline"]
-
-log = logging.getLogger("keyqueue.dashboard")
-audit = logging.getLogger("keyqueue.dashboard.audit")
+__all__ = ["DashboardOptions", "Pages", "create_app", "role_text", "sparkline"]
 
 HERE: Final = Path(__file__).parent
 PENDING_LIMIT: Final = 100
 """Pending requests a key's page lists."""
 DLQ_LIMIT: Final = 200
 """Dead requests the DLQ page lists."""
+KEY_EVENTS_SHOWN: Final = 50
+"""Stored events a key's page lists."""
+HISTORY_SPANS: Final = {1: 1, 6: 5, 24: 15, 168: 60}
+"""Hours a history chart can span -> minutes per point."""
 
 _EVENT_INSTRUMENTS: Final = {
     "enqueued": "keyqueue.requests.enqueued", "succeeded": "keyqueue.requests.succeeded",
@@ -76,13 +72,16 @@ _EVENT_INSTRUMENTS: Final = {
 
 @dataclass(frozen=True)
 class DashboardOptions:
-    """How the dashboard runs: its credentials, whether actions are allowed, when a key is stuck."""
+    """How the dashboard runs: who may use it and from where, whether actions exist, its bounds."""
 
     access: Access = field(default_factory=Access)
+    hosts: HostPolicy = field(default_factory=lambda: HostPolicy("127.0.0.1"))
     read_only: bool = False
     """Hide and refuse every action."""
     stuck_after: float = 60.0
-    """Seconds without activity after which a held key is listed as stuck."""
+    """Seconds without an event or a progress message after which a held key is listed as stuck."""
+    max_wait: float = 300.0
+    """Seconds the oldest stored request may wait before ``/health`` fails its queue."""
 
 
 def _ago(ts: float | None, now: float) -> str:
@@ -111,113 +110,94 @@ def _clock(ts: float | None) -> str:
     return "-" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-class _Guard(BaseHTTPMiddleware):
-    """Authentication (beyond loopback), the CSRF cookie, and the token-in-URL redirect."""
+def _url(path: str, params: dict[str, Any]) -> str:
+    query = urllib.parse.urlencode({k: v for k, v in params.items() if v not in (None, "")})
+    return path + (f"?{query}" if query else "")
 
-    def __init__(self, app: Any, options: DashboardOptions) -> None:
-        super().__init__(app)
+
+class NotFound(Exception):
+    """A page of something that does not exist (404 with the message)."""
+
+
+class Pages:
+    """The dashboard's pages over one ``Monitor``: rendering, and the handlers of the GET routes."""
+
+    def __init__(self, monitor: Monitor, options: DashboardOptions) -> None:
+        self.monitor = monitor
         self.options = options
+        self.audit = AuditLog(monitor.nc)
+        self.env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
+        self.env.globals.update(ago=_ago, until=_until, clock=_clock, sparkline=sparkline, duration=duration,
+                                latency_chart=latency_chart, url=_url, count_chart=count_chart,
+                                time_chart=time_chart, to_json=_json)
 
-    async def dispatch(self, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        access = self.options.access
-        request.state.who = f"local {request.client.host if request.client else '?'}"
-        if access.required:
-            given = request.query_params.get("token")
-            if given is not None and access.token is not None and access.who(f"Bearer {given}", None):
-                query = urllib.parse.urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
-                response: Response = RedirectResponse(request.url.path + (f"?{query}" if query else ""), 303)
-                response.set_cookie(TOKEN_COOKIE, given, httponly=True, samesite="strict",
-                                    secure=request.url.scheme == "https")
-                return response
-            who = access.who(request.headers.get("authorization"), request.cookies.get(TOKEN_COOKIE))
-            if who is None:
-                challenge = {"WWW-Authenticate": 'Basic realm="keyqueue"'} if access.user else {}
-                return PlainTextResponse("authentication required", 401, headers=challenge)
-            request.state.who = who
-        csrf = request.cookies.get(CSRF_COOKIE) or new_csrf_token()
-        request.state.csrf = csrf
-        response = await call_next(request)
-        if request.cookies.get(CSRF_COOKIE) != csrf:
-            response.set_cookie(CSRF_COOKIE, csrf, httponly=True, samesite="strict",
-                                secure=request.url.scheme == "https")
-        response.headers.setdefault("X-Frame-Options", "DENY")
-        response.headers.setdefault("Referrer-Policy", "no-referrer")
-        response.headers.setdefault("X-Content-Type-Options", "nosniff")
-        return response
-
-
-def create_app(monitor: Monitor, options: DashboardOptions | None = None) -> Starlette:
-    """The dashboard on ``monitor``'s snapshot (the caller runs ``monitor.run()``)."""
-    options = options or DashboardOptions()
-    env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
-    env.globals.update(ago=_ago, until=_until, clock=_clock, sparkline=sparkline, duration=duration,
-                       latency_chart=latency_chart)
-    registry = _registry(monitor)
-
-    def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
-        snapshot = monitor.snapshot
-        fragment = request.query_params.get("fragment") == "1"
-        html = env.get_template(template).render(
-            request=request, snapshot=snapshot, now=time.time(), read_only=options.read_only,
-            csrf_field=CSRF_FIELD, csrf=getattr(request.state, "csrf", ""), fragment=fragment,
+    def render(self, request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
+        snapshot = self.monitor.snapshot
+        caller: Caller = getattr(request.state, "caller", Caller("?", "viewer"))
+        html = self.env.get_template(template).render(
+            request=request, snapshot=snapshot, now=time.time(), read_only=self.options.read_only,
+            may_act=caller.may_act and not self.options.read_only, caller=caller, csrf_field=CSRF_FIELD,
+            csrf=getattr(request.state, "csrf", ""), fragment=request.query_params.get("fragment") == "1",
             queues=sorted(snapshot.queues), **context)
         return HTMLResponse(html, status)
 
-    def view(queue: str) -> QueueView:
-        found = monitor.snapshot.queues.get(queue)
+    def view(self, queue: str) -> QueueView:
+        found = self.monitor.snapshot.queues.get(queue)
         if found is None:
-            raise _NotFound(f"no queue {queue!r} (queues: {', '.join(sorted(monitor.snapshot.queues)) or 'none'})")
+            known = ", ".join(sorted(self.monitor.snapshot.queues)) or "none"
+            raise NotFound(f"no queue {queue!r} (queues: {known})")
         return found
 
-    async def overview(request: Request) -> Response:
-        timings = {queue: _Timings.of(monitor, queue) for queue in monitor.snapshot.queues}
-        return render(request, "overview.html", timings=timings, recent=int(RECENT), window=int(WINDOW // 60))
-
-    async def keys(request: Request) -> Response:
-        queue = request.path_params["queue"]
-        found = view(queue)
-        search = request.query_params.get("q", "").strip()
-        state = request.query_params.get("state", "all")
-        sort = request.query_params.get("sort", "backlog")
-        registry_by_name = {w.name: w for w in found.workers}
+    def verdicts(self) -> list[Verdict]:
         now = time.time()
-        rows = []
-        for k in found.report.keys:
-            if search and search.lower() not in k.key.lower():
-                continue
-            activity = monitor.last_activity(queue, k)
-            stuck = k.token == "held" and activity is not None and now - activity > options.stuck_after
-            kind = "stuck" if stuck else {"held": "held", "scheduled": "waiting"}.get(k.token, "backlog")
-            head = monitor.head_attempt(queue, k.key)
-            failing = head is not None and head.failing
-            if state == "failing":
-                if not failing:
-                    continue
-            elif state != "all" and not (state == kind or (state == "held" and kind == "stuck")):
-                continue
-            holder = registry_by_name.get(k.holder.worker) if k.holder and k.holder.worker else None
-            rows.append(_KeyRow(k, kind, holder, activity, head))
-        rows.sort(key=_KEY_SORTS.get(sort, _KEY_SORTS["backlog"]))
-        return render(request, "keys.html", queue=queue, view=found, rows=rows, search=search, state=state,
-                      sort=sort, stuck_after=options.stuck_after)
+        found = []
+        for _, view in sorted(self.monitor.snapshot.queues.items()):
+            backlog_then, dlq_then = view.sample_ago(GROWTH_SPAN), view.sample_ago(DLQ_SPAN)
+            found.append(judge(view.report, view.workers, now=now, max_wait=self.options.max_wait,
+                               backlog_then=backlog_then.messages if backlog_then else None,
+                               dlq_then=dlq_then.dlq if dlq_then else None))
+        return found
 
-    async def key_page(request: Request) -> Response:
+    # --- pages ---------------------------------------------------------------------------------
+
+    async def overview(self, request: Request) -> Response:
+        timings = {queue: _Timings.of(self.monitor, queue) for queue in self.monitor.snapshot.queues}
+        verdicts = {v.queue: v for v in self.verdicts()}
+        return self.render(request, "overview.html", timings=timings, recent=int(RECENT), window=int(WINDOW // 60),
+                           verdicts=verdicts)
+
+    async def keys(self, request: Request) -> Response:
+        queue = request.path_params["queue"]
+        found = self.view(queue)
+        params = request.query_params
+        search, kind, sort = params.get("q", "").strip(), params.get("state", "all"), params.get("sort", "backlog")
+        now = time.time()
+        listed = key_page(self.monitor, queue, found, search=search, kind=kind, sort=sort,
+                          page=_number(params.get("page"), 1), stuck_after=self.options.stuck_after, now=now)
+        return self.render(request, "keys.html", queue=queue, view=found, listed=listed, search=search, state=kind,
+                           sort=sort, kinds=KINDS, stuck_after=self.options.stuck_after)
+
+    async def key(self, request: Request) -> Response:
         queue, key = request.path_params["queue"], request.path_params["key"]
-        found = view(queue)
-        state = next((k for k in found.report.keys if k.key == key), None)
-        pending = await _pending(monitor, queue, key)
+        found = self.view(queue)
+        monitor = self.monitor
+        try:
+            diagnosis = await diagnose_key(monitor.api, queue, key)
+        except InvalidKey as exc:
+            raise NotFound(str(exc)) from None
+        latest = await latest_events(monitor.api, queue, key)
+        events = await key_events(monitor.api, queue, key, limit=500, latest=latest)
         letters = await dead_letters(monitor.api, queue, key=key, limit=DLQ_LIMIT) if found.report.dlq_size else []
-        holder = None
-        if state is not None and state.holder is not None and state.holder.worker:
-            holder = next((w for w in found.workers if w.name == state.holder.worker), None)
-        return render(request, "key.html", queue=queue, key=key, state=state, pending=pending,
-                      events=monitor.key_events(queue, key), letters=letters, holder=holder,
-                      head=monitor.head_attempt(queue, key), progress=await monitor.progress.watch(queue, key),
-                      delayed=await monitor.delays.of_key(queue, key))
+        progress = await monitor.progress.watch(queue, key)
+        pending = await _pending(monitor, queue, key)
+        return self.render(request, "key.html", queue=queue, key=key, d=diagnosis, pending=pending,
+                           runs=runs_of(events)[:100], events=list(reversed(events))[:KEY_EVENTS_SHOWN],
+                           letters=letters, progress=progress, last_progress=monitor.last_progress.get((queue, key)),
+                           delayed=await monitor.delays.of_key(queue, key), message=request.query_params.get("done"))
 
-    async def workers(request: Request) -> Response:
+    async def workers(self, request: Request) -> Response:
         merged: dict[str, dict[str, Any]] = {}
-        for queue, found in sorted(monitor.snapshot.queues.items()):
+        for queue, found in sorted(self.monitor.snapshot.queues.items()):
             for w in found.workers:
                 entry = merged.setdefault(w.name, {"state": w, "queues": [], "used": 0, "slots": 0, "roles": []})
                 entry["queues"].append(queue)
@@ -227,62 +207,78 @@ def create_app(monitor: Monitor, options: DashboardOptions | None = None) -> Sta
                 if w.received > entry["state"].received:
                     entry["state"] = w
         rows = sorted(merged.values(), key=lambda e: e["state"].name)
-        return render(request, "workers.html", live=[e for e in rows if e["state"].live],
-                      gone=[e for e in rows if not e["state"].live])
+        return self.render(request, "workers.html", live=[e for e in rows if e["state"].live],
+                           gone=[e for e in rows if not e["state"].live])
 
-    async def dlq_page(request: Request) -> Response:
+    async def dlq(self, request: Request) -> Response:
         queue = request.path_params["queue"]
-        view(queue)
-        key = request.query_params.get("key") or None
-        letters = await dead_letters(monitor.api, queue, key=key, limit=DLQ_LIMIT)
+        self.view(queue)
+        selected = RequestFilter.from_query(request.query_params)
+        filtered = not selected.empty
+        one_key = selected.key and not any(c in selected.key for c in "*?[") and not (
+            selected.text or selected.task or selected.error)
+        if one_key:  # read from the stream itself: exact even while the search index is being built
+            letters = await dead_letters(self.monitor.api, queue, key=selected.key, limit=DLQ_LIMIT)
+            total = len(letters)
+        elif filtered:
+            matches = self.monitor.search.matching(queue, with_where(selected, "dead"))
+            letters = [letter for letter in await _letters(self.monitor, queue, [m.seq for m in matches[:DLQ_LIMIT]])]
+            total = len(matches)
+        else:
+            letters = await dead_letters(self.monitor.api, queue, limit=DLQ_LIMIT)
+            total = self.view(queue).report.dlq_size
         by_key: dict[str, int] = {}
         for letter in letters:
             by_key[letter.key] = by_key.get(letter.key, 0) + 1
-        return render(request, "dlq.html", queue=queue, key=key, letters=letters, by_key=by_key,
-                      message=request.query_params.get("done"))
+        return self.render(request, "dlq.html", queue=queue, letters=letters, by_key=by_key, selected=selected,
+                           filtered=filtered, total=total, message=request.query_params.get("done"))
 
-    async def dlq_action(request: Request) -> Response:
-        queue, action = request.path_params["queue"], request.path_params["action"]
-        if options.read_only:
-            return PlainTextResponse("this dashboard is read-only", 405)
-        form = await request.form()
-        if not csrf_matches(request.cookies.get(CSRF_COOKIE), _text(form.get(CSRF_FIELD))):
-            audit.warning("refused %s on queue %s from %s: CSRF token missing or wrong", action, queue,
-                          request.state.who)
-            return PlainTextResponse("CSRF token missing or wrong; reload the page and try again", 403)
-        view(queue)
-        key = _text(form.get("key")) or None
-        seq_text = _text(form.get("seq"))
-        seq = int(seq_text) if seq_text.isdigit() else None
-        publisher = Publisher(monitor.nc, QueueNames(queue), timeout=5.0)
-        if action == "purge" and _text(form.get("confirm")) != queue:
-            return render(request, "confirm.html", queue=queue, key=key)
-        try:
-            if action == "replay":
-                count = await replay(monitor.api, publisher, queue, key=key,
-                                     seqs=[seq] if seq is not None else None)
-                done = f"replayed {count} request(s)"
-            elif action == "delete" and seq is not None:
-                await delete_dead_letters(monitor.api, queue, [seq])
-                done = f"deleted dead request {seq}"
-            elif action == "purge":
-                count = await purge_dead_letters(monitor.api, queue, key=key)
-                done = f"purged {count} dead request(s)"
-            else:
-                return PlainTextResponse(f"unknown action {action!r}", 400)
-        except MessageNotFound as exc:
-            return PlainTextResponse(exc.description, 404)
-        what = f"queue {queue}" + (f" key {key}" if key else "") + (f" seq {seq}" if seq is not None else "")
-        audit.info("%s: %s (%s)", request.state.who, done, what)
-        await monitor.poll()
-        back = f"/queues/{queue}/dlq?" + urllib.parse.urlencode({"done": done, **({"key": key} if key else {})})
-        return RedirectResponse(back, 303)
+    async def search(self, request: Request) -> Response:
+        queues = sorted(self.monitor.snapshot.queues)
+        queue = request.query_params.get("queue") or (queues[0] if queues else "")
+        selected = RequestFilter.from_query(request.query_params)
+        found = None
+        if queue:
+            self.view(queue)
+            delayed = (await self.monitor.delays.of(queue)).requests if selected.where in ("all", "delayed") else []
+            page = _number(request.query_params.get("page"), 1)
+            found = self.monitor.search.search(queue, selected, delayed, page=page)
+            found = replace(found, entries=await self.monitor.search.verify(queue, found.entries))
+        return self.render(request, "search.html", queue=queue, selected=selected, found=found, page_size=PAGE,
+                           message=request.query_params.get("done"))
 
-    async def schedules(request: Request) -> Response:
-        found = [await queue_schedules(monitor.nc, monitor.delays, queue) for queue in sorted(monitor.snapshot.queues)]
-        return render(request, "schedules.html", schedules=found)
+    async def history(self, request: Request) -> Response:
+        queue = request.path_params["queue"]
+        self.view(queue)
+        hours = _number(request.query_params.get("hours"), 6)
+        hours = hours if hours in HISTORY_SPANS else 6
+        points = await self.monitor.history.points(queue, hours=hours, step=HISTORY_SPANS[hours])
+        return self.render(request, "history.html", queue=queue, hours=hours, spans=list(HISTORY_SPANS),
+                           points=points, step=HISTORY_SPANS[hours])
 
-    async def live(request: Request) -> Response:
+    async def schedules(self, request: Request) -> Response:
+        monitor = self.monitor
+        found = [await queue_schedules(monitor.nc, monitor.delays, q) for q in sorted(monitor.snapshot.queues)]
+        return self.render(request, "schedules.html", schedules=found)
+
+    async def audit_page(self, request: Request) -> Response:
+        queues = sorted(self.monitor.snapshot.queues)
+        only = request.query_params.get("queue") or None
+        entries = await self.audit.recent([only] if only in queues else queues)
+        return self.render(request, "audit.html", entries=entries, only=only)
+
+    async def health(self, request: Request) -> Response:
+        verdicts = self.verdicts()
+        result = Health(overall(verdicts), time.time(), verdicts)
+        if self.monitor.snapshot.error:
+            away = Verdict("(server)", "fail", [self.monitor.snapshot.error])
+            result = Health("fail", result.checked, [*verdicts, away])
+        body = result.fields(detailed=bool(getattr(request.state, "authenticated", False)))
+        return JSONResponse(body, 503 if result.status == "fail" else 200, headers={"Cache-Control": "no-store"})
+
+    async def live(self, request: Request) -> Response:
+        monitor = self.monitor
+
         async def stream() -> AsyncIterator[bytes]:
             version = monitor.snapshot.version
             yield b"retry: 2000\n\n"
@@ -297,67 +293,44 @@ def create_app(monitor: Monitor, options: DashboardOptions | None = None) -> Sta
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+
+def create_app(monitor: Monitor, options: DashboardOptions | None = None) -> Starlette:
+    """The dashboard on ``monitor``'s snapshot (the caller runs ``monitor.run()``)."""
+    options = options or DashboardOptions()
+    pages = Pages(monitor, options)
+    registry = _registry(monitor)
+
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return render(request, "error.html", status=404, message=str(exc))
+        return pages.render(request, "error.html", status=404, message=str(exc))
 
     async def server_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, StreamNotFound):
-            return render(request, "error.html", status=404, message=str(exc))
+            return pages.render(request, "error.html", status=404, message=str(exc))
         if isinstance(exc, KeyqueueError):
-            return render(request, "error.html", status=502, message=f"{type(exc).__name__}: {exc}")
+            return pages.render(request, "error.html", status=502, message=f"{type(exc).__name__}: {exc}")
         raise exc
 
     routes = [
-        Route("/", overview),
-        Route("/queues/{queue}/keys", keys),
-        Route("/queues/{queue}/keys/{key:path}", key_page),
-        Route("/queues/{queue}/dlq", dlq_page),
-        Route("/queues/{queue}/dlq/{action}", dlq_action, methods=["POST"]),
-        Route("/workers", workers),
-        Route("/schedules", schedules),
-        Route("/live", live),
+        Route("/", pages.overview),
+        Route("/queues/{queue}/keys", pages.keys),
+        Route("/queues/{queue}/keys/{key:path}", pages.key),
+        Route("/queues/{queue}/dlq", pages.dlq),
+        Route("/queues/{queue}/history", pages.history),
+        Route("/search", pages.search),
+        Route("/workers", pages.workers),
+        Route("/schedules", pages.schedules),
+        Route("/audit", pages.audit_page),
+        Route("/health", pages.health),
+        Route("/live", pages.live),
         Route("/metrics", metrics),
+        *action_routes(pages),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(_Guard, options=options)],
-                     exception_handlers={_NotFound: not_found, KeyqueueError: server_error})
-
-
-class _NotFound(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class _KeyRow:
-    """One row of a queue's keys page."""
-
-    key: KeyState
-    kind: str
-    """``held``, ``stuck``, ``waiting`` or ``backlog`` (requests but no token)."""
-    worker: WorkerState | None
-    """The holder's registry entry, when it has one."""
-    activity: float | None
-    head: HeadAttempt | None = None
-    """The attempts of the request it runs or retries, from its events."""
-
-    @property
-    def since(self) -> float | None:
-        h = self.key.holder
-        moment = None if h is None else h.since or h.renewed
-        return None if moment is None else moment.timestamp()
-
-
-_KEY_SORTS: Final[dict[str, Callable[[_KeyRow], Any]]] = {
-    "backlog": lambda r: (-r.key.backlog, r.key.key),
-    "key": lambda r: r.key.key,
-    "since": lambda r: (r.since is None, r.since or 0.0, r.key.key),
-    "activity": lambda r: (r.activity is None, r.activity or 0.0, r.key.key),
-    "state": lambda r: (r.kind, r.key.key),
-    "attempts": lambda r: (-(r.head.attempt if r.head else 0), r.key.key),
-}
+    return Starlette(routes=routes, middleware=[Middleware(Guard, access=options.access, hosts=options.hosts)],
+                     exception_handlers={NotFound: not_found, KeyqueueError: server_error})
 
 
 @dataclass(frozen=True)
@@ -402,8 +375,12 @@ def role_text(role: dict[str, Any]) -> str:
     return str(policy)
 
 
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) else ""
+def _number(text: str | None, default: int) -> int:
+    return int(text) if text is not None and text.isdigit() else default
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
 
 
 @dataclass(frozen=True)
@@ -414,22 +391,35 @@ class _Pending:
     task: str
     request_id: str
     stored: float | None
+    arguments: Any
 
 
 async def _pending(monitor: Monitor, queue: str, key: str) -> list[_Pending]:
     """The key's pending requests in order (at most ``PENDING_LIMIT``)."""
     names = QueueNames(queue)
     found: list[_Pending] = []
-    seq = 1
-    while len(found) < PENDING_LIMIT:
-        msg = await monitor.api.get_msg(names.inbox_stream, seq=seq, next_by_subject=names.inbox(key), direct=False)
-        if msg is None:
-            break
-        stored = parse_time(msg.timestamp)
-        found.append(_Pending(msg.seq, msg.headers.get(H.MESSAGE_TYPE, ""), msg.headers.get(H.MSG_ID, ""),
-                              None if stored is None else stored.timestamp()))
-        seq = msg.seq + 1
+    async for page in monitor.api.pages(names.inbox_stream, names.inbox(key), limit=PENDING_LIMIT, batch=PENDING_LIMIT):
+        for msg in page:
+            stored = parse_time(msg.timestamp)
+            try:
+                arguments: Any = loads(msg.data, msg.headers.get(H.CONTENT_TYPE, CBOR)) if msg.data else None
+            except KeyqueueError:
+                arguments = f"<{len(msg.data)} bytes that do not decode>"
+            found.append(_Pending(msg.seq, msg.headers.get(H.MESSAGE_TYPE, ""), msg.headers.get(H.MSG_ID, ""),
+                                  None if stored is None else stored.timestamp(), arguments))
     return found
+
+
+async def _letters(monitor: Monitor, queue: str, seqs: list[int]) -> list[DeadLetter]:
+    """The dead requests at ``seqs`` still in the DLQ, in order."""
+
+    async def one(seq: int) -> DeadLetter | None:
+        try:
+            return await get_dead_letter(monitor.api, queue, seq)
+        except MessageNotFound:
+            return None
+
+    return [letter for letter in await asyncio.gather(*(one(s) for s in seqs)) if letter is not None]
 
 
 def _registry(monitor: Monitor) -> CollectorRegistry:
@@ -474,3 +464,4 @@ def _registry(monitor: Monitor) -> CollectorRegistry:
 
     registry.register(EventCounters())
     return registry
+

@@ -168,8 +168,8 @@ class Publisher:
                 if repeatable and await outage.wait():
                     continue
                 raise
-            if _no_leader(reply) and await outage.pause():
-                continue  # nothing was stored: the stream has no leader yet
+            if (_no_leader(reply) or _unavailable(reply)) and await outage.pause():
+                continue  # nothing was stored: the stream has no leader yet, or JetStream is catching up
             return reply
 
     async def close(self) -> None:
@@ -322,6 +322,11 @@ def _deduplicated(request: OutgoingRequest) -> bool:
 
 def _deduplicated_headers(headers: Mapping[str, str]) -> bool:
     return any(name.lower() == MSG_ID.lower() for name in headers)
+
+
+def _unavailable(reply: Msg) -> bool:
+    """A publish answered "JetStream system temporarily unavailable" (10008): nothing was stored."""
+    return b'"err_code":10008' in reply.data
 
 
 def _no_leader(reply: Msg) -> bool:

@@ -15,12 +15,8 @@ fit stops the backfill before anything is stored (:class:`RowRefused`), as ``key
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import sys
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,15 +24,21 @@ from typing import Any, Final
 
 from keyqueue import Task
 from keyqueue.errors import ConfigError, KeyqueueError
-from keyqueue.ext import QueueNames
 
-from .sink import plain_converter, read_summary
-from .streams import connect_to, stream_bounds
+from .backlog import BacklogLimit
+from .progress import JobProgress, new_progress_subject
+from .rows import plain_converter
+from .sink import read_summary
 
 ROW_COLUMN: Final = "_kq_row"
 """The input row number the backfill adds (and uses as the request identity)."""
 
 FORMATS: Final = ("parquet", "csv", "json")
+
+BATCH_ROWS: Final = 50_000
+"""Rows per pipelined batch of a backfill's tasks (the sink's ``batchRows``). Each batch ends with one
+token publish per distinct key in it: a task with 5,000 keys sends 5,000 tokens per batch, half
+its publishes at the sink's default of 10,000 rows, a tenth at this size."""
 
 
 def guess_format(path: str) -> str:
@@ -111,67 +113,8 @@ class BackfillJob:
     partitions: int | None = None
     max_errors: int = 0
     csv_header: bool = True
-
-
-class WriteProgress:
-    """A background thread that shows tasks done and requests stored while a write runs.
-
-    Stored requests are read off the inbox stream's last sequence (a repeated request id stores
-    nothing, so a rerun shows 0 stored). The thread is owned: ``stop()`` ends and joins it.
-    """
-
-    def __init__(self, spark: Any, url: str, queue: str, total: int, *, interval: float = 1.0,
-                 out: Any = None) -> None:
-        self.spark, self.url, self.queue, self.total = spark, url, queue, total
-        self.interval = interval
-        self.out = out if out is not None else sys.stderr
-        self._stop = threading.Event()
-        self._start_seq = self._last_seq()
-        self._started = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="keyqueue-backfill-progress", daemon=True)
-
-    def _last_seq(self) -> int:
-        async def last() -> int:
-            nc = await connect_to(self.url)
-            try:
-                return (await stream_bounds(nc, QueueNames(self.queue).inbox_stream)).last_seq
-            finally:
-                await nc.close()
-        try:
-            return asyncio.run(last())
-        except KeyqueueError:
-            return 0
-
-    def line(self) -> str:
-        tracker = self.spark.sparkContext.statusTracker()
-        done = total = 0
-        for stage_id in tracker.getActiveStageIds():
-            info = tracker.getStageInfo(stage_id)
-            if info is not None:
-                done += info.numCompletedTasks
-                total += info.numTasks
-        stored = max(0, self._last_seq() - self._start_seq)
-        elapsed = max(1e-6, time.monotonic() - self._started)
-        share = f" ({100 * stored / self.total:.0f}%)" if self.total else ""
-        tasks = f"tasks {done}/{total}, " if total else ""
-        return f"{tasks}stored {stored:,}/{self.total:,} requests{share}, {stored / elapsed:,.0f}/s"
-
-    def _run(self) -> None:
-        tty = getattr(self.out, "isatty", lambda: False)()
-        every = self.interval if tty else max(5.0, self.interval)
-        while not self._stop.wait(every):
-            text = self.line()
-            print(f"\r{text}   " if tty else text, end="" if tty else "\n", file=self.out, flush=True)
-        if tty:
-            print(file=self.out)
-
-    def start(self) -> WriteProgress:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+    max_pending: int | None = None
+    """Keep the queue's backlog at or under this many requests, waiting for workers (None: no bound)."""
 
 
 def run_backfill(spark: Any, job: BackfillJob, *, task: Task[Any] | None = None,
@@ -199,17 +142,29 @@ def run_backfill(spark: Any, job: BackfillJob, *, task: Task[Any] | None = None,
     source = Path(job.input_path).name
     rows = check_rows(frame, task, job.key, arguments, source=source) if task is not None else frame.count()
     job_id = job.job_id or f"backfill:{job.task}:{source}"
-    parts = job.partitions or max(1, spark.sparkContext.defaultParallelism)
+    parallelism = max(1, spark.sparkContext.defaultParallelism)
+    parts = job.partitions or parallelism
+    # The most tasks that write at once: the bound of --max-pending holds for that many.
+    writers = min(parts, parallelism)
+    if job.max_pending is not None:
+        BacklogLimit(job.max_pending, writers, BATCH_ROWS)  # a bad bound fails before Spark runs
     ordered = (frame.withColumn(ROW_COLUMN, F.monotonically_increasing_id())
                .repartition(parts, job.key).sortWithinPartitions(ROW_COLUMN))
     with tempfile.TemporaryDirectory(prefix="keyqueue-backfill-") as tmp:
         summary_path = str(Path(tmp) / "summary.json")
+        subject = new_progress_subject()
         writer = (ordered.write.format("keyqueue").mode("append")
                   .option("url", job.url).option("queue", job.queue).option("task", job.task)
                   .option("key", job.key).option("idColumn", ROW_COLUMN).option("version", str(job.version))
                   .option("jobId", job_id).option("columns", ",".join(arguments))
-                  .option("maxErrors", str(job.max_errors)).option("summaryPath", summary_path))
-        progress = WriteProgress(spark, job.url, job.queue, rows).start() if show_progress else None
+                  .option("maxErrors", str(job.max_errors)).option("summaryPath", summary_path)
+                  .option("batchRows", str(BATCH_ROWS)))
+        if job.max_pending is not None:
+            writer = writer.option("maxPending", str(job.max_pending)).option("maxPendingWriters", str(writers))
+        progress = None
+        if show_progress:
+            writer = writer.option("progressSubject", subject)
+            progress = JobProgress(spark, job.url, subject, rows, max_pending=job.max_pending).start()
         try:
             writer.save()
         finally:

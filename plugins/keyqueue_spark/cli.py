@@ -27,7 +27,10 @@ from keyqueue.errors import ConfigError, KeyqueueError
 from keyqueue.ext import load_app
 
 _URL_HELP = "NATS server(s), comma-separated (default: $KEYQUEUE_URL)."
-_MASTER_HELP = "Spark master: local[*] (this machine, default), spark://host:7077, yarn, k8s://..."
+_MASTER_HELP = ("Spark master: local[*] (this machine, default), spark://host:7077, yarn, k8s://...; "
+                "report also takes a Spark Connect server, sc://host:15002")
+_CONF_HELP = ("A Spark setting, KEY=VALUE (repeatable): spark.executor.memory=2g, spark.pyspark.python=PATH "
+              "(the Python with keyqueue-spark on the executors' hosts) ...")
 _NO_SERVER = "no NATS server: pass --url or set KEYQUEUE_URL (`keyqueue dev-server` runs one)"
 
 
@@ -42,8 +45,19 @@ def nats_url(url: str | None, app: App | None = None) -> str:
     return found
 
 
+def spark_conf(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``--conf KEY=VALUE`` options as a mapping; a pair without ``=`` is a usage error."""
+    conf: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE (e.g. spark.executor.memory=2g)", param_hint="--conf")
+        conf[name.strip()] = value
+    return conf
+
+
 @contextmanager
-def _session(master: str, app: str) -> Iterator[Any]:
+def _session(master: str, app: str, conf: dict[str, str] | None = None) -> Iterator[Any]:
     """A Spark session for one command; stopped afterwards unless it was already running."""
     try:
         from pyspark.sql import SparkSession
@@ -51,13 +65,25 @@ def _session(master: str, app: str) -> Iterator[Any]:
         from .session import register, spark_session
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise click.ClickException(f"{e}; install keyqueue-spark with its dependencies (pyspark, pyarrow)") from e
+    if master.startswith("sc://"):  # a Spark Connect server: a remote session, no JVM here
+        click.echo(f"connecting to Spark Connect ({master}) ...", err=True)
+        builder = SparkSession.builder.remote(master)
+        for name, value in (conf or {}).items():
+            builder = builder.config(name, value)
+        remote = builder.getOrCreate()
+        register(remote)
+        try:
+            yield remote
+        finally:
+            remote.stop()
+        return
     active = SparkSession.getActiveSession()
     if active is not None:
         register(active)
         yield active
         return
     click.echo(f"starting Spark ({master}) ...", err=True)
-    spark = spark_session(master, app, conf={"spark.ui.showConsoleProgress": "false"})
+    spark = spark_session(master, app, conf={"spark.ui.showConsoleProgress": "false", **(conf or {})})
     try:
         yield spark
     finally:
@@ -68,6 +94,7 @@ def _session(master: str, app: str) -> Iterator[Any]:
 @click.argument("queue")
 @click.option("--url", metavar="URL", default=None, help=_URL_HELP)
 @click.option("--master", default="local[*]", show_default=True, help=_MASTER_HELP)
+@click.option("--conf", "conf_pairs", metavar="KEY=VALUE", multiple=True, help=_CONF_HELP)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output directory [default: keyqueue-report-QUEUE]")
 @click.option("--events-from", type=click.Path(exists=True), default=None,
@@ -76,8 +103,8 @@ def _session(master: str, app: str) -> Iterator[Any]:
               help="Also export the events read to this Parquet directory.")
 @click.option("--top", default=20, show_default=True, help="How many hottest keys to show.")
 @click.option("--bucket", type=float, default=None, help="Throughput bucket in seconds [default: automatic].")
-def report(queue: str, url: str | None, master: str, out_dir: Path | None, events_from: str | None,
-           save_events: str | None, top: int, bucket: float | None) -> None:
+def report(queue: str, url: str | None, master: str, conf_pairs: tuple[str, ...], out_dir: Path | None,
+           events_from: str | None, save_events: str | None, top: int, bucket: float | None) -> None:
     """Report what QUEUE did, from its lifecycle events: an HTML page with charts and Parquet aggregates.
 
     Reads the events the events plugin stored for QUEUE (stream KQ_<QUEUE>_EVENTS) from the
@@ -91,15 +118,21 @@ def report(queue: str, url: str | None, master: str, out_dir: Path | None, event
       $ keyqueue report shop                         # ./keyqueue-report-shop/report.html
       $ keyqueue report shop --out reports/shop --save-events shop-events.parquet
       $ keyqueue report shop --events-from shop-events.parquet --bucket 60
-      $ keyqueue report shop --master spark://head:7077
+      $ keyqueue report shop --master spark://head:7077 --conf spark.executor.memory=2g
+      $ keyqueue report shop --master sc://spark-connect:15002
+
+    On a cluster (--master spark://..., yarn, k8s://...) the executors' Python must have
+    keyqueue-spark installed: by default it is this Python's path, on every host; --conf
+    spark.pyspark.python=PATH names another.
     """
     from .report import run_report
 
     started = time.monotonic()
     target = out_dir or Path(f"keyqueue-report-{queue}")
+    conf = spark_conf(conf_pairs)
     try:
         source_url = None if events_from else nats_url(url)
-        with _session(master, f"keyqueue report {queue}") as spark:
+        with _session(master, f"keyqueue report {queue}", conf) as spark:
             page, data = run_report(spark, queue, target, url=source_url,
                                     events_from=events_from, save_events=save_events, top=top, bucket=bucket)
     except KeyqueueError as e:
@@ -133,12 +166,17 @@ def report(queue: str, url: str | None, master: str, out_dir: Path | None, event
                    "within the duplicate window [default: backfill:TASK:FILE]")
 @click.option("--partitions", type=int, default=None, help="Spark partitions [default: the master's parallelism].")
 @click.option("--max-errors", default=0, show_default=True, help="Bad rows tolerated before the job fails (-1: any).")
+@click.option("--max-pending", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Keep the queue's backlog at or under N requests: wait for workers meanwhile "
+                   "[default: no bound, write as fast as the server takes it].")
 @click.option("--url", metavar="URL", default=None,
               help="NATS server(s), comma-separated (default: $KEYQUEUE_URL, else the --app's server).")
 @click.option("--master", default="local[*]", show_default=True, help=_MASTER_HELP)
+@click.option("--conf", "conf_pairs", metavar="KEY=VALUE", multiple=True, help=_CONF_HELP)
 def backfill(input_path: str, app_spec: str | None, queue: str | None, task: str, key_column: str,
              input_format: str | None, columns: str | None, task_version: int | None, job_id: str | None,
-             partitions: int | None, max_errors: int, url: str | None, master: str) -> None:
+             partitions: int | None, max_errors: int, max_pending: int | None, url: str | None, master: str,
+             conf_pairs: tuple[str, ...]) -> None:
     """Enqueue every row of INPUT_PATH (Parquet, CSV or JSON) as a request of TASK for the row's key.
 
     With --app MODULE:APP (shop:app for `app` in shop.py; the current directory is importable),
@@ -152,18 +190,25 @@ def backfill(input_path: str, app_spec: str | None, queue: str | None, task: str
     number, so the same input again within the queue's duplicate window enqueues nothing: the
     summary counts those rows as duplicates; another --job-id enqueues them again.
 
+    With --max-pending N the backfill waits for workers whenever the queue's backlog (every
+    request its inbox holds) would go over N; the progress line says so. The progress line
+    counts this backfill's rows only.
+
     \b
     Examples:
       $ keyqueue backfill payments.csv --app shop:app --task post --key account
       10 rows: 10 enqueued in 9s
       $ keyqueue backfill payments.csv --app shop:app --task post --key account --job-id payments-2
       $ keyqueue backfill changes.parquet --queue rebaser --task EnqueueUpdatesRequest --key change_set
+      $ keyqueue backfill big.parquet --app shop:app --task post --key account --max-pending 25000
       $ keyqueue backfill changes/ --format parquet --queue rebaser --task EnqueueUpdatesRequest \\
-          --key change_set --master spark://head:7077 --url nats://nats.internal:4222
+          --key change_set --master spark://head:7077 --url nats://nats.internal:4222 \\
+          --conf spark.pyspark.python=/opt/keyqueue/.venv/bin/python
     """
     from .backfill import BackfillJob, run_backfill
 
     started = time.monotonic()
+    conf = spark_conf(conf_pairs)
     app = None
     try:
         app = load_app(app_spec, url) if app_spec else None
@@ -172,12 +217,16 @@ def backfill(input_path: str, app_spec: str | None, queue: str | None, task: str
             raise click.UsageError("--queue is needed without --app (with --app it is the task's queue)")
         target = found.queue if found is not None else queue
         assert target is not None
+        if master.startswith("sc://"):
+            raise click.UsageError("backfill needs a Spark driver of its own (--master local[*], spark://..., yarn, "
+                                   "k8s://...): through Spark Connect (sc://) it has no SparkContext to size its "
+                                   "writes and show progress with")
         version = task_version if task_version is not None else found.spec.version if found is not None else 1
         job = BackfillJob(input_path=input_path, queue=target, task=task, key=key_column, url=nats_url(url, app),
                           input_format=input_format, version=version,
                           columns=tuple(c.strip() for c in columns.split(",")) if columns else None,
-                          job_id=job_id, partitions=partitions, max_errors=max_errors)
-        with _session(master, f"keyqueue backfill {target}") as spark:
+                          job_id=job_id, partitions=partitions, max_errors=max_errors, max_pending=max_pending)
+        with _session(master, f"keyqueue backfill {target}", conf) as spark:
             summary = run_backfill(spark, job, task=found)
     except (KeyqueueError, ValueError) as e:
         raise click.ClickException(str(e)) from e
@@ -225,6 +274,8 @@ def outcome(summary: dict[str, Any]) -> str:
                      f"{summary['job_id']!r}: pass another --job-id to enqueue them again)")
     if summary["errors"]:
         parts.append(f"{summary['errors']:,} bad row{'s' if summary['errors'] != 1 else ''} not enqueued")
+    if summary.get("waited"):
+        parts.append(f"waited {summary['waited']:.1f}s for workers (--max-pending)")
     return ", ".join(parts)
 
 

@@ -19,6 +19,10 @@ Definitions (docs/spark.md repeats them):
   with an empty ``X-MESSAGE-TYPE``) count in the summary but are not listed as a task.
 * throughput: buckets with none of its events are left out of the table, and are gaps in the
   chart (not lines drawn across them).
+* superseded and cancelled: a request cancelled before it started has a ``cancelled`` event and
+  then a ``superseded`` event (reason :data:`keyqueue.events.SUPERSEDED_BY_CANCEL`): it counts
+  once, as cancelled. A ``latest`` task's superseded requests (reason ``superseded by <id>``)
+  are grouped under one reason, :data:`SUPERSEDED_BY_NEWER`.
 """
 
 from __future__ import annotations
@@ -37,9 +41,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from keyqueue.events import SUPERSEDED_BY_CANCEL
+
 if TYPE_CHECKING:
     import pandas as pd
     from pyspark.sql import Column, DataFrame
+
+OUTCOMES: Final = ("enqueued", "succeeded", "retried", "dead_lettered", "superseded", "cancelled")
+"""The per-task counts of the ``tasks`` table, one column per event."""
+
+REASON_TABLES: Final = (("retries", "retried"), ("dead_letters", "dead_lettered"), ("superseded", "superseded"),
+                        ("cancelled", "cancelled"))
+"""The per-task-and-reason tables: (table, event)."""
 
 QUANTILES: Final = (0.5, 0.9, 0.99)
 """The quantiles reported for wait and run times."""
@@ -48,6 +61,9 @@ BUCKETS: Final = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200,
 """Candidate widths, in seconds, of the throughput chart's time buckets."""
 
 MAX_BUCKETS: Final = 120
+
+SUPERSEDED_BY_NEWER: Final = "by a newer request (latest)"
+"""The reason the report gives every ``superseded by <request id>`` event (one per newer request)."""
 
 DVU_EVENTS: Final = ("dvu_started", "dvu_finished")
 """The Rebaser's DVU events (names it registers with ``keyqueue.events``), read here by name."""
@@ -113,14 +129,23 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
     ev = events.select("event", "ts", "queue", "key", "task", "attempt", "wait", "run", "reason", "triggers")
     # An empty X-MESSAGE-TYPE is no task either: neither is listed as one.
     ev = ev.withColumn("task", F.when(F.col("task") != "", F.col("task")))
+    of_cancel = F.coalesce((F.col("event") == "superseded") & (F.col("reason") == SUPERSEDED_BY_CANCEL), F.lit(False))
     with step("reading events") as note:
         ev = ev.cache()
-        counts = {r["event"]: int(r["count"]) for r in ev.groupBy("event").count().collect()}
+        counted = ev.groupBy("event", of_cancel.alias("of_cancel")).count().collect()
+        counts: dict[str, int] = {}
+        for r in counted:
+            counts[r["event"]] = counts.get(r["event"], 0) + int(r["count"])
+        cancels_superseded = sum(int(r["count"]) for r in counted if r["of_cancel"])
         total = sum(counts.values())
         note(f"{total:,} events")
+    # A cancelled request's superseded event repeats its cancelled event: count it once, as a cancel.
+    outcome_events = ev.filter(~of_cancel).withColumn(
+        "reason", F.when((F.col("event") == "superseded") & F.col("reason").startswith("superseded by "),
+                         F.lit(SUPERSEDED_BY_NEWER)).otherwise(F.col("reason")))
     has_dvu = any(counts.get(name, 0) for name in DVU_EVENTS)
     first_attempt = (F.col("event") == "started") & (F.col("attempt").isNull() | (F.col("attempt") <= 1))
-    tasked = ev.filter(F.col("task").isNotNull())
+    tasked = outcome_events.filter(F.col("task").isNotNull())
     data = ReportData(queue=queue, summary={})
 
     with step("wait and run times per task"):
@@ -129,9 +154,9 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
         runs = (tasked.filter(F.col("event").isin("succeeded", "dead_lettered") & F.col("run").isNotNull())
                 .groupBy("task").agg(F.count("*").alias("finished"), *_quantile_columns("run", "run")))
         outcomes = (tasked.groupBy("task").pivot(
-            "event", ["enqueued", "succeeded", "retried", "dead_lettered", "superseded"]).count().na.fill(0))
+            "event", list(OUTCOMES)).count().na.fill(0))
         tasks = outcomes.join(waits, "task", "full").join(runs, "task", "full").orderBy("task")
-        data.tables["tasks"] = tasks.toPandas()
+        data.tables["tasks"] = _local(tasks)
 
     with step("per key: requests, wait and run times, hottest keys") as note:
         has_enqueued = counts.get("enqueued", 0) > 0
@@ -149,10 +174,10 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
                     .groupBy("task", "key").agg(*_quantile_columns("run", "run")))
         keys = per_key.join(key_waits, ["task", "key"], "left").join(key_runs, ["task", "key"], "left")
         keys = keys.orderBy(F.desc("requests"), "task", "key").cache()
-        data.tables["keys"] = keys.toPandas()
+        data.tables["keys"] = _local(keys)
         hot = (keyed.filter(request_event).groupBy("key").count().withColumnRenamed("count", "requests")
                .orderBy(F.desc("requests"), "key").limit(top))
-        data.tables["hot_keys"] = hot.toPandas()
+        data.tables["hot_keys"] = _local(hot)
         note(f"{len(data.tables['keys']):,} task/key pairs")
 
     with step("throughput over time") as note:
@@ -163,14 +188,14 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
                   .withColumn("bucket", F.floor(F.col("ts") / width) * width)
                   .groupBy("bucket").pivot("event", ["enqueued", "succeeded", "dead_lettered"]).count()
                   .na.fill(0).orderBy("bucket"))
-        data.tables["throughput"] = series.toPandas()
+        data.tables["throughput"] = _local(series)
         note(f"{width}s buckets")
 
-    with step("retries, dead letters, superseded"):
-        for name, event in (("retries", "retried"), ("dead_letters", "dead_lettered"), ("superseded", "superseded")):
+    with step("retries, dead letters, superseded, cancelled"):
+        for name, event in REASON_TABLES:
             table = (tasked.filter(F.col("event") == event).groupBy("task", "reason").count()
                      .orderBy(F.desc("count"), "task", "reason"))
-            data.tables[name] = table.toPandas()
+            data.tables[name] = _local(table)
 
     dvu_runs = triggers = 0
     if has_dvu:
@@ -178,9 +203,9 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
             finished = ev.filter(F.col("event") == "dvu_finished")
             dvu = finished.agg(F.count("*").alias("runs"), F.sum("triggers").alias("triggers"),
                                *_quantile_columns("run", "run"))
-            data.tables["dvu"] = dvu.toPandas()
+            data.tables["dvu"] = _local(dvu)
             histogram = finished.groupBy("triggers").count().withColumnRenamed("count", "runs").orderBy("triggers")
-            data.tables["dvu_triggers"] = histogram.toPandas()
+            data.tables["dvu_triggers"] = _local(histogram)
         dvu_row = data.tables["dvu"].iloc[0]
         dvu_runs = int(dvu_row["runs"])
         triggers = int(dvu_row["triggers"]) if dvu_runs and not _missing(dvu_row["triggers"]) else 0
@@ -190,6 +215,8 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
         "queue": queue,
         "events": total,
         "event_counts": dict(sorted(counts.items())),
+        "superseded": counts.get("superseded", 0) - cancels_superseded,
+        "cancelled": counts.get("cancelled", 0),
         "first_ts": lo,
         "last_ts": hi,
         "span_seconds": (hi - lo) if lo is not None else 0.0,
@@ -204,6 +231,17 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
     ev.unpersist()
     keys.unpersist()
     return data
+
+
+def _local(frame: DataFrame) -> pd.DataFrame:
+    """A small aggregate as pandas, without the ``attrs`` Spark Connect attaches (its plan metrics,
+    which pandas cannot write to Parquet)."""
+    import pandas as pd
+
+    table = frame.toPandas()
+    assert isinstance(table, pd.DataFrame)
+    table.attrs = {}
+    return table
 
 
 def _missing(value: Any) -> bool:
@@ -232,6 +270,20 @@ def with_gaps(series: pd.DataFrame, width: float) -> pd.DataFrame:
         return series
     timeline = series.astype({"bucket": float}).set_index("bucket")
     return timeline.reindex(sorted(present | set(ends))).reset_index()
+
+
+REASON_LABELS: Final = {"retries": "retry", "dead_letters": "DLQ", "superseded": "superseded", "cancelled": "cancelled"}
+"""How the reasons chart labels each table's reasons: ``DLQ: rejected``, ``cancelled: ...``."""
+
+
+def reason_bars(data: ReportData, top: int = 15) -> list[tuple[str, int]]:
+    """The reasons chart's bars, most events first: (``<what>: <reason>``, events), summed over tasks."""
+    bars: dict[str, int] = {}
+    for table, what in REASON_LABELS.items():
+        for row in data.tables[table].itertuples():
+            label = f"{what}: {row.reason}"
+            bars[label] = bars.get(label, 0) + int(row.count)
+    return sorted(bars.items(), key=lambda bar: (-bar[1], bar[0]))[:top]
 
 
 def charts(data: ReportData) -> dict[str, str]:
@@ -289,17 +341,14 @@ def charts(data: ReportData) -> dict[str, str]:
         ax.grid(axis="x", alpha=0.3)
         out["Hottest keys"] = _png(fig)
 
-    failures = [(f"retry: {r.reason}", r.count) for r in t["retries"].itertuples()]
-    failures += [(f"DLQ: {r.reason}", r.count) for r in t["dead_letters"].itertuples()]
-    failures += [(f"superseded: {r.reason}", r.count) for r in t["superseded"].itertuples()]
+    failures = reason_bars(data)
     if failures:
-        failures = sorted(failures, key=lambda x: -int(x[1]))[:15]
         fig, ax = plt.subplots(figsize=(9, 0.6 + 0.32 * len(failures)))
         ax.barh([label[:60] for label, _ in failures][::-1], [int(c) for _, c in failures][::-1], color="#8064a2")
         ax.set_xlabel("events")
-        ax.set_title("Retries, dead letters and superseded requests by reason")
+        ax.set_title("Retries, dead letters, superseded and cancelled requests by reason")
         ax.grid(axis="x", alpha=0.3)
-        out["Retries, DLQ and superseded"] = _png(fig)
+        out["Retries, DLQ, superseded and cancelled"] = _png(fig)
 
     histogram = t.get("dvu_triggers")
     if histogram is not None and len(histogram):
@@ -345,7 +394,8 @@ def render_html(data: ReportData, images: dict[str, str]) -> str:
         ("succeeded", f"{s['event_counts'].get('succeeded', 0):,}"),
         ("retried", f"{s['event_counts'].get('retried', 0):,}"),
         ("dead-lettered", f"{s['event_counts'].get('dead_lettered', 0):,}"),
-        ("superseded", f"{s['event_counts'].get('superseded', 0):,}"),
+        ("superseded", f"{s['superseded']:,}"),
+        ("cancelled", f"{s['cancelled']:,}"),
     ]
     if s["dvu"]:
         cards += [("DVU runs", f"{s['dvu_runs']:,}"), ("triggers per DVU run", f"{ratio:.2f}" if ratio else "-")]
@@ -362,7 +412,7 @@ def render_html(data: ReportData, images: dict[str, str]) -> str:
         parts.append(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>")
     sections = (("Per task", "tasks"), ("Hottest keys: requests, wait and run times", "keys"),
                 ("Retries by reason", "retries"), ("Dead letters by reason", "dead_letters"),
-                ("Superseded and merged", "superseded"), ("DVU runs", "dvu"))
+                ("Superseded", "superseded"), ("Cancelled", "cancelled"), ("DVU runs", "dvu"))
     for title, name in sections:
         if name not in data.tables:
             continue

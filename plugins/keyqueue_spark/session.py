@@ -26,8 +26,10 @@ def spark_session(master: str = "local[*]", app_name: str = "keyqueue", *,
                   conf: Mapping[str, str] | None = None, quiet: bool = True) -> SparkSession:
     """A session on ``master`` (``local[*]`` by default) with the keyqueue source registered.
 
-    Locally, Python workers run this interpreter (so they import keyqueue and nats-py); on a
-    cluster, set ``spark.pyspark.python`` to an environment with ``keyqueue-spark`` installed.
+    Python workers run this interpreter (so they import keyqueue and nats-py) unless ``conf``
+    names another (``spark.pyspark.python``) or, on a cluster, ``$PYSPARK_PYTHON`` does: a Python
+    with ``keyqueue-spark`` installed on every executor's host. (Spark's own default, ``python3``,
+    rarely has it.)
     ``quiet``: the driver logs errors only, from its start (:data:`QUIET_LOGGING`, when this call
     starts the JVM) and afterwards (``setLogLevel("ERROR")``, also on a session already running).
     """
@@ -39,11 +41,17 @@ def spark_session(master: str = "local[*]", app_name: str = "keyqueue", *,
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.session.timeZone": "UTC",
     }
-    if master.startswith("local"):
-        settings["spark.pyspark.python"] = sys.executable
-        settings["spark.pyspark.driver.python"] = sys.executable
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     settings.update(conf or {})
+    # The driver's own Python workers (a data source's planning and commits) run this Python; the
+    # executors' run spark.pyspark.python, else $PYSPARK_PYTHON, else this one too. PySpark sends
+    # its Python functions with the executable $PYSPARK_PYTHON names when the context starts
+    # (spark.pyspark.python alone is not enough when Python starts the JVM), so it is set here.
+    local = master.startswith("local")
+    executors = (settings.get("spark.pyspark.python") or (None if local else os.environ.get("PYSPARK_PYTHON"))
+                 or sys.executable)
+    settings.setdefault("spark.pyspark.driver.python", sys.executable)
+    settings["spark.pyspark.python"] = executors
+    os.environ["PYSPARK_PYTHON"] = executors
     if quiet:
         # Set before the JVM starts: Spark logs its start-up WARN lines before setLogLevel can run.
         option = f"-Dlog4j2.configurationFile={QUIET_LOGGING.as_uri()}"

@@ -22,7 +22,7 @@ the inbox stream's duplicate window (``QueueConfig.duplicate_window``, 2 minutes
   row's position, so it is stable even where a retried task receives its rows in another order
   (after a shuffle); identical rows stay distinct as long as they are in one partition.
 
-The digest is written as a ULID-shaped string (26 characters). The job id is the ``jobId``
+The digest is written as a ULID-shaped string (26 characters; :mod:`keyqueue_spark.rows`). The job id is the ``jobId``
 option, by default the task's name: running the same rows again within the window adds
 nothing. Use a new ``jobId`` to enqueue the same rows again on purpose.
 
@@ -32,50 +32,47 @@ published: it is counted and described in the job's summary. The commit logs the
 and fails the job if there were more than ``maxErrors`` bad rows (default 0; -1 allows any) --
 after the good rows are stored, so fixing the bad rows and running the same job again adds only
 them.
+
+With ``maxPending`` N each task waits for workers while the queue's backlog is high, so the
+backlog stays at or under N (:mod:`keyqueue_spark.backlog`). With ``progressSubject`` each task
+reports its counts for the driver's progress line (:mod:`keyqueue_spark.progress`).
+
+:class:`PartitionWriter` is one task's work, shared with the streaming writer
+(:mod:`keyqueue_spark.stream_sink`), which derives its request ids from the query, the
+micro-batch and the row instead.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, date, datetime
-from decimal import Decimal
 from typing import Any, Final
 
 from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceWriter, WriterCommitMessage
-from pyspark.sql.types import (
-    ArrayType,
-    BinaryType,
-    DataType,
-    DateType,
-    DecimalType,
-    MapType,
-    StructType,
-    TimestampNTZType,
-    TimestampType,
-)
-from ulid import ULID
+from pyspark.sql.types import DataType, StructType
 
 from keyqueue.errors import KeyqueueError, TokenPublishFailed
-from keyqueue.ext import Enqueued, OutgoingRequest
+from keyqueue.ext import Client, Enqueued, OutgoingRequest, QueueNames
 from keyqueue.wire import CBOR
 
+from .backlog import BacklogGate, BacklogLimit
+from .progress import TaskCounts, TaskProgress
+from .rows import RowIdentity, derive_request_id, plain_converter
 from .source import lower_keys, resolve_url
-from .streams import connect_to, encode_fields, enqueue_many, ensure_queue, request_message
-
-ID_SCHEME: Final = "keyqueue-spark/1"
-"""Mixed into every derived request id; bump it only to change how ids are derived."""
+from .streams import connect_to, encode_fields, enqueue_many, ensure_queue, request_message, stream_bounds
 
 MAX_ERROR_SAMPLES: Final = 20
 """Bad rows described in the summary (all of them are counted)."""
 
 DEFAULT_BATCH_ROWS: Final = 10_000
 """Rows per pipelined batch of publishes (each batch then publishes its distinct keys' tokens)."""
+
+DEFAULT_MAX_PENDING_WRITERS: Final = 8
+"""Tasks assumed to write at once under ``maxPending`` unless ``maxPendingWriters`` says (backfill does)."""
 
 
 class KeyqueueWriteError(RuntimeError):
@@ -101,6 +98,9 @@ class SinkOptions:
     max_errors: int
     create_queue: bool
     duplicate_window: float | None
+    max_pending: int | None
+    max_pending_writers: int
+    progress_subject: str | None
 
     @classmethod
     def from_options(cls, given: Mapping[str, str]) -> SinkOptions:
@@ -124,79 +124,51 @@ class SinkOptions:
             max_errors=int(options.get("maxerrors") or 0),
             create_queue=(options.get("createqueue") or "true").lower() != "false",
             duplicate_window=float(window) if window else None,
+            max_pending=_positive(options, "maxPending"),
+            max_pending_writers=_positive(options, "maxPendingWriters") or DEFAULT_MAX_PENDING_WRITERS,
+            progress_subject=options.get("progresssubject") or None,
         )
 
-
-# --- values and ids ----------------------------------------------------------------------------------
-
-
-def plain_converter(data_type: DataType) -> Callable[[Any], Any]:
-    """Turn a Spark value of ``data_type`` into a plain wire value.
-
-    Timestamps become timezone-aware UTC datetimes (Spark hands them over as naive local time),
-    timestamps without a zone, dates and decimals become ISO/exact text, binaries bytes, structs
-    and maps dicts, arrays lists.
-    """
-    if isinstance(data_type, TimestampType):
-        return lambda v: None if v is None else v.astimezone(UTC)
-    if isinstance(data_type, TimestampNTZType | DateType):
-        return lambda v: None if v is None else v.isoformat()
-    if isinstance(data_type, DecimalType):
-        return lambda v: None if v is None else str(v)
-    if isinstance(data_type, BinaryType):
-        return lambda v: None if v is None else bytes(v)
-    if isinstance(data_type, ArrayType):
-        element = plain_converter(data_type.elementType)
-        return lambda v: None if v is None else [element(e) for e in v]
-    if isinstance(data_type, MapType):
-        value = plain_converter(data_type.valueType)
-        return lambda v: None if v is None else {k: value(x) for k, x in v.items()}
-    if isinstance(data_type, StructType):
-        fields = [(f.name, plain_converter(f.dataType)) for f in data_type.fields]
-        return lambda v: None if v is None else {name: conv(v[name]) for name, conv in fields}
-    return _loose
+    def backlog_limit(self) -> BacklogLimit | None:
+        """The ``maxPending`` bound, or None when the write may flood."""
+        if self.max_pending is None:
+            return None
+        return BacklogLimit(self.max_pending, self.max_pending_writers, self.batch_rows)
 
 
-def _loose(value: Any) -> Any:
-    # Values whose Spark type says nothing more (ints, strings, ...), and stragglers.
-    if isinstance(value, Decimal):
-        return str(value)
-    if isinstance(value, datetime):
-        return value.astimezone(UTC)
-    if isinstance(value, date):
-        return value.isoformat()
-    if isinstance(value, bytearray):
-        return bytes(value)
-    if isinstance(value, Row):
-        return {k: _loose(v) for k, v in value.asDict().items()}
+def _positive(options: Mapping[str, str], name: str) -> int | None:
+    raw = options.get(name.lower())
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"option {name} must be a positive integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"option {name} must be a positive integer, got {raw!r}")
     return value
 
 
-def derive_request_id(job_id: str, task: str, version: int, key: str, identity: bytes) -> str:
-    """A ULID-shaped request id from sha256 of the job, task, version, key and the row's identity."""
-    digest = hashlib.sha256()
-    for part in (ID_SCHEME, job_id, task, str(version), key):
-        digest.update(part.encode())
-        digest.update(b"\x00")
-    digest.update(identity)
-    return str(ULID.from_bytes(digest.digest()[:16]))
+@dataclass(frozen=True)
+class SinkColumns:
+    """Where the key, the id and the argument columns are in the rows of one schema."""
 
+    key_index: int
+    id_index: int | None
+    arguments: tuple[tuple[str, int, DataType], ...]
 
-class RowIdentity:
-    """The identity part of each row's request id, as the module docstring describes."""
-
-    def __init__(self) -> None:
-        self._seen: dict[bytes, int] = {}
-
-    def by_content(self, key: str, body: bytes) -> bytes:
-        content = hashlib.sha256(key.encode() + b"\x00" + body).digest()[:16]
-        occurrence = self._seen.get(content, 0)
-        self._seen[content] = occurrence + 1
-        return b"content\x00" + content + str(occurrence).encode()
-
-    @staticmethod
-    def by_column(value: Any) -> bytes:
-        return b"column\x00" + json.dumps(value, default=str, sort_keys=True).encode()
+    @classmethod
+    def plan(cls, options: SinkOptions, schema: StructType) -> SinkColumns:
+        """Check the options' columns against ``schema``; raises ValueError naming what is missing."""
+        names = [f.name for f in schema.fields]
+        wanted = [options.key, *([options.id_column] if options.id_column else []), *(options.columns or ())]
+        unknown = [c for c in wanted if c not in names]
+        if unknown:
+            raise ValueError(f"column(s) {', '.join(unknown)} not in the DataFrame ({', '.join(names)})")
+        skip = {options.key, options.id_column}
+        arguments = options.columns or tuple(n for n in names if n not in skip)
+        return cls(names.index(options.key), names.index(options.id_column) if options.id_column else None,
+                   tuple((name, names.index(name), schema.fields[names.index(name)].dataType) for name in arguments))
 
 
 # --- the summary -------------------------------------------------------------------------------------
@@ -204,7 +176,7 @@ class RowIdentity:
 
 @dataclass
 class WriteSummary(WriterCommitMessage):
-    """What one partition (or, added up, the whole job) did."""
+    """What one partition (or, added up, the whole job or micro-batch) did."""
 
     rows: int = 0
     accepted: int = 0
@@ -212,6 +184,12 @@ class WriteSummary(WriterCommitMessage):
     errors: int = 0
     unscheduled: int = 0
     partitions: int = 0
+    waited: float = 0.0
+    """Seconds the partition's task waited for workers (``maxPending``); added up, the longest wait."""
+    skipped: int = 0
+    """Streaming: rows of a micro-batch committed before, not written again."""
+    query_id: str | None = None
+    """Streaming: the query whose micro-batch this is."""
     error_samples: list[str] = field(default_factory=list)
 
     def add(self, other: WriteSummary) -> None:
@@ -221,6 +199,9 @@ class WriteSummary(WriterCommitMessage):
         self.errors += other.errors
         self.unscheduled += other.unscheduled
         self.partitions += other.partitions
+        self.waited = max(self.waited, other.waited)
+        self.skipped += other.skipped
+        self.query_id = self.query_id or other.query_id
         room = MAX_ERROR_SAMPLES - len(self.error_samples)
         self.error_samples.extend(other.error_samples[:max(0, room)])
 
@@ -234,88 +215,141 @@ class WriteSummary(WriterCommitMessage):
                 f"{self.duplicates} duplicates), {self.errors} errors")
         if self.unscheduled:
             text += f", {self.unscheduled} stored but not yet scheduled (the reconciler will)"
+        if self.skipped:
+            text += f", {self.skipped} skipped (their micro-batch was committed before)"
+        if self.waited:
+            text += f", waited {self.waited:.1f}s for workers (maxPending)"
         return text
 
+    @classmethod
+    def total(cls, messages: Iterable[WriterCommitMessage | None]) -> WriteSummary:
+        """The tasks' summaries added up (a failed task's message is None)."""
+        total = cls()
+        for message in messages:
+            if isinstance(message, WriteSummary):
+                total.add(message)
+        return total
 
-# --- the writer --------------------------------------------------------------------------------------
+
+def report_write(total: WriteSummary, options: SinkOptions, what: str, **extra: Any) -> None:
+    """Print the summary line to the driver's stderr; write it as JSON to ``summaryPath`` if given."""
+    print(f"keyqueue {what} (queue {options.queue}, task {options.task}, job {options.job_id}): "
+          f"{total.describe()}", file=sys.stderr)
+    if options.summary_path:
+        record = {**asdict(total), **extra, "queue": options.queue, "task": options.task, "job_id": options.job_id}
+        with open(options.summary_path, "w") as out:
+            json.dump(record, out, indent=2)
 
 
-class KeyqueueWriter(DataSourceWriter):
-    """Writes each partition's rows as requests; commits a summary of the whole job."""
+def check_errors(total: WriteSummary, options: SinkOptions) -> None:
+    """Raise :class:`KeyqueueWriteError` when more than ``maxErrors`` rows were bad."""
+    limit = options.max_errors
+    if limit >= 0 and total.errors > limit:
+        samples = "\n  ".join(total.error_samples)
+        raise KeyqueueWriteError(
+            f"keyqueue write to {options.queue}/{options.task}: {total.describe()}; "
+            f"more than maxErrors={limit} rows were bad. The good rows are stored; fix the bad ones and "
+            f"run the same job (same jobId) again within the duplicate window to add only them. "
+            f"First errors:\n  {samples}"
+        )
 
-    def __init__(self, options: Mapping[str, str], schema: StructType, overwrite: bool) -> None:
-        if overwrite:
-            raise ValueError('the keyqueue sink only appends requests: use .mode("append")')
-        self.options = SinkOptions.from_options(options)
-        names = [f.name for f in schema.fields]
-        wanted = [self.options.key, *([self.options.id_column] if self.options.id_column else []),
-                  *(self.options.columns or ())]
-        unknown = [c for c in wanted if c not in names]
-        if unknown:
-            raise ValueError(f"column(s) {', '.join(unknown)} not in the DataFrame ({', '.join(names)})")
-        skip = {self.options.key, self.options.id_column}
-        arguments = self.options.columns or tuple(n for n in names if n not in skip)
-        self.key_index = names.index(self.options.key)
-        self.id_index = names.index(self.options.id_column) if self.options.id_column else None
-        self.arguments = [(name, names.index(name), schema.fields[names.index(name)].dataType) for name in arguments]
-        # Create the queue (if missing) once, here on the driver, before any task publishes.
-        asyncio.run(self._ensure_queue())
 
-    async def _ensure_queue(self) -> None:
-        nc = await connect_to(self.options.url)
-        try:
-            await ensure_queue(nc, self.options.queue, create=self.options.create_queue,
-                                  duplicate_window=self.options.duplicate_window)
-        finally:
-            await nc.close()
+# --- one task's rows ---------------------------------------------------------------------------------
 
-    def write(self, iterator: Iterator[Row]) -> WriteSummary:
+
+Identify = Callable[[str, bytes, Any], bytes]
+"""A row's identity for its request id, from its key, its encoded body and its id column's value."""
+
+
+class PartitionWriter:
+    """One Spark task: its rows as requests, published in row order on one connection.
+
+    Rows are encoded and given ids as they come, published ``batchRows`` at a time (or in the
+    chunks of the ``maxPending`` bound, after waiting for room), and each batch's keys are
+    scheduled once it is stored. ``identify`` makes each row's identity (see the module
+    docstring); the summary counts what happened to every row.
+    """
+
+    def __init__(self, options: SinkOptions, columns: SinkColumns, job_id: str, identify: Identify,
+                 summary: WriteSummary) -> None:
+        self.options, self.columns, self.job_id, self.identify = options, columns, job_id, identify
+        self.summary = summary
+        self.partition, self.attempt = _task_partition()
+        self.converters = [(name, index, plain_converter(data_type)) for name, index, data_type in columns.arguments]
+        self.limit = options.backlog_limit()
+        self.inbox = QueueNames(options.queue).inbox_stream
+
+    def run(self, rows: Iterator[Row]) -> WriteSummary:
         opts = self.options
-        partition = _partition_id()
-        converters = [(name, index, plain_converter(data_type)) for name, index, data_type in self.arguments]
-        identity = RowIdentity()
-        summary = WriteSummary(partitions=1)
+        summary = self.summary
+        summary.partitions = 1
+        size = self.limit.chunk if self.limit is not None else opts.batch_rows
         batch: list[OutgoingRequest] = []
         with asyncio.Runner() as runner:
             nc = runner.run(connect_to(opts.url))
+            progress = TaskProgress(nc, opts.progress_subject)
+            gate = self._gate(nc, progress)
             try:
-                for index, row in enumerate(iterator):
+                for index, row in enumerate(rows):
                     summary.rows += 1
-                    request = self._request(row, converters, identity, partition, index, summary)
+                    request = self._request(row, index)
                     if request is not None:
                         batch.append(request)
-                    if len(batch) >= opts.batch_rows:
-                        runner.run(self._flush(nc, batch, summary))
+                    if len(batch) >= size:
+                        runner.run(self._flush(nc, batch, gate, progress))
                         batch = []
                 if batch:
-                    runner.run(self._flush(nc, batch, summary))
+                    runner.run(self._flush(nc, batch, gate, progress))
+                runner.run(progress.report(self._counts(None, done=True), now=True))
             finally:
                 runner.run(nc.close())
+        if gate is not None:
+            summary.waited = gate.waited
         return summary
 
-    def _request(self, row: Row, converters: list[tuple[str, int, Callable[[Any], Any]]], identity: RowIdentity,
-                 partition: int, index: int, summary: WriteSummary) -> OutgoingRequest | None:
+    def _gate(self, nc: Client, progress: TaskProgress) -> BacklogGate | None:
+        if self.limit is None:
+            return None
+
+        async def backlog() -> int:
+            return (await stream_bounds(nc, self.inbox)).messages
+
+        async def waiting(pending: int, waited: float) -> None:
+            self.summary.waited = waited
+            await progress.report(self._counts(pending), now=True)
+
+        return BacklogGate(self.limit, backlog, waiting)
+
+    def _counts(self, backlog: int | None, *, done: bool = False) -> TaskCounts:
+        s = self.summary
+        return TaskCounts(self.partition, self.attempt, s.rows, s.accepted - s.duplicates, s.duplicates, s.errors,
+                          s.waited, backlog, self.options.max_pending, done)
+
+    def _request(self, row: Row, index: int) -> OutgoingRequest | None:
         opts = self.options
-        where = f"partition {partition} row {index}"
-        key = row[self.key_index]
+        where = f"partition {self.partition} row {index}"
+        key = row[self.columns.key_index]
         if key is None or key == "":
-            summary.error(f"{where}: key column {opts.key!r} is {'null' if key is None else 'empty'}")
+            self.summary.error(f"{where}: key column {opts.key!r} is {'null' if key is None else 'empty'}")
             return None
         key = str(key)
         try:
-            fields = {name: convert(row[i]) for name, i, convert in converters}
+            fields = {name: convert(row[i]) for name, i, convert in self.converters}
             body = encode_fields(fields, opts.content_type)
-            if self.id_index is not None:
-                ident = RowIdentity.by_column(row[self.id_index])
-            else:
-                ident = identity.by_content(key, body)
-            request_id = derive_request_id(opts.job_id, opts.task, opts.version, key, ident)
+            id_value = row[self.columns.id_index] if self.columns.id_index is not None else None
+            ident = self.identify(key, body, id_value)
+            request_id = derive_request_id(self.job_id, opts.task, opts.version, key, ident)
             return request_message(key, opts.task, opts.version, body, request_id, opts.content_type)
         except (KeyqueueError, ValueError, TypeError) as e:
-            summary.error(f"{where} (key {key!r}): {type(e).__name__}: {e}")
+            self.summary.error(f"{where} (key {key!r}): {type(e).__name__}: {e}")
             return None
 
-    async def _flush(self, nc: Any, batch: list[OutgoingRequest], summary: WriteSummary) -> None:
+    async def _flush(self, nc: Client, batch: list[OutgoingRequest], gate: BacklogGate | None,
+                     progress: TaskProgress) -> None:
+        summary = self.summary
+        if gate is not None:
+            await gate.room()
+            summary.waited = gate.waited
         results = await enqueue_many(nc, self.options.queue, batch)
         for request, result in zip(batch, results, strict=True):
             if isinstance(result, Enqueued):
@@ -326,48 +360,62 @@ class KeyqueueWriter(DataSourceWriter):
                 summary.unscheduled += 1
             else:
                 summary.error(f"key {request.key!r} request {request.request_id}: {type(result).__name__}: {result}")
-
-    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        total = self._total(messages)
-        self._report(total, aborted=False)
-        limit = self.options.max_errors
-        if limit >= 0 and total.errors > limit:
-            samples = "\n  ".join(total.error_samples)
-            raise KeyqueueWriteError(
-                f"keyqueue write to {self.options.queue}/{self.options.task}: {total.describe()}; "
-                f"more than maxErrors={limit} rows were bad. The good rows are stored; fix the bad ones and "
-                f"run the same job (same jobId) again within the duplicate window to add only them. "
-                f"First errors:\n  {samples}"
-            )
-
-    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        self._report(self._total(messages), aborted=True)
-
-    @staticmethod
-    def _total(messages: list[WriterCommitMessage | None]) -> WriteSummary:
-        total = WriteSummary()
-        for message in messages:
-            if isinstance(message, WriteSummary):
-                total.add(message)
-        return total
-
-    def _report(self, total: WriteSummary, *, aborted: bool) -> None:
-        opts = self.options
-        state = "aborted" if aborted else "committed"
-        print(f"keyqueue write {state} (queue {opts.queue}, task {opts.task}, job {opts.job_id}): {total.describe()}",
-              file=sys.stderr)
-        if opts.summary_path:
-            record = {**asdict(total), "aborted": aborted, "queue": opts.queue, "task": opts.task,
-                      "job_id": opts.job_id}
-            with open(opts.summary_path, "w") as out:
-                json.dump(record, out, indent=2)
+        await progress.report(self._counts(None))
 
 
-def _partition_id() -> int:
+def _task_partition() -> tuple[int, int]:
+    """This task's partition and attempt number (-1, 0 outside a Spark task)."""
     from pyspark import TaskContext
 
     context = TaskContext.get()
-    return context.partitionId() if context is not None else -1
+    return (context.partitionId(), context.attemptNumber()) if context is not None else (-1, 0)
+
+
+def create_queue_if_missing(options: SinkOptions) -> None:
+    """Create the queue (if missing and ``createQueue``) from the driver, before any task publishes."""
+
+    async def ensure() -> None:
+        nc = await connect_to(options.url)
+        try:
+            await ensure_queue(nc, options.queue, create=options.create_queue,
+                               duplicate_window=options.duplicate_window)
+        finally:
+            await nc.close()
+
+    asyncio.run(ensure())
+
+
+# --- the batch writer --------------------------------------------------------------------------------
+
+
+class KeyqueueWriter(DataSourceWriter):
+    """Writes each partition's rows as requests; commits a summary of the whole job."""
+
+    def __init__(self, options: Mapping[str, str], schema: StructType, overwrite: bool) -> None:
+        if overwrite:
+            raise ValueError('the keyqueue sink only appends requests: use .mode("append")')
+        self.options = SinkOptions.from_options(options)
+        self.columns = SinkColumns.plan(self.options, schema)
+        self.options.backlog_limit()  # a bad maxPending fails here, on the driver, not in every task
+        create_queue_if_missing(self.options)
+
+    def write(self, iterator: Iterator[Row]) -> WriteSummary:
+        identity = RowIdentity()
+
+        def identify(key: str, body: bytes, id_value: Any) -> bytes:
+            if self.columns.id_index is not None:
+                return RowIdentity.by_column(id_value)
+            return identity.by_content(key, body)
+
+        return PartitionWriter(self.options, self.columns, self.options.job_id, identify, WriteSummary()).run(iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        total = WriteSummary.total(messages)
+        report_write(total, self.options, "write committed", aborted=False)
+        check_errors(total, self.options)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        report_write(WriteSummary.total(messages), self.options, "write aborted", aborted=True)
 
 
 def read_summary(path: str) -> dict[str, Any]:

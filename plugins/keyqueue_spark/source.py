@@ -5,13 +5,14 @@ Reading (batch and streaming)::
     spark.read.format("keyqueue").option("queue", "rebaser").option("stream", "events").load()
     spark.readStream.format("keyqueue").option("queue", "rebaser").load()
 
-Writing is in :mod:`keyqueue_spark.sink`. Options (case-insensitive):
+Writing is in :mod:`keyqueue_spark.sink` (batch) and :mod:`keyqueue_spark.stream_sink`
+(``writeStream``). Options (case-insensitive):
 
 ``url``               NATS URL(s); default ``$KEYQUEUE_URL`` on the driver, else nats://127.0.0.1:4222
 ``queue``             the queue whose stream is read (required unless ``streamName``)
 ``stream``            ``events`` (default), ``inbox`` or ``dlq``
 ``streamName``        any stream by name instead (read as requests)
-``subject``           a subject filter inside the stream (``kq.rebaser.events.started``)
+``subject``           a subject filter inside the stream (``kq.rebaser.events.started.>``: one event of every key)
 ``startSequence``     batch: first stream sequence read (default: the stream's first)
 ``endSequence``       batch: last stream sequence read (default: the stream's last at planning time)
 ``partitions``        how many sequence ranges; default one per ``rowsPerPartition`` messages
@@ -39,6 +40,7 @@ from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
+    DataSourceStreamWriter,
     DataSourceWriter,
     InputPartition,
 )
@@ -338,6 +340,11 @@ class KeyqueueDataSource(DataSource):
         from .sink import KeyqueueWriter
 
         return KeyqueueWriter(self.options, schema, overwrite)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        from .stream_sink import KeyqueueStreamWriter
+
+        return KeyqueueStreamWriter(self.options, schema, overwrite)
 
 
 class KeyqueueBatchReader(DataSourceReader):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -39,12 +40,13 @@ def chromium_paths() -> tuple[str, str]:
     return browser, driver
 
 
-def make_browser(*, javascript: bool = True) -> WebDriver:
+def make_browser(*, javascript: bool = True, args: tuple[str, ...] = ()) -> WebDriver:
+    """Headless Chromium at WIDTH x HEIGHT; ``args`` are more command-line switches (a host resolver rule...)."""
     browser, driver = chromium_paths()
     options = webdriver.ChromeOptions()
     options.binary_location = browser
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                f"--window-size={WIDTH},{HEIGHT}", "--hide-scrollbars", "--force-device-scale-factor=1"):
+                f"--window-size={WIDTH},{HEIGHT}", "--hide-scrollbars", "--force-device-scale-factor=1", *args):
         options.add_argument(arg)
     if not javascript:
         options.add_experimental_option("prefs", {"profile.managed_default_content_settings.javascript": 2})
@@ -56,6 +58,11 @@ def wait_until(driver: WebDriver, condition: Callable[[WebDriver], Any], what: s
     # The page's live region is replaced on each refresh: an element found a moment ago may be gone.
     return WebDriverWait(driver, timeout, poll_frequency=0.1,
                          ignored_exceptions=(StaleElementReferenceException,)).until(condition, message=what)
+
+
+async def until(driver: WebDriver, condition: Callable[[WebDriver], Any], what: str, timeout: float = 20) -> Any:
+    """``wait_until`` from a test's event loop (the browser is driven in a thread meanwhile)."""
+    return await asyncio.to_thread(wait_until, driver, condition, what, timeout)
 
 
 def click(driver: WebDriver, css: str, what: str) -> None:
@@ -70,9 +77,15 @@ def click(driver: WebDriver, css: str, what: str) -> None:
 
 
 def text_of(driver: WebDriver, css: str) -> str:
-    """The text of the first element ``css`` selects ("" if none)."""
-    found = driver.find_elements(By.CSS_SELECTOR, css)
-    return found[0].text if found else ""
+    """The text of the first element ``css`` selects ("" if none), read again if a live refresh
+    replaced the element while it was read."""
+    for _ in range(10):
+        try:
+            found = driver.find_elements(By.CSS_SELECTOR, css)
+            return found[0].text if found else ""
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"{css!r} kept being replaced while it was read")
 
 
 def number_in(text: str) -> int | None:

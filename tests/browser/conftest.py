@@ -11,11 +11,15 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from browser_pages import KEYQUEUE, ROOT, environment, make_browser, start_dashboard
 from command_output import Command
+from dashboard_app import build
 from selenium.webdriver.remote.webdriver import WebDriver
+
+import keyqueue
 
 
 @pytest.fixture
@@ -39,6 +43,16 @@ def shot(tmp_path: Path) -> Callable[[WebDriver, str], Path]:
         return path
 
     return save
+
+
+@pytest.fixture
+async def producer(nats_url: str) -> AsyncIterator[tuple[keyqueue.App, dict[str, Any]]]:
+    """The browser tests' app (``dashboard_app``) on the test's server, to enqueue with: (app, tasks by name)."""
+    app, tasks = build(nats_url)
+    try:
+        yield app, tasks
+    finally:
+        await app.close()
 
 
 @pytest.fixture

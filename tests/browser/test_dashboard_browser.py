@@ -7,33 +7,17 @@ from __future__ import annotations
 import asyncio
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_pages import click, make_browser, number_in, start_dashboard, text_of, wait_until
+from browser_pages import click, make_browser, number_in, start_dashboard, text_of, until
 from command_output import Command
-from dashboard_app import build
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
-import keyqueue
-
 Shot = Callable[[WebDriver, str], Path]
-
-
-async def until(driver: WebDriver, condition: Callable[[WebDriver], Any], what: str, timeout: float = 15) -> Any:
-    return await asyncio.to_thread(wait_until, driver, condition, what, timeout)
-
-
-@pytest.fixture
-async def producer(nats_url: str) -> AsyncIterator[tuple[keyqueue.App, dict[str, Any]]]:
-    app, tasks = build(nats_url)
-    try:
-        yield app, tasks
-    finally:
-        await app.close()
 
 
 def seconds_in(driver: WebDriver, css: str) -> float | None:
@@ -202,7 +186,7 @@ async def test_read_only_hides_and_refuses_actions(nats_url: str, worker: Comman
     try:
         driver.get(base + "/queues/shop/dlq")
         await until(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#dlq [data-key="o-ro"]'), "a dead request")
-        assert not driver.find_elements(By.CSS_SELECTOR, "form button")
+        assert not driver.find_elements(By.CSS_SELECTOR, "form[method=post] button"), "no action (a filter is none)"
         assert "read-only" in text_of(driver, "header")
         request = urllib.request.Request(base + "/queues/shop/dlq/purge", data=b"confirm=shop", method="POST")
         with pytest.raises(urllib.error.HTTPError) as refused:

@@ -119,3 +119,48 @@ async def test_a_lease_record_without_its_acquisition_time_shows_the_last_renewa
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", o1["holder"]["renewed"])
     finally:
         await app.close()
+
+
+async def test_inspect_a_key_says_who_holds_it_what_runs_and_why_the_next_waits(holding: None, nats_url: str) -> None:
+    code, out, err = await run(nats_url, "inspect", "shop", "o1", "--json")
+    assert code == 0, err
+    key = json.loads(out)
+    assert (key["state"], key["backlog"], key["token"]) == ("running", 2, "held")
+    assert key["holder"]["worker"] == "w-test" and key["holder"]["live"] is True
+    assert isinstance(key["holder"]["pid"], int) and isinstance(key["holder"]["fence"], int)
+    assert key["holder"]["lease_ends"] > key["holder"]["renewed"]
+    head = key["head"]
+    assert (head["task"], head["arguments"], head["attempts"]) == ("hold", {"k": "o1"}, 1)
+    assert head["running_since"] is not None and head["next_retry"] is None
+    [blocker] = key["blockers"]
+    assert blocker["kind"] == "running" and "held by w-test (pid" in blocker["text"]
+    [run_now] = key["runs"]
+    assert (run_now["outcome"], run_now["worker"], run_now["fence"]) == ("running", "w-test", key["holder"]["fence"])
+
+    app = keyqueue.App("shop", url=nats_url, set_as_default=False, autoload_plugins=False)
+
+    @app.task(key="{k}")
+    async def hold(k: str) -> None:
+        pass
+
+    try:
+        await hold.enqueue(k="o2")  # the worker's one slot is taken by o1
+    finally:
+        await app.close()
+    code, out, err = await run(nats_url, "inspect", "shop", "o2")
+    assert code == 0, err
+    assert out.splitlines()[0] == "key o2 of queue shop: waiting"
+    assert "    - waiting-for-slot: waiting for a free worker slot: position 1 of 1 waiting keys; 1 live worker(s) " \
+           "with 1 slot(s) in all" in out.splitlines()
+    assert "  position: 1 of 1 waiting key(s)" in out.splitlines()
+    assert re.search(r"^    arguments: \{\"k\": \"o2\"\}$", out, re.MULTILINE), out
+
+
+async def test_inspect_a_key_refuses_a_bad_key_or_queue_in_one_line(holding: None, nats_url: str) -> None:
+    code, out, err = await run(nats_url, "inspect", "shop", "o.*")
+    assert code == 1 and err.startswith("Error: key 'o.*' contains '*'"), err
+    code, out, err = await run(nats_url, "inspect", "nosuch", "o1")
+    assert code == 1 and err == ("Error: queue 'nosuch' does not exist on this server; queues: shop (check the name, "
+                                 "and --url or KEYQUEUE_URL)\n"), err
+    code, out, err = await run(nats_url, "inspect", "shop", "idle-key")
+    assert code == 0 and out.splitlines()[0] == "key idle-key of queue shop: idle", out

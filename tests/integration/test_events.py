@@ -50,7 +50,8 @@ async def read_events(app: keyqueue.App, queue: str) -> list[dict[str, Any]]:
         assert msg.headers["X-CONTENT-TYPE"] == CBOR
         assert (msg.headers["X-MESSAGE-TYPE"], msg.headers["X-MESSAGE-VERSION"]) == ("KeyqueueEvent", "1")
         body = loads(msg.data, CBOR)
-        assert tuple(body) == ev.EVENT_FIELD_NAMES and msg.subject == f"kq.{queue}.events.{body['event']}"
+        assert tuple(body) == ev.EVENT_FIELD_NAMES
+        assert msg.subject == ev.events_subject(queue, body["event"], body["key"])
         out.append(body)
     return out
 
@@ -98,6 +99,8 @@ async def test_a_known_workload_leaves_exactly_its_events(make_app: MakeApp) -> 
     keys = by_request.pop(None)
     assert [e["event"] for e in keys] == ["acquired", "released"]
     assert keys[1]["reason"] == "released" and all(e["worker"] == "w1" for e in keys)
+    # The holder's fencing number (its lease record's sequence) is on acquired, so a key's history names it.
+    assert isinstance(keys[0]["fence"], int) and keys[0]["fence"] > 0 and keys[1]["fence"] is None
     ids = [r.request_id for r in receipts]
     assert list(by_request) == ids
     assert [(e["event"], e["attempt"]) for e in by_request[ids[0]]] == [
@@ -114,6 +117,9 @@ async def test_a_known_workload_leaves_exactly_its_events(make_app: MakeApp) -> 
         assert succeeded["run"] is not None and 0.005 < succeeded["run"] < 5
         assert all(e[f] is None for e in events for f in ("triggers", "run_id"))
     assert by_request[ids[1]][2]["reason"] == "ValueError: flaky"
+    # The retry's backoff, so "when is the next attempt" can be answered from the stream.
+    assert 0 < by_request[ids[1]][2]["delay"] < 1
+    assert all(e["delay"] is None for events in by_request.values() for e in events if e["event"] != "retried")
     config = (await JetStreamApi(await app.connection()).stream_info("KQ_shop_EVENTS"))["config"]
     assert (config["retention"], config["max_age"]) == ("limits", 7 * 24 * 3600 * 10**9)
     assert config["max_msgs"] == ev.MAX_MSGS

@@ -122,7 +122,7 @@ async def test_own_late_renewal_is_recognised(nc: Client) -> None:
     a = lock(io)
     assert await a.try_acquire()
     # A renewal whose reply A never saw landed anyway: the record moved on, and it is still A's.
-    await io.compare_and_set(a.subject, a.seq, a._body(), a.ttl)
+    await io.compare_and_set(a.subject, a.seq, a._body(0.0), a.ttl)
     await a.renew()
     record = await io.last_record(a.subject)
     assert record is not None and record.seq == a.seq

@@ -241,3 +241,42 @@ async def test_fact_a_double_acks_reply_on_r3_can_precede_the_tokens_removal(clu
                 await JetStreamApi(nc).purge(config.names.token_stream)
         assert refused["release_token"] == 0
         assert refused["ack"] > 0, "nats-server now removes the token before it answers the ack: see DESIGN fact 7"
+
+
+async def test_every_other_compare_and_set_rides_out_a_lost_race_on_r3(cluster: EmbeddedCluster) -> None:
+    """Periodic schedules, cancels, rate-limit windows and fleet roles are written by compare-and-set
+    from several workers at once; on R3 a loser may get 10164. Before, that raised (put_periodic
+    when workers started together, app.cancel); now each reads again and decides again."""
+    from keyqueue.core.reconciler import Reconciler
+    from keyqueue.jetstream.records import RequestRecords
+    from keyqueue.jetstream.schedules import PeriodicDefinition, ScheduleStore
+
+    async with connections(cluster, 4) as ncs:
+        config = await replicated_queue(ncs[0], "cas2")
+        # Periodic schedules: four workers starting together store one definition.
+        stores = [ScheduleStore(nc, "cas2", replicas=3) for nc in ncs]
+        await stores[0].ensure()
+        for n in range(10):
+            wanted = PeriodicDefinition(f"tick{n}", "k", "@every 60s", None,
+                                        {"X-CONTENT-TYPE": "application/json", "X-MESSAGE-TYPE": "t",
+                                         "X-MESSAGE-VERSION": "1"}, b"{}")
+            stored = await asyncio.gather(*(store.put_periodic(wanted) for store in stores))
+            assert stored.count(True) >= 1, stored  # the others found it as wanted
+            assert (await stores[1].periodic())[f"tick{n}"].same_as(wanted)
+        # Cancels: four cancellers of one request all get its state.
+        records = [RequestRecords(nc, "cas2", replicas=3) for nc in ncs]
+        await records[0].ensure()
+        for n in range(10):
+            states = await asyncio.gather(*(r.request_cancel(f"req-{n}") for r in records))
+            assert {state for state, _ in states} == {"requested"}, states
+            assert len({seq for _, seq in states}) == 1  # one record, written once
+        # Rate-limit windows: one writer of a window wins, the others lose the race quietly.
+        for n in range(10):
+            results = await asyncio.gather(*(r.put_runs("t", f"k{n}", [1.0], 0, 60) for r in records),
+                                           return_exceptions=True)
+            assert sum(isinstance(x, int) for x in results) == 1, results
+            assert all(isinstance(x, int | WrongLastSequence) for x in results), results
+        # Fleet roles: of four workers that ask at once, one is the reconciler.
+        reconcilers = [Reconciler(QueueIO(nc, config), interval=30.0, worker=f"w{i}") for i, nc in enumerate(ncs)]
+        elected = await asyncio.gather(*(r.elected() for r in reconcilers))
+        assert elected.count(True) == 1, elected

@@ -53,7 +53,7 @@ async def test_waits_agree_for_caller_chosen_and_backfilled_ids(nats_url: str, t
         if len(events) == len(ids):
             all_started.set()
 
-    sub = await nc.subscribe("kq.timings.events.started", cb=on_event)
+    sub = await nc.subscribe("kq.timings.events.started.>", cb=on_event)
     dashboard = Monitor(nc, queues=["timings"], refresh=0.2)
     # The dashboard tells its listeners after each refresh: by then it has read the events that came.
     dashboard.listeners.append(lambda _: dashboard.waits["timings"].count() == len(ids) and dashboard_saw_all.set())

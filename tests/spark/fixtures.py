@@ -5,14 +5,14 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from keyqueue.events import ensure_events_stream, event
+from keyqueue.events import SUPERSEDED_BY_CANCEL, ensure_events_stream, event, superseded_reason
 from keyqueue_rebaser.events import DVU_FINISHED, DVU_STARTED
 from keyqueue_spark.streams import connect_to, publish_events
 
 
 def history(queue: str, *, requests: int = 600, seed: int = 7) -> list[dict[str, Any]]:
     """Events of ``requests`` requests over two tasks and 40 keys (key-3 hot), with retries,
-    dead letters, superseded requests and DVU runs of known sizes."""
+    dead letters, superseded and cancelled requests (as a worker records them) and DVU runs of known sizes."""
     rng = random.Random(seed)
     events: list[dict[str, Any]] = []
     t0 = 1_790_000_000.0
@@ -23,8 +23,12 @@ def history(queue: str, *, requests: int = 600, seed: int = 7) -> list[dict[str,
         ts = t0 + i * 0.5
         common = {"key": key, "request_id": rid, "task": task, "worker": "w1"}
         events.append(event("enqueued", ts, queue, **common))
-        if i % 25 == 0:
-            events.append(event("superseded", ts + 0.1, queue, reason="latest" if i % 2 else "merged", **common))
+        if i % 25 == 0:  # a `latest` task's request, superseded by the next one
+            events.append(event("superseded", ts + 0.1, queue, reason=superseded_reason(f"r{i + 1}"), **common))
+            continue
+        if i % 25 == 12:  # cancelled before it started: a cancelled event, then the session's superseded event
+            events.append(event("cancelled", ts + 0.1, queue, reason="cancelled before it started", **common))
+            events.append(event("superseded", ts + 0.2, queue, reason=SUPERSEDED_BY_CANCEL, **common))
             continue
         attempts = 2 if i % 10 == 1 else 1
         for attempt in range(1, attempts + 1):

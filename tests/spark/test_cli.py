@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from nats.js.errors import NotFoundError
 
 import keyqueue
 from keyqueue.cli import main
+from keyqueue.errors import StreamNotFound
+from keyqueue.ext import JetStreamApi, connect
 from keyqueue.server.embedded import EmbeddedServer
 from tests.spark.fixtures import history, plain_history, publish_history
 from tests.spark.helpers import message_count, run, stream_messages
@@ -160,6 +163,106 @@ def test_backfill_and_report_find_the_server_as_every_keyqueue_command_does(
         assert sorted((b["account"], b["amount"]) for b in bodies) == sorted(PAYMENTS)
     finally:
         run(running.close())
+
+
+class BacklogWatch:
+    """A worker of the shop queue, in a thread of its own, and the highest backlog seen meanwhile.
+
+    The worker holds its first request until the backlog reaches ``hold_until`` (so the backfill
+    must wait for it); once it runs, it also enqueues ``others`` requests of its own (traffic that
+    is not the backfill's). ``highest`` is the most requests the inbox held at any sampling.
+    """
+
+    def __init__(self, url: str, expected: int, hold_until: int, others: int) -> None:
+        self.url, self.expected, self.hold_until, self.others = url, expected, hold_until, others
+        self.posted: list[tuple[str, int]] = []
+        self.highest = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="backlog-watch")
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:
+            self.error = e
+
+    async def _serve(self) -> None:
+        app = keyqueue.App("shop", url=self.url, autoload_plugins=False, set_as_default=False)
+        full, done = asyncio.Event(), asyncio.Event()
+
+        @app.task(key="{account}")
+        async def post(account: str, amount: int) -> None:
+            await full.wait()
+            self.posted.append((account, amount))
+            if len(self.posted) == 1:
+                await post.enqueue_many([{"account": "other", "amount": n} for n in range(self.others)])
+            if len(self.posted) == self.expected + self.others:
+                done.set()
+
+        async def sample() -> None:
+            nc = await connect(self.url, name="backlog-watch")
+            try:
+                while not done.is_set():
+                    try:
+                        backlog = (await JetStreamApi(nc).stream_info("KQ_shop_INBOX"))["state"]["messages"]
+                    except StreamNotFound:
+                        backlog = 0
+                    self.highest = max(self.highest, backlog)
+                    if backlog >= self.hold_until:
+                        full.set()
+                    await asyncio.sleep(0.005)  # sampling the backlog: nothing announces its changes
+            finally:
+                await nc.close()
+
+        try:
+            async with app.worker(linger=0.01, drain_timeout=1):
+                await asyncio.wait_for(asyncio.gather(sample(), done.wait()), 120)
+        finally:
+            await app.close()
+
+    def __enter__(self) -> BacklogWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join()
+
+
+def test_backfill_with_max_pending_waits_for_workers_and_counts_only_its_own_rows(
+        spark: Any, server: EmbeddedServer, tmp_path: Path) -> None:
+    rows = [(f"acct-{i % 3}", i) for i in range(240)]
+    data = payments_csv(tmp_path / "many.csv", rows)
+    # With 2 tasks writing at once and --max-pending 40, each sends 10 rows when the backlog is at
+    # most 20: the worker holds its first request until the backlog is past that.
+    with BacklogWatch(server.url, len(rows), hold_until=21, others=5) as watch:
+        result = keyqueue_cli("backfill", data, "--queue", "shop", "--task", "post", "--key", "account",
+                              "--columns", "account,amount", "--max-pending", "40", "--url", server.url)
+    assert watch.error is None, watch.error
+    assert result.exit_code == 0, result.output
+    assert "240 rows: 240 enqueued, waited " in result.stdout and "s for workers (--max-pending)" in result.stdout
+    # It waited, and its own requests never took the backlog past the bound (the worker's 5, enqueued
+    # while the backlog may be at the bound, come on top: others' requests are waited for, not held back).
+    assert 21 <= watch.highest <= 40 + 5
+    # The progress line counts the backfill's rows, not the 5 the worker enqueued meanwhile.
+    assert result.stderr.splitlines()[-1].startswith("rows 240/240 (100%): 240 stored, ")
+    assert "stored 245" not in result.stderr
+    assert sorted(watch.posted) == sorted(rows + [("other", n) for n in range(5)])
+    for account in ("acct-0", "acct-1", "acct-2"):  # each key's rows in input order
+        assert [n for a, n in watch.posted if a == account] == [n for a, n in rows if a == account]
+
+
+def test_backfill_says_what_it_cannot_do_before_starting_spark(tmp_path: Path) -> None:
+    data = payments_csv(tmp_path / "payments.csv")
+    common = ["backfill", data, "--queue", "shop", "--task", "post", "--key", "account", "--url", "nats://127.0.0.1:1"]
+    remote = keyqueue_cli(*common, "--master", "sc://127.0.0.1:15002")
+    assert remote.exit_code == 2
+    assert "backfill needs a Spark driver of its own" in remote.stderr and "Spark Connect (sc://)" in remote.stderr
+    bad_conf = keyqueue_cli(*common, "--conf", "spark.executor.memory")
+    assert bad_conf.exit_code == 2
+    assert "'spark.executor.memory' is not KEY=VALUE (e.g. spark.executor.memory=2g)" in bad_conf.stderr
+    too_low = keyqueue_cli(*common, "--max-pending", "0")
+    assert too_low.exit_code == 2 and "--max-pending" in too_low.stderr
+    assert "starting Spark" not in remote.output + bad_conf.output + too_low.output
 
 
 def test_help_shows_examples() -> None:

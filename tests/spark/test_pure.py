@@ -25,7 +25,8 @@ from keyqueue.events import EVENT_FIELD_NAMES, EVENT_FIELDS, event
 from keyqueue_spark.backfill import guess_format
 from keyqueue_spark.events import coerce_event, event_schema
 from keyqueue_spark.report import MAX_BUCKETS, pick_bucket
-from keyqueue_spark.sink import RowIdentity, SinkOptions, derive_request_id, plain_converter
+from keyqueue_spark.rows import RowIdentity, derive_request_id, plain_converter
+from keyqueue_spark.sink import SinkOptions
 from keyqueue_spark.source import SequenceRange, SourceOptions, plan_partitions, split_range
 
 
@@ -109,3 +110,35 @@ def test_report_buckets_and_input_formats() -> None:
     assert pick_bucket(60) == 1 and pick_bucket(3600) == 30 and pick_bucket(86400 * 30) == 21600
     assert all(pick_bucket(span) * MAX_BUCKETS >= span for span in (1, 500, 10_000, 1e6))
     assert [guess_format(p) for p in ("a.csv", "a.JSONL", "dir", "x.parquet")] == ["csv", "json", "parquet", "parquet"]
+
+
+def test_the_backlog_bound_holds_however_the_writers_interleave() -> None:
+    from keyqueue.errors import ConfigError
+    from keyqueue_spark.backlog import BacklogLimit
+
+    limit = BacklogLimit(max_pending=40, writers=2, batch_rows=10_000)
+    assert limit.chunk == 10
+    assert limit.allows(20) and not limit.allows(21)
+    # Worst case: every writer reads the same allowed backlog and sends a chunk before any is seen.
+    for writers, pending in [(1, 1), (2, 40), (3, 100), (8, 25_000), (5, 7)]:
+        bound = BacklogLimit(pending, writers, 10_000)
+        highest_allowed = max(b for b in range(pending + 1) if bound.allows(b))
+        assert highest_allowed + writers * bound.chunk <= pending
+    assert BacklogLimit(25_000, 2, 10_000).chunk == 6_250
+    assert BacklogLimit(1_000_000, 2, 10_000).chunk == 10_000  # never more than a batch
+    with pytest.raises(ConfigError, match="less than the 3 tasks that write at once"):
+        BacklogLimit(2, 3, 10_000)
+    with pytest.raises(ValueError, match="option maxPending must be a positive integer, got '0'"):
+        SinkOptions.from_options({"queue": "q", "task": "T", "key": "k", "maxPending": "0"})
+
+
+def test_progress_counts_a_retried_tasks_rows_once_and_its_stored_requests_all() -> None:
+    from keyqueue_spark.progress import JobProgress, TaskCounts
+
+    progress = JobProgress(spark=None, url="nats://unused", subject="_KQSPARK.progress.t", total=300)
+    # Partition 0 failed after 80 rows (all stored) and ran again: 80 duplicates, 20 new.
+    progress.record(TaskCounts(0, 0, 80, 80, 0, 0, 0.0, None, None, False))
+    progress.record(TaskCounts(0, 1, 100, 20, 80, 0, 0.0, None, None, True))
+    progress.record(TaskCounts(1, 0, 150, 150, 0, 1, 2.5, 120, 100, False))
+    assert progress.totals() == (250, 250, 80, 1)
+    assert progress.waiting() == (120, 2.5)

@@ -10,9 +10,10 @@ import numpy as np
 import pandas as pd
 from click.testing import CliRunner
 
+from keyqueue.events import SUPERSEDED_BY_CANCEL
 from keyqueue.server.embedded import EmbeddedServer
 from keyqueue_spark.cli import report as report_command
-from keyqueue_spark.report import QUANTILES, run_report
+from keyqueue_spark.report import QUANTILES, SUPERSEDED_BY_NEWER, reason_bars, run_report
 from tests.spark.fixtures import history, publish_history
 from tests.spark.helpers import run
 
@@ -35,8 +36,10 @@ def test_report_numbers_equal_direct_computation_and_page_embeds_charts(
             assert np.isclose(tasks.loc[task, f"wait_p{round(q * 100)}"], np.quantile(first.wait, q))
             assert np.isclose(tasks.loc[task, f"run_p{round(q * 100)}"], np.quantile(runs.run, q))
         assert tasks.loc[task, "wait_max"] == first.wait.max()
-        for name in ("enqueued", "succeeded", "retried", "dead_lettered", "superseded"):
+        for name in ("enqueued", "succeeded", "retried", "dead_lettered", "cancelled"):
             assert tasks.loc[task, name] == (group.event == name).sum(), name
+        latest_superseded = (group.event == "superseded") & (group.reason != SUPERSEDED_BY_CANCEL)
+        assert tasks.loc[task, "superseded"] == latest_superseded.sum()
 
     keys = data.tables["keys"].set_index(["task", "key"])
     hot = ev[(ev.task == "Reindex") & (ev.key == "key-3")]
@@ -51,8 +54,18 @@ def test_report_numbers_equal_direct_computation_and_page_embeds_charts(
     assert {(r.task, r.reason): r.count for r in data.tables["retries"].itertuples()} == retried.to_dict()
     dead = ev[ev.event == "dead_lettered"].groupby(["task", "reason"]).size()
     assert {(r.task, r.reason): r.count for r in data.tables["dead_letters"].itertuples()} == dead.to_dict()
-    superseded = ev[ev.event == "superseded"].groupby(["task", "reason"]).size()
-    assert {(r.task, r.reason): r.count for r in data.tables["superseded"].itertuples()} == superseded.to_dict()
+    # Cancels count once, as cancels; a latest task's superseded requests under one reason, not one per newer id.
+    cancelled = ev[ev.event == "cancelled"].groupby(["task", "reason"]).size()
+    assert {(r.task, r.reason): r.count for r in data.tables["cancelled"].itertuples()} == cancelled.to_dict()
+    latest = ev[(ev.event == "superseded") & (ev.reason != SUPERSEDED_BY_CANCEL)].groupby("task").size()
+    assert {(r.task, r.reason): r.count for r in data.tables["superseded"].itertuples()} == {
+        (task, SUPERSEDED_BY_NEWER): n for task, n in latest.items()}
+    assert data.summary["cancelled"] == len(ev[ev.event == "cancelled"]) == 24
+    assert data.summary["superseded"] == latest.sum() == 24
+    bars = dict(reason_bars(data))
+    assert bars["cancelled: cancelled before it started"] == 24
+    assert bars[f"superseded: {SUPERSEDED_BY_NEWER}"] == 24
+    assert not [label for label in bars if label.startswith("superseded: superseded by")]
 
     dvu = ev[ev.event == "dvu_finished"]
     assert data.summary["dvu_runs"] == len(dvu) == 30
@@ -66,7 +79,9 @@ def test_report_numbers_equal_direct_computation_and_page_embeds_charts(
     charts = re.findall(r"<img alt='([^']+)' src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
     assert len(charts) == 5 and all(len(png) > 5000 for _, png in charts)
     assert "src='http" not in text and "<script" not in text  # self-contained
-    for table in ("tasks", "keys", "hot_keys", "throughput", "retries", "dead_letters", "superseded", "dvu"):
+    assert "superseded: superseded by" not in text and "(cancelled)" not in text
+    for table in ("tasks", "keys", "hot_keys", "throughput", "retries", "dead_letters", "superseded", "cancelled",
+                  "dvu"):
         assert (tmp_path / "report" / "aggregates" / f"{table}.parquet").is_file()
 
     # The CLI over the exported Parquet (no server) reaches the same numbers.

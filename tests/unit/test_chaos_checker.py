@@ -384,12 +384,15 @@ def test_a_holder_that_reconnects_within_its_lease_must_resume_within_the_bound(
     assert check(reset_holder(3.5), {"k": ["a", "b"]}, bounds=BOUNDS).ok
     late = check(reset_holder(4.5), {"k": ["a", "b"]}, bounds=BOUNDS)
     assert late.liveness is not None and [(h.seconds, h.alone) for h in late.liveness.late_handoffs] == [(2.5, True)]
-    # Another fault before the key moved may own part of the time: still late, but not alone.
+    assert not late.ok  # alone and late: the protocol missed its bound
+    # Another fault before the key moved may own part of the time: still late, but not alone, so
+    # reported and not failed.
     confounded = check([*reset_holder(4.5), fault(3.0, "net-blackhole", "w1", 2), fault_end(3.5, 2)],
                        {"k": ["a", "b"]}, bounds=BOUNDS)
     assert confounded.liveness is not None
     assert [(h.fault, h.alone) for h in confounded.liveness.late_handoffs] == [("net-reset", False)]
     assert "late 1 (0 with no other fault before the key moved)" in confounded.summary()
+    assert confounded.ok
     # A slowed link has no bound: its hand-off is only reported.
     slowed = check(reset_holder(9.0, "net-latency"), {"k": ["a", "b"]}, bounds=BOUNDS)
     assert slowed.ok and slowed.liveness is not None and slowed.liveness.handoffs[0].seconds == 7.0
@@ -411,3 +414,19 @@ def test_distributions_are_nearest_rank() -> None:
     dist = Distribution.of([float(n) for n in range(1, 101)])
     assert (dist.count, dist.p50, dist.p99, dist.max) == (100, 50.0, 99.0, 100.0)
     assert Distribution.of([]) == Distribution(0, 0.0, 0.0, 0.0)
+
+
+def test_a_token_that_went_to_a_worker_that_could_not_act_on_it_is_no_strand() -> None:
+    # The key's token reached w2 while its link was slowed, then w3, which died before taking the
+    # key; a fresh token reached w1 at 5.0. w1 was free all along, yet only the protocol's own time
+    # (stored 0.8 to the first token, and w1's acquisition) counts.
+    log = [ready("w1", 0.0), ready("w2", 0.0), ready("w3", 0.0), fault(0.5, "net-latency", "w2", 1),
+           stored(0.8, "k", "a"), event("token", "w2", 1.0, "k", delivered=1), fault_end(6.0, 1),
+           event("token", "w3", 3.0, "k", delivered=2), rec("exited", "w3", 3.5),
+           event("token", "w1", 5.0, "k", delivered=1), *session("w1", "k", "a", 5.05, 5.1, 5.2, 5.3)]
+    verdict = check(log, {"k": ["a"]}, bounds=BOUNDS)
+    assert verdict.ok, verdict.summary()
+    assert verdict.liveness is not None and round(verdict.liveness.strand.max, 6) == 0.25
+    # Without the tokens' stay with w2 and w3 the same wait is a strand.
+    bare = [r for r in log if r.get("event") != "token"]
+    assert not check(bare, {"k": ["a"]}, bounds=BOUNDS).ok

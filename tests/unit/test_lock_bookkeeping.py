@@ -70,7 +70,7 @@ async def test_a_renewal_that_finds_its_own_late_write_adopts_it() -> None:
     store = Store(clock)
     lock = KeyLock(store, "kq.q.lease.k", 10.0, clock=clock)
     assert await lock.try_acquire()
-    await store.compare_and_set(lock.subject, lock.seq, lock._body(), lock.ttl)  # landed, reply lost
+    await store.compare_and_set(lock.subject, lock.seq, lock._body(0.0), lock.ttl)  # landed, reply lost
     await lock.renew()
     assert lock.seq == store.seq and lock.held
 

@@ -62,6 +62,8 @@ class Store:
         """The next write is stored (or refused) but its reply is lost with this error."""
         self.reads_fail = 0
         """How many reads fail (the connection is down) before they succeed again."""
+        self.reads_stale = 0
+        """How many reads miss the latest write (a write still in flight on a replicated stream)."""
         self.connected = True
 
     async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
@@ -86,6 +88,9 @@ class Store:
         if self.reads_fail:
             self.reads_fail -= 1
             raise Disconnected("down")
+        if self.reads_stale:
+            self.reads_stale -= 1
+            return None
         return self.records.get(subject)
 
     async def wait_connected(self, timeout: float) -> bool:
@@ -129,7 +134,8 @@ async def test_a_record_names_its_holder_its_claim_and_its_ttl_in_compact_json(s
     assert await lock.try_acquire()
     record = store.records[SUBJECT]
     body = json.loads(record.data)
-    assert body == {"worker": "w1", "token": 7, "nonce": lock.nonce, "fence": 0, "since": lock.since, "ttl": 10}
+    assert body == {"worker": "w1", "token": 7, "nonce": lock.nonce, "fence": 0, "since": lock.since, "ttl": 10,
+                    "sent": 100.0}  # on the holder's own (here: fake) clock
     assert b" " not in record.data
     since = datetime.fromisoformat(body["since"])
     assert since.utcoffset() == timedelta(0)
@@ -288,7 +294,7 @@ async def test_a_lapsed_lease_is_not_renewed(store: Store, clock: Clock) -> None
 async def test_a_refused_renewal_whose_lookup_outlasts_the_lease_loses_it(store: Store) -> None:
     lock = new_lock(store)
     assert await lock.try_acquire()
-    store.put(lock._body())  # our own renewal landed, its reply was lost: the next one is refused ...
+    store.put(lock._body(0.0))  # our own renewal landed, its reply was lost: the next one is refused ...
     store.delay = 10.0  # ... after the lease is over
     store.reads_hang = True  # and the lookup that would prove the record ours does not come back
     with pytest.raises(LeaseLost, match="another worker acquired"):
@@ -451,10 +457,42 @@ async def test_a_renewal_that_loses_a_race_to_its_own_record_keeps_the_key_and_s
     assert await lock.try_acquire()
     assert lock.lease is not None
     deadline = lock.lease.deadline
-    store.put(lock._body())  # one of ours landed unanswered (or, on R3, a 10164 while another write was in flight)
+    store.put(lock._body(0.0))  # one of ours landed unanswered (or, on R3, a 10164 while another write was in flight)
     clock.now = 103.0
     assert await lock.renew() is False
     assert lock.held and lock.lease.deadline == deadline
     assert lock.seq == store.records[SUBJECT].seq
     assert await lock.renew() is True
     assert lock.lease.deadline == 103.0 + 10.0 - 1.0
+
+
+async def test_a_record_left_by_an_earlier_unanswered_try_lasts_from_that_tries_send_time(
+        store: Store, clock: Clock) -> None:
+    """The overlap the cluster soak found: a try's write landed but its reply was lost and the look
+    that followed missed it (still in flight); a later try, refused by that very record, or
+    unanswered too, found it ours and held the key for a lease counted from the later try, while
+    the server expired the record a lease after the earlier one. Another worker then took the key
+    beside it. The record now says when it was sent."""
+    lock = new_lock(store)  # ack_wait 10, margin 1
+    store.reply_lost = ReplyLost
+    store.reads_stale = 1
+    assert not await lock.try_acquire()  # at 100: stored, unanswered, not seen
+    assert lock.unsettled and store.records[SUBJECT]
+    clock.now = 101.0
+    assert await lock.try_acquire()  # refused by our own record: it is ours, from 100
+    assert lock.lease is not None and lock.lease.deadline == 109.0  # not 110 (101 + 10 - 1)
+    assert lock.seq == store.records[SUBJECT].seq and not lock.unsettled
+
+
+async def test_an_own_record_about_to_expire_is_removed_rather_than_taken(store: Store, clock: Clock) -> None:
+    lock = new_lock(store)
+    store.reply_lost = ReplyLost
+    store.reads_stale = 1
+    assert not await lock.try_acquire()  # at 100
+    stale = store.records[SUBJECT]
+    clock.now = 107.0  # its lease would end at 109: less than a renewal interval left
+    assert not await lock.try_acquire()
+    assert store.removed == [stale.seq] and SUBJECT not in store.records
+    assert lock.lease is None
+    assert await lock.try_acquire()  # afresh, from 107
+    assert lock.lease is not None and lock.lease.deadline == 116.0

@@ -78,7 +78,7 @@ def test_no_held_key_no_stop_and_a_failed_count_still_stops() -> None:
     def broken(in_hand: Sequence[HeldLease], budget: float) -> None:
         raise OSError("the server is away")
 
-    held = [HeldLease("k", clock.now + 1.0, 3)]
+    held = [HeldLease("k", clock.now + 6.0, 3)]
     dog = LoopWatchdog(8.0, lambda: held, count_killed=broken, exit=lambda s: (_ for _ in ()).throw(Fired(s)),
                        clock=clock)
     clock.now += 5
@@ -98,3 +98,10 @@ def test_sessions_changing_under_the_watchdog_are_read_again() -> None:
     dog = LoopWatchdog(8.0, leases, exit=lambda s: None, clock=clock)
     clock.now += 5
     assert dog.check()
+
+
+def test_a_lease_already_past_its_deadline_is_left_to_its_session() -> None:
+    clock, counted = Clock(), []
+    dog = watchdog(clock, [HeldLease("k", clock.now + 1.0, 3)], counted)
+    clock.now += 5  # blocked 5 s; the lease ended 4 s ago: the process ending now protects nothing
+    assert not dog.check()
