@@ -11,6 +11,7 @@
     │   ├── Disconnected                 the connection is down right now: the message was not sent
     │   └── ReplyLost                    the connection dropped between a request and its reply
     ├── KeyqueueTimeout                  an operation took too long (also a TimeoutError)
+    │   └── SyncTimeout                  a sync call (delay, call_sync, ...) did not finish within its bound
     ├── WireError                        a message that cannot be decoded or encoded
     │   ├── MissingHeader                a required header is absent
     │   ├── UnsupportedContentType       X-CONTENT-TYPE is not cbor or json
@@ -20,6 +21,7 @@
     │   └── PayloadTooLarge              the encoded message exceeds the server's max_payload
     ├── EnqueueError                     a request could not be accepted
     │   ├── BacklogFull                  the key's per-key backlog cap is reached
+    │   ├── PartiallyEnqueued            enqueue_many stored some requests and not others (results per item)
     │   └── TokenPublishFailed           the request is stored, but its key was not scheduled
     ├── JetStreamError                   a JetStream API error not covered above (code, err_code)
     │   ├── StreamNotFound               10059
@@ -29,15 +31,19 @@
     │   ├── JetStreamUnavailable         10008: JetStream is temporarily unavailable (a cluster electing, catching up)
     │   └── KeyAlreadyScheduled          10077 on a token subject (callers treat it as success)
     ├── LeaseLost                        this worker no longer owns the key; stop without side effects
+    ├── RequestNotFound                  no request with this id was found (keyqueue cancel of an unknown id)
     ├── ResultUnavailable                a request's result cannot be had
     │   ├── ResultNotKept                its task keeps no results (no result_ttl)
     │   └── ResultExpired                it was kept, but its result_ttl has passed
     └── TaskFailure                      the outcome of running a request
         ├── Reject                       raised by a handler: do not retry, dead-letter now
+        ├── SoftTimeout                  raised inside a task that passed its soft_timeout (catch it to clean up)
+        ├── Retry                        raised by a handler: retry this request, after countdown seconds if given
         │   └── CallOnOwnKey             a task called a task on the key its own run holds
         ├── RemoteError                  a request failed in a worker; re-raised to the caller
         ├── DeadLettered                 the request went to the DLQ (reply to a caller)
         ├── Cancelled                    the request was cancelled before it started
+        ├── Expired                      its expires= time passed before it started
         └── Superseded                   a newer request for the key replaced this one
 
 Timeouts subclass the built-in ``TimeoutError`` (which ``asyncio.TimeoutError`` aliases) so
@@ -59,6 +65,7 @@ __all__ = [
     "DeadLettered",
     "Disconnected",
     "EnqueueError",
+    "Expired",
     "InvalidKey",
     "InvalidRequestId",
     "InvalidSchedule",
@@ -71,16 +78,21 @@ __all__ = [
     "MalformedBody",
     "MessageNotFound",
     "MissingHeader",
+    "PartiallyEnqueued",
     "PayloadTooLarge",
     "Reject",
     "RemoteError",
     "ReplyLost",
+    "RequestNotFound",
     "ResultExpired",
     "ResultNotKept",
     "ResultUnavailable",
+    "Retry",
     "ServerNotFound",
+    "SoftTimeout",
     "StreamNotFound",
     "Superseded",
+    "SyncTimeout",
     "TaskFailure",
     "TokenPublishFailed",
     "TopologyMismatch",
@@ -162,6 +174,20 @@ class KeyqueueTimeout(KeyqueueError, TimeoutError):
     """An operation did not finish in time."""
 
 
+class SyncTimeout(KeyqueueTimeout):
+    """A sync call (``delay``, ``call_sync``, ``result_sync``, ...) did not finish within its bound.
+
+    A sync call never waits without a bound: past it the work is cancelled. An enqueue cut off
+    this way may still have stored its request: enqueue it again with the same ``request_id``.
+    """
+
+    def __init__(self, what: str, bound: float) -> None:
+        self.what, self.bound = what, bound
+        super().__init__(f"{what} did not finish within {bound:g}s; the server may be unreachable (check "
+                         "KEYQUEUE_URL and that it runs), and a request may have been stored: enqueue it again "
+                         "with the same request_id to be sure it is stored once")
+
+
 # --- wire format -------------------------------------------------------------------------------
 
 
@@ -212,10 +238,11 @@ class MalformedBody(WireError):
 class PayloadTooLarge(WireError):
     """The encoded message is larger than the server accepts."""
 
-    def __init__(self, size: int, limit: int) -> None:
-        self.size, self.limit = size, limit
+    def __init__(self, size: int, limit: int, reserved: int = 0) -> None:
+        self.size, self.limit = size, limit - reserved
+        kept = f", less {reserved} bytes kept for its dead-letter copy's headers" if reserved else ""
         super().__init__(
-            f"message is {size} bytes but the server's max_payload is {limit} bytes; "
+            f"message is {size} bytes but the server's max_payload is {limit} bytes{kept}; "
             "store large data elsewhere and enqueue a reference to it"
         )
 
@@ -236,6 +263,21 @@ class BacklogFull(EnqueueError):
             f"key {key!r} in queue {queue!r} has a full backlog (max_backlog_per_key reached); "
             "the request was not stored, retry later or raise the cap"
         )
+
+
+class PartiallyEnqueued(EnqueueError):
+    """``enqueue_many`` stored some of its requests and not others.
+
+    ``results`` has one entry per item, in order: its ``Receipt`` if it was stored, else its
+    ``EnqueueError`` (a full backlog, say). ``receipts`` are the stored ones: enqueue only the
+    others again.
+    """
+
+    def __init__(self, message: str, results: list[Any]) -> None:
+        self.results = results
+        self.receipts = [r for r in results if not isinstance(r, EnqueueError)]
+        self.errors = {i: r for i, r in enumerate(results) if isinstance(r, EnqueueError)}
+        super().__init__(message)
 
 
 class TokenPublishFailed(EnqueueError):
@@ -337,6 +379,10 @@ class LeaseLost(KeyqueueError):
     """
 
 
+class RequestNotFound(KeyqueueError):
+    """No request with this id was found where it was looked for (``keyqueue cancel`` of an unknown id)."""
+
+
 class ResultUnavailable(KeyqueueError):
     """A request's result cannot be had: not kept, or expired (see the subclasses)."""
 
@@ -359,6 +405,32 @@ class TaskFailure(KeyqueueError):
 
 class Reject(TaskFailure):
     """Raise from a handler to dead-letter the request at once, without retries."""
+
+
+class SoftTimeout(TaskFailure):
+    """Raised inside a task function that passed its ``soft_timeout``: catch it to clean up.
+
+    Uncaught, the attempt fails with it and is retried like any failure. The hard limit
+    (``timeout``) stops the run whatever the function does.
+    """
+
+    def __init__(self, message: str = "the task passed its soft timeout") -> None:
+        super().__init__(message)
+
+
+class Retry(TaskFailure):
+    """Raise from a task to have its request retried, after ``countdown`` seconds (else the task's backoff).
+
+    The attempt counts toward ``max_attempts`` like any failed one, and the request stays at the head
+    of its key (nothing behind it overtakes it). ``Retry`` is retried even when ``retry_on`` does not
+    list it.
+    """
+
+    def __init__(self, message: str = "the task asked to be retried", *, countdown: float | None = None) -> None:
+        if countdown is not None and not countdown >= 0:
+            raise ConfigError(f"Retry countdown must be >= 0 seconds, got {countdown}")
+        self.countdown = countdown
+        super().__init__(message)
 
 
 class CallOnOwnKey(Reject):
@@ -404,6 +476,14 @@ class Cancelled(TaskFailure):
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         super().__init__(f"request {request_id} was cancelled before it started; it did not run")
+
+
+class Expired(TaskFailure):
+    """The request's ``expires`` time passed before it started (``options(expires=...)``): it never ran."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"request {request_id} expired before it started (expires=); it did not run")
 
 
 class Superseded(TaskFailure):

@@ -92,7 +92,7 @@ class EventField(NamedTuple):
 
 EVENT_NAMES: Final = (
     "enqueued", "acquired", "started", "succeeded", "retried", "dead_lettered", "superseded", "released",
-    "cancelled",
+    "cancelled", "expired",
 )
 """keyqueue's own values of the ``event`` field; plugins add theirs with :func:`register_event_names`."""
 

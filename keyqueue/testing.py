@@ -36,6 +36,7 @@ from typing import Any
 
 from keyqueue.app.application import App, default_app
 from keyqueue.app.eager_clock import EagerClock
+from keyqueue.app.status import kept_status
 from keyqueue.builtins.processor import TaskProcessor
 from keyqueue.builtins.request_records import RecordingTaskProcessor
 from keyqueue.core.processor import Request
@@ -58,7 +59,7 @@ class EagerDeadLetter:
     request_id: str
     task: str
     reason: str
-    """``rejected`` (bad input, unknown task, ``Reject``) or ``max-attempts``."""
+    """``rejected`` (bad input, unknown task, ``Reject``), ``not-retried`` (not in ``retry_on``) or ``max-attempts``."""
     error: BaseException
     attempts: int
 
@@ -188,7 +189,24 @@ class EagerRunner:
         """The reply of a finished request (results never expire in eager mode); None if it has not run."""
         return self._kept.get(request_id)
 
-    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float) -> str:
+    async def status(self, queue: str, request_id: str, seq: int | None, key: str | None) -> str:
+        """Where the request is in the runner: pending, scheduled, running, done, failed, cancelled or unknown."""
+        if request_id in self.cancelled:
+            return "cancelled"
+        kept = self._kept.get(request_id)
+        if kept is not None:
+            return kept_status(dict(kept[0])) or "pending"
+        for (pending_queue, pending_key), pending in self._pending.items():
+            for index, item in enumerate(pending):
+                if pending_queue == queue and item.request.request_id == request_id:
+                    return "running" if index == 0 and (queue, pending_key) in self._running else "pending"
+        if self._clock is not None and any(r.queue == queue and r.request_id == request_id
+                                           for r in self._clock.pending):
+            return "scheduled"
+        return "done" if request_id in self._seen else "unknown"
+
+    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float,
+                     key: str | None = None) -> str:
         """Remove a pending request (``autorun=False``): ``cancelled``; ``running`` or ``done`` if it is too late."""
         if request_id in self.cancelled:
             return "cancelled"
@@ -207,7 +225,7 @@ class EagerRunner:
         if self._clock is not None and self._clock.drop(queue, request_id):  # delayed, not due yet
             self.cancelled.append(request_id)
             return "cancelled"
-        return "done" if request_id in self._seen else "requested"
+        return "done" if request_id in self._seen else "unknown"
 
     async def _rate_wait(self, seconds: float) -> None:
         self.rate_waits.append(seconds)
@@ -290,6 +308,9 @@ class EagerRunner:
                 self._dead_letter(batch, exc, attempt, "rejected")
                 return
             except Exception as exc:
+                if not policy.retries(exc):
+                    self._dead_letter(batch, exc, attempt, "not-retried")
+                    return
                 if policy.exhausted(attempt):
                     self._dead_letter(batch, exc, attempt, "max-attempts")
                     return

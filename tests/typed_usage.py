@@ -50,6 +50,18 @@ def notify(user: str) -> str:
     return user
 
 
+def sync_view() -> None:
+    """The sync face, typed as the async one."""
+    receipt = charge.delay(order_id="o1", amount=5)
+    assert_type(charge.call_sync(order_id="o1", amount=5), dict[str, Any])
+    assert_type(charge.options(timeout=10, expires=60).call_sync(order_id="o1", amount=5), dict[str, Any])
+    assert_type(refund.call_sync(order_id="o1", timeout=2.5), None)
+    assert_type(ingest.call_sync(Reading("s", 1.0)), float)
+    assert_type(app.status_sync(receipt.request_id), keyqueue.RequestStatus)
+    assert_type(app.cancel_sync(receipt.request_id), keyqueue.CancelState)
+    charge.call_sync(order_id="o1", amount="5")  # type: ignore[call-overload]
+
+
 async def producer() -> None:
     receipt = await charge.enqueue(order_id="o1", amount=5)
     assert_type(receipt, keyqueue.Receipt)

@@ -20,11 +20,9 @@ one named ``default``. That, and the list of such shared tasks, is the only proc
 from __future__ import annotations
 
 import asyncio
-import atexit
 import dataclasses
 import datetime
 import logging
-import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -32,10 +30,12 @@ from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, CancelState
+from keyqueue.app.portal import SYNC_BOUND, SyncRunner
 from keyqueue.app.schedules import Periodic, make_periodic
-from keyqueue.app.transport import Connections, NatsTransport, Portal, Transport
+from keyqueue.app.status import RequestStatus
+from keyqueue.app.transport import Connections, NatsTransport, Transport
 from keyqueue.core.processor import ProcessorFactory, Reply
-from keyqueue.errors import ConfigError, EnqueueError
+from keyqueue.errors import ConfigError, EnqueueError, PartiallyEnqueued
 from keyqueue.jetstream.subjects import validate_key, validate_queue_name, validate_request_id
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.plugins.manager import PluginManager, autoload_disabled
@@ -102,25 +102,28 @@ def default_app() -> App:
 def task(*, queue: str, key: KeySpec, policy: Literal["batch"], name: str | None = None, max_attempts: int = 5,
          backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
          upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
-         result_ttl: float | None = None, rate_limit: str | None = None) -> BatchTaskDecorator: ...
+         result_ttl: float | None = None, rate_limit: str | None = None, soft_timeout: float | None = None,
+         retry_on: Sequence[type[BaseException]] | None = None) -> BatchTaskDecorator: ...
 @overload
 def task(*, queue: str, key: KeySpec, policy: Literal["serial", "latest", "merge"] = "serial",
          name: str | None = None, max_attempts: int = 5, backoff: Backoff | float = ..., timeout: float | None = None,
          version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
          merge: Merge | None = None, result_ttl: float | None = None,
-         rate_limit: str | None = None) -> TaskDecorator: ...
+         rate_limit: str | None = None, soft_timeout: float | None = None,
+         retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator: ...
 
 
 def task(*, queue: str, key: KeySpec, policy: Policy = "serial", name: str | None = None, max_attempts: int = 5,
          backoff: Backoff | float = Backoff(), timeout: float | None = None, version: int = 1,  # noqa: B008
          upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
          merge: Merge | None = None, result_ttl: float | None = None,
-         rate_limit: str | None = None) -> TaskDecorator | BatchTaskDecorator:
+         rate_limit: str | None = None, soft_timeout: float | None = None,
+         retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator | BatchTaskDecorator:
     """Declare a task on the default app (see ``App.task`` for the options; ``queue`` is required)."""
     return declare(key=key, queue=queue, name=name, policy=policy, max_attempts=max_attempts, backoff=backoff,
                    timeout=timeout, version=version, upgrades=upgrades, max_batch=max_batch, merge=merge,
                    register=_DEFAULTS.add_shared, dispatcher=default_app, result_ttl=result_ttl,
-                   rate_limit=rate_limit)
+                   rate_limit=rate_limit, soft_timeout=soft_timeout, retry_on=retry_on)
 
 
 # --- the app -------------------------------------------------------------------------------------
@@ -161,12 +164,14 @@ class App:
         self._processors: dict[str, ProcessorFactory] = {}
         self._queue_configs: dict[str, QueueConfig] = {}
         self._periodic: dict[str, Periodic] = {}
+        self._routed: set[str] = set()
+        """Queues declared with ``add_queue`` (tasks are sent there with ``options(queue=...)``)."""
         self._connections = Connections(f"keyqueue:{name}", self._settings_with_url, self._reconnected)
         self._local = LocalServer(name, Path(data_dir) if data_dir is not None else None)
         self._reconnect_listeners: list[Callable[[], None]] = []
         self._eager: Transport | None = None
-        self._portal: Portal | None = None
-        self._portal_lock = threading.Lock()
+        self._sync = SyncRunner(self._after_fork, self._connections.close)
+        """The private loop of sync calls (``delay``, ``call_sync``, ...), remade in a forked child."""
         if set_as_default and _DEFAULTS.app is None:
             _DEFAULTS.app = self
 
@@ -179,20 +184,23 @@ class App:
     def task(self, *, key: KeySpec, policy: Literal["batch"], queue: str | None = None, name: str | None = None,
              max_attempts: int = 5, backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
              upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
-             result_ttl: float | None = None, rate_limit: str | None = None) -> BatchTaskDecorator: ...
+             result_ttl: float | None = None, rate_limit: str | None = None, soft_timeout: float | None = None,
+         retry_on: Sequence[type[BaseException]] | None = None) -> BatchTaskDecorator: ...
     @overload
     def task(self, *, key: KeySpec, policy: Literal["serial", "latest", "merge"] = "serial",
              queue: str | None = None, name: str | None = None, max_attempts: int = 5,
              backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
              upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
              merge: Merge | None = None, result_ttl: float | None = None,
-             rate_limit: str | None = None) -> TaskDecorator: ...
+             rate_limit: str | None = None, soft_timeout: float | None = None,
+             retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator: ...
 
     def task(self, *, key: KeySpec, policy: Policy = "serial", queue: str | None = None, name: str | None = None,
              max_attempts: int = 5, backoff: Backoff | float = Backoff(), timeout: float | None = None,  # noqa: B008
              version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
              merge: Merge | None = None, result_ttl: float | None = None,
-             rate_limit: str | None = None) -> TaskDecorator | BatchTaskDecorator:
+             rate_limit: str | None = None, soft_timeout: float | None = None,
+             retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator | BatchTaskDecorator:
         """Declare a task of this app.
 
         ``key``: a template over the arguments (``"{order_id}"``, ``"{user}.{doc}"``) or a callable
@@ -200,7 +208,9 @@ class App:
         name. ``name``: the task's name on the wire (``X-MESSAGE-TYPE``), default the function's
         name. ``policy``: ``serial``, ``batch``, ``latest`` or ``merge`` (``keyqueue.task``).
         ``max_attempts`` and ``backoff`` (a ``Backoff``, or the first delay in seconds) govern
-        retries; ``timeout`` bounds one attempt. ``version`` is the message version; a task
+        retries; ``timeout`` is the hard limit of one attempt (it is stopped), ``soft_timeout`` raises
+        ``SoftTimeout`` inside it first; ``retry_on``: only these exceptions are retried (others
+        dead-letter at once, reason ``not-retried``). ``version`` is the message version; a task
         at version N > 1 declares ``upgrades={1: v1_to_v2, ..., N-1: ...}`` for older requests.
         ``max_batch`` caps the requests one run takes; ``merge`` folds them for ``merge``.
         ``result_ttl``: seconds each request's result (or final error) is kept, for
@@ -211,7 +221,7 @@ class App:
         return declare(key=key, queue=queue or self.name, name=name, policy=policy, max_attempts=max_attempts,
                        backoff=backoff, timeout=timeout, version=version, upgrades=upgrades,
                        max_batch=max_batch, merge=merge, register=self._register, dispatcher=lambda: self,
-                       result_ttl=result_ttl, rate_limit=rate_limit)
+                       result_ttl=result_ttl, rate_limit=rate_limit, soft_timeout=soft_timeout, retry_on=retry_on)
 
     def _register(self, task: AnyTask) -> None:
         tasks = self._all_tasks()
@@ -261,10 +271,21 @@ class App:
         return tasks[name]
 
     def queue_tasks(self, queue: str) -> dict[str, AnyTask]:
-        """The tasks of ``queue`` by name (checked: a non-serial task is alone in its queue)."""
-        tasks = {name: t for name, t in self.tasks.items() if t.queue == queue}
+        """The tasks a worker of ``queue`` runs, by name: the queue's own and, unless one of them has a
+        policy other than ``serial`` (then it is alone), every serial task of the app, which
+        ``options(queue=...)`` may send there (checked: a non-serial task is alone in its queue)."""
+        every = self.tasks
+        tasks = {name: t for name, t in every.items() if t.queue == queue}
         self._check_queue(queue, list(tasks.values()))
+        if all(t.spec.policy == "serial" for t in tasks.values()):
+            tasks.update({name: t for name, t in every.items() if t.spec.policy == "serial" and name not in tasks})
         return tasks
+
+    def add_queue(self, name: str) -> None:
+        """Declare a queue that has no tasks of its own: ``options(queue=name)`` sends serial tasks'
+        requests there, and its workers (``keyqueue worker app --queue name``) run them."""
+        validate_queue_name(name)
+        self._routed.add(name)
 
     def register_processor(self, queue: str, factory: ProcessorFactory, *, config: QueueConfig | None = None) -> None:
         """Serve ``queue`` with processors from ``factory(key)`` (a ``KeyProcessor``, maybe awaitable).
@@ -326,7 +347,7 @@ class App:
     def queues(self) -> list[str]:
         """Every queue with tasks or a processor, sorted."""
         self.plugins  # noqa: B018 - plugins register their processors when first loaded
-        return sorted({t.queue for t in self._all_tasks().values()} | set(self._processors))
+        return sorted({t.queue for t in self._all_tasks().values()} | set(self._processors) | self._routed)
 
     # --- plugins ---
 
@@ -342,7 +363,12 @@ class App:
 
     def transport(self) -> Transport:
         """NATS, or the in-process runner while ``keyqueue.testing.eager`` is active."""
-        return self._eager if self._eager is not None else NatsTransport(self._connections, self.queue_config)
+        if self._eager is not None:
+            return self._eager
+        return NatsTransport(self._connections, self.queue_config, self._keeps_result)
+
+    def _keeps_result(self, request: TaskRequest) -> bool:
+        return request.task is not None and (request.task.result_ttl is not None or self.result_ttl is not None)
 
     def set_transport(self, transport: Transport | None) -> Transport | None:
         """Send requests through ``transport`` (``None``: NATS again); returns the one it replaces.
@@ -352,26 +378,33 @@ class App:
         previous, self._eager = self._eager, transport
         return previous
 
-    def run_sync(self, make: Callable[[], Awaitable[T]]) -> T:
-        """Run ``make()`` to completion from code without a running event loop."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            raise ConfigError("this is the sync form, for code without a running event loop; "
-                              "in async code, await the async form (task.enqueue(...))")
+    def run_sync(self, make: Callable[[], Awaitable[T]], *, bound: float | None = None,
+                 what: str = "a sync call") -> T:
+        """Run ``make()`` to completion from code without a running event loop, for at most ``bound``
+        seconds (default :data:`~keyqueue.app.portal.SYNC_BOUND`; then ``SyncTimeout``).
 
-        async def run() -> T:
-            return await make()
-
+        Safe in a forked child (gunicorn ``--preload``, uWSGI, ``multiprocessing``): the child gets a
+        loop and a connection of its own (``keyqueue.app.portal``).
+        """
         if self._eager is not None:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+            else:
+                raise ConfigError("this is the sync form, for code without a running event loop; "
+                                  "in async code, await the async form (task.enqueue(...))")
+
+            async def run() -> T:
+                return await make()
+
             return asyncio.run(run())
-        with self._portal_lock:
-            if self._portal is None:
-                self._portal = Portal()
-                atexit.register(self._close_portal)
-        return self._portal.run(run())
+        return self._sync.run(make, bound=SYNC_BOUND if bound is None else bound, what=what)
+
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's connections and its embedded server (it is the parent's)."""
+        self._connections.forget_all()
+        self._local.forget_after_fork()
 
     # --- sending requests: the ``Dispatcher`` tasks send through (processor plugins may use it too) ---
 
@@ -379,8 +412,10 @@ class App:
         """Store ``requests`` (of one queue, in order) inside their ``keyqueue_wrap_enqueue`` wrappers.
 
         One receipt per request; a single request that was not stored raises its ``EnqueueError``,
-        several raise one ``EnqueueError`` saying how many failed (the others are stored).
+        several raise ``PartiallyEnqueued``, whose ``results`` hold each request's receipt or error
+        (the others are stored).
         """
+        self._check_routes(requests)
         async with AsyncExitStack() as stack:
             for request in requests:
                 await self.plugins.enter_wrappers(stack, "keyqueue_wrap_enqueue", app=self, request=request)
@@ -388,21 +423,31 @@ class App:
             for request, result in zip(requests, results, strict=True):
                 if not isinstance(result, EnqueueError):
                     request.receipt = result
+            results = [dataclasses.replace(r, source=self) if isinstance(r, Receipt) else r for r in results]
             errors = [r for r in results if isinstance(r, EnqueueError)]
             if len(requests) == 1 and errors:
                 raise errors[0]
             if errors:
-                raise EnqueueError(
-                    f"{len(errors)} of {len(requests)} {requests[0].message_type} requests were not stored; "
-                    f"first: {errors[0]}"
+                raise PartiallyEnqueued(
+                    f"{len(errors)} of {len(requests)} {requests[0].message_type} requests were not stored "
+                    f"(first: item {results.index(errors[0])}: {errors[0]}); the others are: the error's "
+                    "receipts and results say which", list(results)
                 ) from errors[0]
-        return [dataclasses.replace(r, source=self) for r in results if isinstance(r, Receipt)]
+        return [r for r in results if isinstance(r, Receipt)]
+
+    def _check_routes(self, requests: Sequence[TaskRequest]) -> None:
+        for request in requests:
+            if request.task is not None and request.queue != request.task.queue and request.queue not in self.queues:
+                raise ConfigError(f"queue {request.queue!r} is not one of app {self.name}'s queues, so no worker of "
+                                  f"the app would run {request.message_type} there: declare it with "
+                                  f"app.add_queue({request.queue!r})")
 
     async def ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
         """Store ``request`` and wait up to ``timeout`` seconds for its reply: ``(headers, body)``.
 
         Inside its ``keyqueue_wrap_enqueue`` wrappers; ``KeyqueueTimeout`` if no reply came in time.
         """
+        self._check_routes([request])
         async with AsyncExitStack() as stack:
             await self.plugins.enter_wrappers(stack, "keyqueue_wrap_enqueue", app=self, request=request)
             return await self.transport().call(request, timeout)
@@ -438,32 +483,105 @@ class App:
 
     # --- requests by id: kept results, cancels ---
 
+    def lookup_queues(self, queue: str | None = None, task: str | None = None) -> list[str]:
+        """Where to look for a request given by id: ``queue``; else the queue of ``task``; else every
+        queue the app serves or sends to (its tasks' and processors'); else the app's name."""
+        if queue is not None:
+            return [validate_queue_name(queue)]
+        if task:
+            declared = self.tasks.get(task)
+            if declared is not None:
+                return [declared.queue]
+        return self.queues or [self.name]
+
     async def result(self, request_id: str, *, queue: str | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,
                      task: str | None = None) -> Any:
-        """The result of request ``request_id`` of ``queue`` (default: the app's name), from any process.
+        """The result of request ``request_id``, from any process.
 
-        Waits up to ``timeout`` seconds for it to exist (``KeyqueueTimeout`` if it does not). A
-        failed request's error is raised as ``call`` raises it (``DeadLettered``, ``Cancelled``, ...).
-        ``ResultNotKept`` if the task (``task=``, or every task the app knows in ``queue``) keeps no
-        results, ``ResultExpired`` if it was kept and its ``result_ttl`` has passed.
+        ``queue``: where it was sent; without it, the queue of ``task=``, else every queue of the app
+        whose tasks keep results (the first that has it answers). Waits up to ``timeout`` seconds for
+        it to exist (``KeyqueueTimeout`` if it does not). A failed request's error is raised as
+        ``call`` raises it (``DeadLettered``, ``Cancelled``, ...). ``ResultNotKept`` if the task
+        (``task=``, or every task the app knows in the queue) keeps no results, ``ResultExpired`` if
+        it was kept and its ``result_ttl`` has passed.
         """
         from keyqueue.app.results import fetch_result
 
         return await fetch_result(self, request_id, queue=queue, timeout=timeout, task=task)
 
-    async def cancel(self, queue: str, request_id: str, *, seq: int | None = None) -> CancelState:
-        """Cancel request ``request_id`` of ``queue`` unless it has started; what became of it.
+    async def cancel(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None) -> CancelState:
+        """Cancel request ``request_id`` unless it has started; what became of it.
 
         ``cancelled``: it never ran (its caller gets ``Cancelled``); ``pending``: it has not started
         and never will (its key's holder removes it when it gets there); ``running``: it had started
         and is not interrupted (``ctx.cancel_requested`` is true); ``done``: it had finished;
-        ``requested``: it will not start from now on, but whether it already ran is unknown (give
-        ``seq``, the receipt's inbox sequence, to know). See docs/decisions.md.
+        ``unknown``: no such request was found, nothing was cancelled and the id stays usable.
+        Without ``queue`` the app's queues are searched (``status``). A pending request is found by
+        its id alone when its task keeps results; otherwise give ``seq`` (the receipt's inbox
+        sequence) or ``key``. See docs/decisions.md.
         """
-        validate_queue_name(queue)
         validate_request_id(request_id)
-        state = await self.transport().cancel(queue, request_id, seq, CANCEL_ANSWER_WAIT)
+        if key is not None:
+            validate_key(key)
+        queues = self.lookup_queues(queue)
+        if len(queues) > 1:
+            found = await self._where(request_id, queues, seq, key)
+            if found is None:
+                return "unknown"
+            queues = [found]
+        state = await self.transport().cancel(queues[0], request_id, seq, CANCEL_ANSWER_WAIT, key)
         return cast("CancelState", state)
+
+    async def status(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None) -> RequestStatus:
+        """Where request ``request_id`` is: ``unknown``, ``pending``, ``scheduled``, ``running``,
+        ``done``, ``failed``, ``cancelled`` or ``expired`` (``keyqueue.app.status``).
+
+        Without ``queue`` the app's queues are searched. By its id alone a request is found in every
+        state when its task keeps results (``result_ttl``); otherwise a pending one is found only
+        with ``seq`` (its receipt's inbox sequence) or ``key``.
+        """
+        validate_request_id(request_id)
+        if key is not None:
+            validate_key(key)
+        queues = self.lookup_queues(queue)
+        answers = await asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
+        return cast("RequestStatus", next((a for a in answers if a != "unknown"), "unknown"))
+
+    async def _where(self, request_id: str, queues: Sequence[str], seq: int | None, key: str | None) -> str | None:
+        answers = await asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
+        return next((q for q, a in zip(queues, answers, strict=True) if a != "unknown"), None)
+
+    async def purge(self, queue: str | None = None, *, key: str | None = None, task: str | None = None) -> int:
+        """Remove pending requests (of ``key``, of ``task``, or all) from ``queue`` (default: the queue
+        of ``task``, else the app's name); how many. They never run; a request a worker has started
+        or read ahead may still run (``keyqueue.app.purge``)."""
+        from keyqueue.app.purge import PurgeFilter, purge_pending
+        from keyqueue.jetstream.api import JetStreamApi
+
+        which = PurgeFilter(self.lookup_queues(queue, task)[0] if queue or task else self.name, key, task)
+        return await purge_pending(JetStreamApi(await self.connection()), which)
+
+    # --- the sync face: the same, for code without an event loop (Django, Flask, a script) ---
+
+    def result_sync(self, request_id: str, *, queue: str | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,
+                    task: str | None = None) -> Any:
+        """``result`` for code without a running event loop (blocks up to ``timeout`` plus the sync bound)."""
+        return self.run_sync(lambda: self.result(request_id, queue=queue, timeout=timeout, task=task),
+                             bound=timeout + SYNC_BOUND, what=f"the result of request {request_id}")
+
+    def cancel_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None) -> CancelState:
+        """``cancel`` for code without a running event loop."""
+        return self.run_sync(lambda: self.cancel(request_id, queue=queue, seq=seq, key=key),
+                             what=f"cancelling request {request_id}")
+
+    def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None) -> RequestStatus:
+        """``status`` for code without a running event loop."""
+        return self.run_sync(lambda: self.status(request_id, queue=queue, seq=seq, key=key),
+                             what=f"the status of request {request_id}")
 
     # --- the connection ---
 
@@ -497,7 +615,8 @@ class App:
     def worker(self, *, queues: Sequence[str] | None = None, concurrency: int = 16, linger: float = 0.05,
                ack_wait: float | None = None, drain_timeout: float = 10.0, name: str | None = None,
                overflow_min_pending: int = 0, overflow_min_ack_pending: int = 0,
-               priority: int | None = None, connect_timeout: float | None = None, watchdog: bool = False) -> Worker:
+               priority: int | None = None, connect_timeout: float | None = None, watchdog: bool = False,
+               sync_pool: str = "threads", app_spec: str | None = None) -> Worker:
         """A worker for ``queues`` (default: all of the app's); use it as ``async with app.worker():``.
 
         ``concurrency``: keys held at once per queue. ``linger``: seconds a key stays held with no
@@ -510,33 +629,24 @@ class App:
         unreachable server at start, retrying with a backoff (None: wait forever). ``watchdog``:
         end this process (exit status 75) before an event loop blocked by a handler outlives a
         lease, so no other worker runs its keys beside it (``keyqueue worker`` turns it on; off
-        here, where the worker may be a guest in your process).
+        here, where the worker may be a guest in your process). ``sync_pool="processes"``: run serial
+        sync tasks in child processes, which the hard limit and a drain's deadline can stop
+        (``keyqueue.app.process_pool``; ``app_spec`` is the app as ``MODULE:APP`` for the children).
         """
         from keyqueue.app.worker import Worker
 
         return Worker(self, queues=queues, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
                       drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
                       overflow_min_ack_pending=overflow_min_ack_pending, priority=priority,
-                      connect_timeout=connect_timeout, watchdog=watchdog)
+                      connect_timeout=connect_timeout, watchdog=watchdog, sync_pool=sync_pool, app_spec=app_spec)
 
     # --- closing ---
 
     async def close(self) -> None:
         """Close the connection of the running loop and of ``delay``; stop an embedded server this app started."""
         await self._connections.close()
-        await asyncio.to_thread(self._close_portal)
+        await asyncio.to_thread(self._sync.close_sync)
         await self._local.close()
-
-    def _close_portal(self) -> None:
-        with self._portal_lock:
-            portal, self._portal = self._portal, None
-        if portal is None:
-            return
-        try:
-            portal.run(self._connections.close())
-        except Exception as exc:
-            log.debug("closing the sync connection: %r", exc)
-        portal.close()
 
     async def __aenter__(self) -> App:
         return self

@@ -17,8 +17,11 @@ The protocol (docs/decisions.md, "Cancelling a request"):
 4. The canceller waits a little for that answer. Without one, the request is not running on any
    live worker: if the caller knows its inbox sequence (a receipt does) it looks there: still
    stored means ``pending`` (it will be removed before it starts), gone means ``done``. Without the
-   sequence the answer is ``requested``: it will not start from now on, but whether it already ran
-   is unknown.
+   sequence it looks for the request by id (``keyqueue.app.status``): the pending record a
+   producer writes for a task that keeps results, a kept result, or the key's backlog when the
+   caller names the key. Found nowhere, the answer is ``unknown`` and the cancel record is
+   *withdrawn* (workers that loaded it forget it), so the id is not poisoned: a later enqueue with
+   it runs.
 
 Both checks run on one event loop, the registration of a starting request before the look-up of
 its cancel, and the registration of a cancel before the look-up of a running request, so a
@@ -34,10 +37,11 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Final, Literal
 
+from keyqueue.app.status import in_backlog, kept_status
 from keyqueue.errors import KeyqueueError, StreamNotFound, WrongLastSequence
 from keyqueue.jetstream.records import CANCEL_STATE, RequestRecords
 from keyqueue.jetstream.schedules import ScheduleNames
-from keyqueue.jetstream.subjects import request_id_token
+from keyqueue.jetstream.subjects import QueueNames, request_id_token
 from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
@@ -49,11 +53,11 @@ __all__ = ["CANCEL_ANSWER_WAIT", "CancelState", "CancelWatch", "RunFlag", "reque
 
 log = logging.getLogger("keyqueue.cancel")
 
-CancelState = Literal["cancelled", "pending", "running", "done", "requested"]
+CancelState = Literal["cancelled", "pending", "running", "done", "unknown"]
 """What ``cancel`` found: ``cancelled`` (removed by its key's holder, it never ran), ``pending`` (it has
 not started and never will: its key's holder removes it when it gets there), ``running`` (it had
-started; not interrupted, ``ctx.cancel_requested`` is true), ``done`` (it had finished), ``requested``
-(it will not start from now on; whether it already ran is not known without its inbox sequence)."""
+started; not interrupted, ``ctx.cancel_requested`` is true), ``done`` (it had finished), ``unknown``
+(no request with this id was found: nothing was cancelled, and the id stays usable)."""
 
 CANCEL_ANSWER_WAIT: Final = 1.0
 """Seconds ``cancel`` waits for a worker's answer before looking at the inbox itself."""
@@ -91,11 +95,14 @@ class CancelWatch:
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._answers: set[asyncio.Task[None]] = set()
         self._sub: object | None = None
+        self._asks: object | None = None
         self._reconnects = 0
 
     async def start(self) -> None:
-        """Follow the queue's cancel subjects, then load the records stored so far (no gap between)."""
+        """Follow the queue's cancel subjects, then load the records stored so far (no gap between);
+        answer status questions about the requests running here (``keyqueue.app.status``)."""
         self._sub = await self.records.nc.subscribe(self.records.cancel_wildcard, cb=self._on_record)
+        self._asks = await self.records.nc.subscribe(self.records.ask_wildcard, cb=self._on_ask)
         await self.reload()
 
     async def reload(self) -> None:
@@ -111,10 +118,11 @@ class CancelWatch:
         return int(self.records.nc.stats.get("reconnects", 0))
 
     async def close(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()  # type: ignore[attr-defined]
+        for sub in (self._sub, self._asks):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()  # type: ignore[attr-defined]
+        self._sub = self._asks = None
         # Let answers in flight land (each is one API call, bounded by its timeout): a canceller waits for them.
         if self._answers:
             await asyncio.wait(list(self._answers), timeout=_CLOSE_WAIT)
@@ -151,10 +159,18 @@ class CancelWatch:
 
     # --- the subscription ---
 
+    async def _on_ask(self, msg: Msg) -> None:
+        if (msg.headers or {}).get(H.REQUEST_ID) in self.running and msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(b"running")
+
     async def _on_record(self, msg: Msg) -> None:
         headers = msg.headers or {}
         state = headers.get(CANCEL_STATE)
         request_id = headers.get(H.REQUEST_ID)
+        if request_id and state == "withdrawn":  # the canceller found no such request: the id is usable again
+            self.cancelled.discard(request_id)
+            return
         if not request_id or state not in ("requested", "cancelled"):
             return
         self.cancelled.add(request_id)
@@ -188,7 +204,7 @@ async def _unschedule(api: JetStreamApi, queue: str, request_id: str) -> bool:
 
 
 async def request_cancel(records: RequestRecords, api: JetStreamApi, inbox_stream: str, request_id: str,
-                         seq: int | None, wait: float = CANCEL_ANSWER_WAIT) -> CancelState:
+                         seq: int | None, wait: float = CANCEL_ANSWER_WAIT, *, key: str | None = None) -> CancelState:
     """Ask for ``request_id`` to be cancelled and say what became of it (see the module docstring)."""
     answered: asyncio.Future[CancelState] = asyncio.get_running_loop().create_future()
 
@@ -211,11 +227,29 @@ async def request_cancel(records: RequestRecords, api: JetStreamApi, inbox_strea
                 return await answered
         except TimeoutError:
             pass
-        if seq is None:
-            return "requested"
-        stored = await api.get_msg(inbox_stream, seq=seq, direct=records.replicas == 1)
-        if stored is not None and stored.headers.get(H.MSG_ID) == request_id:
+        if seq is not None:
+            stored = await api.get_msg(inbox_stream, seq=seq, direct=records.replicas == 1)
+            if stored is not None and stored.headers.get(H.MSG_ID) == request_id:
+                return "pending"
+            return "done"
+        kept = await records.get_result(request_id)
+        if kept is not None:
+            final = kept_status(kept.headers)
+            if final is None:
+                return "pending"  # a producer's pending record: stored, not started (the holder skips it)
+            found: CancelState = "cancelled" if final == "cancelled" else "done"
+        elif key is not None and await in_backlog(api, QueueNames(records.queue), key, request_id,
+                                                  records.replicas == 1):
             return "pending"
-        return "done"
+        else:
+            found = "unknown"
+        # Nothing will start under this id that needs the record: withdraw it, so the id is not poisoned.
+        try:
+            await records.withdraw_cancel(request_id, seq_of_record)
+        except WrongLastSequence:
+            now = await records.cancel_state(request_id)  # a worker answered meanwhile
+            if now is not None and now[0] in ("cancelled", "running", "done"):
+                return now[0]  # type: ignore[return-value]
+        return found
     finally:
         await sub.unsubscribe()

@@ -1,10 +1,10 @@
-"""How an app's requests reach NATS: a connection per event loop, replies, and the sync portal.
+"""How an app's requests reach NATS: a connection per event loop, and replies.
 
 ``Transport`` is where an app's requests go: ``NatsTransport`` here, or the in-process runner of
 ``keyqueue.testing.eager``.
 
 An ``App`` may be used from several event loops (pytest gives each test its own; ``delay`` runs
-on a private loop in a thread), and a nats-py connection belongs to the loop that made it, so
+on a private loop in a thread, ``keyqueue.app.portal``), and a nats-py connection belongs to the loop that made it, so
 ``Connections`` keeps one per loop, made on first use. Each has one wildcard subscription that
 routes every ``call``'s reply to its waiter, and remembers the queues whose streams it has
 ensured.
@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import threading
+import logging
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from keyqueue.app.cancel import CancelWatch, request_cancel
+from keyqueue.app.status import request_status
 from keyqueue.errors import ConnectionFailed, EnqueueError, KeyqueueError, KeyqueueTimeout, PayloadTooLarge
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.dlq_copy import DLQ_HEADROOM
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.records import RequestRecords
 from keyqueue.jetstream.schedules import ScheduleStore
@@ -37,9 +39,10 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
-__all__ = ["Connections", "LoopConnection", "NatsTransport", "Portal", "ReplyRouter", "Transport", "open_connection"]
+log = logging.getLogger("keyqueue.app")
 
-T = TypeVar("T")
+__all__ = ["Connections", "LoopConnection", "NatsTransport", "ReplyRouter", "Transport", "open_connection"]
+
 
 Reply = tuple[Mapping[str, str], bytes]
 """A reply's headers and body."""
@@ -58,9 +61,13 @@ class Transport(Protocol):
         """The kept reply of a request (waiting up to ``timeout`` seconds for it), an expired one's
         headers without ``X-KQ-Status``, or None if none came."""
 
-    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float) -> str:
+    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float,
+                     key: str | None = None) -> str:
         """Ask for the request to be cancelled; its state: ``cancelled``, ``pending``, ``running``,
-        ``done`` or ``requested`` (see ``keyqueue.app.cancel``)."""
+        ``done`` or ``unknown`` (see ``keyqueue.app.cancel``)."""
+
+    async def status(self, queue: str, request_id: str, seq: int | None, key: str | None) -> str:
+        """The request's status (``keyqueue.app.status``)."""
 
 
 class ReplyRouter:
@@ -145,6 +152,10 @@ class Connections:
                     await state.router.start()
         return state
 
+    def forget_all(self) -> None:
+        """Drop every loop's connection unclosed: in a forked child, they are the parent's."""
+        self._by_loop = weakref.WeakKeyDictionary()
+
     async def close(self) -> None:
         """Drain and close the running loop's connection, if it has one."""
         state = self._by_loop.pop(asyncio.get_running_loop(), None)
@@ -163,9 +174,13 @@ class Connections:
 class NatsTransport:
     """Requests through NATS, on the connection of the running loop."""
 
-    def __init__(self, connections: Connections, queue_config: Callable[[str], QueueConfig]) -> None:
+    def __init__(self, connections: Connections, queue_config: Callable[[str], QueueConfig],
+                 keeps_result: Callable[[TaskRequest], bool] = lambda request: False) -> None:
+        """``keeps_result(request)``: whether the request's task keeps results (then a pending
+        record is written once it is stored, so it is found by its id alone)."""
         self.connections = connections
         self.queue_config = queue_config
+        self.keeps_result = keeps_result
 
     async def _publisher(self, queue: str) -> tuple[LoopConnection, Publisher]:
         state = await self.connections.current()
@@ -188,8 +203,8 @@ class NatsTransport:
         outgoing = []
         for request in requests:
             size = header_block_size(request.headers) + len(request.body)
-            if size > state.nc.max_payload:
-                raise PayloadTooLarge(size, state.nc.max_payload)
+            if size > state.nc.max_payload - DLQ_HEADROOM:  # its dead-letter copy must fit whole
+                raise PayloadTooLarge(size, state.nc.max_payload, DLQ_HEADROOM)
             outgoing.append(OutgoingRequest(request.key, dict(request.headers), request.body, request.request_id))
         if len(outgoing) == 1:
             try:
@@ -198,7 +213,22 @@ class NatsTransport:
                 results = [exc]
         else:
             results = await publisher.enqueue_many(outgoing)
+        await self._mark_pending(queue, [request.request_id for request, result in zip(requests, results, strict=True)
+                                         if not isinstance(result, EnqueueError) and not result.duplicate
+                                         and self.keeps_result(request)])
         return [r if isinstance(r, EnqueueError) else _receipt(r, requests[0]) for r in results]
+
+    async def _mark_pending(self, queue: str, request_ids: Sequence[str]) -> None:
+        """Write the pending records of stored requests whose tasks keep results (``keyqueue.app.status``).
+        A record that cannot be written leaves the request stored: it is then found by its receipt only."""
+        if not request_ids:
+            return
+        try:
+            records = await self.records(queue)
+            await asyncio.gather(*(records.put_pending(request_id) for request_id in request_ids))
+        except KeyqueueError as exc:
+            log.warning("queue %s: %d request(s) stored, but their pending records were not written (%s); "
+                        "find them by their receipts", queue, len(request_ids), exc)
 
     async def _enqueue_delayed(self, state: LoopConnection, publisher: Publisher,
                                requests: Sequence[TaskRequest]) -> list[Receipt | EnqueueError]:
@@ -220,8 +250,8 @@ class NatsTransport:
         results: list[Receipt | EnqueueError] = []
         for request, due in zip(requests, dues, strict=True):
             size = header_block_size(request.headers) + len(request.body) + 256  # + the schedule's headers
-            if size > state.nc.max_payload:
-                raise PayloadTooLarge(size, state.nc.max_payload)
+            if size > state.nc.max_payload - DLQ_HEADROOM:
+                raise PayloadTooLarge(size, state.nc.max_payload, DLQ_HEADROOM)
             try:
                 if due is None:
                     stored = await publisher.enqueue(
@@ -235,6 +265,9 @@ class NatsTransport:
                 results.append(exc)
             except KeyqueueError as exc:
                 results.append(EnqueueError(f"delayed request for key {request.key!r} not stored: {exc}"))
+        await self._mark_pending(queue, [request.request_id for request, result in zip(requests, results, strict=True)
+                                         if isinstance(result, Receipt) and not result.duplicate
+                                         and result.due is None and self.keeps_result(request)])
         return results
 
     async def call(self, request: TaskRequest, timeout: float) -> Reply:
@@ -248,17 +281,25 @@ class NatsTransport:
                 raise result
             request.receipt = result
             if result.duplicate:
-                raise EnqueueError(
-                    f"request {request.request_id} was already accepted (a duplicate id): its result goes to "
-                    "the first caller; use a new request id to run it again"
-                )
-            try:
-                return await asyncio.wait_for(future, timeout)
-            except TimeoutError:
-                raise KeyqueueTimeout(
-                    f"no result for {request.message_type} request {request.request_id} (key {request.key!r}) within "
-                    f"{timeout}s; the request is stored and will still run"
-                ) from None
+                if not self.keeps_result(request):
+                    raise EnqueueError(
+                        f"request {request.request_id} was already accepted (a duplicate id) and its task keeps no "
+                        "results, so only the first caller gets its result: declare the task with result_ttl= to "
+                        "have a repeated call return it, or use a new request id to run it again"
+                    )
+                # The same call made again (a retry of a caller that timed out, say): the result is the kept one.
+                kept = await self.kept_result(request.queue, request.request_id, timeout)
+                if kept is not None:
+                    return kept
+            else:
+                try:
+                    return await asyncio.wait_for(future, timeout)
+                except TimeoutError:
+                    pass
+            raise KeyqueueTimeout(
+                f"no result for {request.message_type} request {request.request_id} (key {request.key!r}) within "
+                f"{timeout}s; the request is stored and will still run"
+            )
         finally:
             state.router.forget(subject)
 
@@ -289,11 +330,17 @@ class NatsTransport:
     async def kept_result(self, queue: str, request_id: str, timeout: float) -> Reply | None:
         return await (await self.records(queue)).wait_result(request_id, timeout)
 
-    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float) -> str:
+    async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float,
+                     key: str | None = None) -> str:
         state = await self.connections.current()
         assert state.nc is not None
         return await request_cancel(await self.records(queue), JetStreamApi(state.nc),
-                                    self.queue_config(queue).names.inbox_stream, request_id, seq, wait)
+                                    self.queue_config(queue).names.inbox_stream, request_id, seq, wait, key=key)
+
+    async def status(self, queue: str, request_id: str, seq: int | None, key: str | None) -> str:
+        state = await self.connections.current()
+        assert state.nc is not None
+        return await request_status(await self.records(queue), JetStreamApi(state.nc), request_id, seq=seq, key=key)
 
 
 async def open_connection(settings: Settings, *, name: str = "keyqueue",
@@ -321,22 +368,3 @@ async def open_connection(settings: Settings, *, name: str = "keyqueue",
 
 def _receipt(stored: Enqueued, request: TaskRequest) -> Receipt:
     return Receipt(stored.request_id, stored.key, stored.seq, stored.duplicate, request.queue, request.message_type)
-
-
-class Portal:
-    """A private event loop in a daemon thread, for sync callers such as ``delay``."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="keyqueue-portal", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()

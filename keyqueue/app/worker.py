@@ -39,12 +39,14 @@ from typing import TYPE_CHECKING, Any, Final
 
 from keyqueue.app.heartbeat import INTERVAL as HEARTBEAT_INTERVAL
 from keyqueue.app.heartbeat import Heartbeat, queue_role
+from keyqueue.app.process_pool import POOLS, ProcessPool
 from keyqueue.app.schedules import ScheduleKeeper
 from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, describe
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Request, RequestContext
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError
+from keyqueue.jetstream.api import stored_seconds
 from keyqueue.jetstream.pull import PullOptions
 
 if TYPE_CHECKING:
@@ -86,7 +88,17 @@ class Worker:
     def __init__(self, app: App, *, queues: Sequence[str] | None = None, concurrency: int = 16,
                  linger: float = 0.05, ack_wait: float | None = None, drain_timeout: float = 10.0,
                  name: str | None = None, overflow_min_pending: int = 0, overflow_min_ack_pending: int = 0,
-                 priority: int | None = None, connect_timeout: float | None = None, watchdog: bool = False) -> None:
+                 priority: int | None = None, connect_timeout: float | None = None, watchdog: bool = False,
+                 sync_pool: str = "threads", app_spec: str | None = None) -> None:
+        if sync_pool not in POOLS:
+            raise ConfigError(f"sync_pool must be one of {', '.join(POOLS)}, not {sync_pool!r}")
+        if sync_pool == "processes" and not app_spec:
+            raise ConfigError("the process pool imports the app in each child: give app_spec='MODULE:APP' "
+                              "(keyqueue worker MODULE:APP --pool processes does)")
+        self.sync_pool = sync_pool
+        self.app_spec = app_spec
+        self.process_pool: ProcessPool | None = None
+        """With ``sync_pool="processes"``: the children that run serial sync tasks (``keyqueue.app.process_pool``)."""
         if priority is not None and not 0 <= priority <= 9:
             raise ConfigError(f"priority must be 0-9 (0 is served first), got {priority}")
         self.pull = PullOptions(min_pending=overflow_min_pending, min_ack_pending=overflow_min_ack_pending,
@@ -168,10 +180,10 @@ class Worker:
         """Set up every queue and start taking keys; ``keyqueue_worker_started`` fires last."""
         if self._started:
             raise ConfigError("a Worker starts once; create another with app.worker()")
-        self._started = True
-        queues = self._resolve_queues()
+        queues = self._resolve_queues()  # a worker that cannot serve what it was asked never started
         for queue in queues:
             self._tasks_by_queue[queue] = self.app.queue_tasks(queue)
+        self._started = True
         nc = await self._connect()
         # Delayed and periodic requests: the schedules streams, the app's periodic schedules kept on
         # the server, and the movers of due requests (keyqueue.app.schedules).
@@ -180,6 +192,9 @@ class Worker:
         await self.schedules.start()
         self.executor = ThreadPoolExecutor(max_workers=self.concurrency * len(queues),
                                            thread_name_prefix=f"keyqueue-{self.app.name}")
+        if self.sync_pool == "processes":
+            assert self.app_spec is not None
+            self.process_pool = ProcessPool(self.app_spec, self.concurrency * len(queues))
         for queue in queues:
             config = self.app.queue_config(queue)
             if self.ack_wait is not None:
@@ -283,6 +298,8 @@ class Worker:
             self._unsubscribe = None
         if self.executor is not None:
             await asyncio.to_thread(self.executor.shutdown, wait=True)
+        if self.process_pool is not None:
+            await asyncio.to_thread(self.process_pool.close)
 
     async def serve(self) -> None:
         """Start, run until SIGINT or SIGTERM, then drain and stop. A second signal stops at once.
@@ -377,7 +394,8 @@ class Worker:
         if self._observed("keyqueue_request_started"):
             self._queue(functools.partial(self.app.plugins.lifecycle.request_started, worker=self,
                                           queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,
-                                          message_type=attempt.message_type, attempt=attempt.attempt))
+                                          message_type=attempt.message_type, attempt=attempt.attempt,
+                                          enqueued_at=stored_seconds(attempt.stored_at)))
 
     def attempt_failed(self, attempt: RequestAttempt, error: BaseException) -> None:
         began = self._attempt_began.get((attempt.queue, attempt.key))

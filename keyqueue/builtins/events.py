@@ -111,31 +111,6 @@ def sampled(identity: str | None, rate: float) -> bool:
     return rate >= 1.0 or zlib.crc32((identity or "").encode()) % 10_000 < rate * 10_000
 
 
-class _CrockfordDigits(dict[int, str]):
-    """A ``str.translate`` table: each Crockford base-32 symbol to the digit ``int(..., 32)`` reads
-    for its value, anything else to ``!`` (which ``int`` refuses)."""
-
-    def __missing__(self, char: int) -> str:
-        return "!"
-
-
-_CROCKFORD: Final = _CrockfordDigits(
-    (ord(symbol), "0123456789abcdefghijklmnopqrstuv"[value])
-    for value, symbol in enumerate("0123456789ABCDEFGHJKMNPQRSTVWXYZ"))
-
-
-def _enqueued_at(request_id: str) -> float | None:
-    """Unix seconds from a ULID request id (keyqueue's default ids: 10 base32 characters of
-    milliseconds, then randomness), else None."""
-    if len(request_id) != 26:
-        return None
-    try:
-        ms = int(request_id[:10].upper().translate(_CROCKFORD), 32)
-    except ValueError:
-        return None
-    return ms / 1000.0 if ms < 1 << 48 else None
-
-
 # --- the publisher ---------------------------------------------------------------------------------
 
 
@@ -400,8 +375,9 @@ async def keyqueue_key_released(worker: Worker, queue: str, key: str, outcome: s
 
 @hookimpl(trylast=True)
 async def keyqueue_request_started(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                                   attempt: int) -> None:
-    enqueued_at = _enqueued_at(request_id)
+                                   attempt: int, enqueued_at: float | None) -> None:
+    # From the stored message's timestamp, never from the request id: a caller's own id, or a
+    # backfill's hash, says nothing of when the request was stored.
     wait = max(0.0, time.time() - enqueued_at) if enqueued_at is not None else None
     await _emit(worker, "started", queue, key, request_id=request_id, task=message_type, attempt=attempt,
                 wait=wait)

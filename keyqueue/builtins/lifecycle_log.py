@@ -24,7 +24,14 @@ log = logging.getLogger("keyqueue.worker")
 @hookimpl(trylast=True)
 def keyqueue_worker_started(worker: Worker) -> None:
     for queue in worker.queues:
-        tasks = ", ".join(sorted(worker.queue_tasks(queue))) or "a registered processor"
+        runs = worker.queue_tasks(queue)
+        own = sorted(name for name, task in runs.items() if task.queue == queue)
+        if own:
+            tasks = ", ".join(own)
+        elif runs:
+            tasks = "serial tasks sent with options(queue=...)"
+        else:
+            tasks = "a registered processor"
         log.info("queue %s: %s", queue, tasks, extra={"kq_queue": queue})
 
 

@@ -19,6 +19,7 @@ and merged arguments, each ``trylast`` so any other plugin can take over.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
     from keyqueue.app.application import App
+    from keyqueue.app.process_pool import ProcessPool
     from keyqueue.app.worker import Worker
     from keyqueue.tasks.task import AnyTask
 
@@ -74,8 +76,10 @@ class TaskProcessor(BaseProcessor):
     """
 
     def __init__(self, app: App, queue: str, key: str, tasks: Mapping[str, AnyTask],
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, pool: ProcessPool | None = None) -> None:
         self.app = app
+        self.pool = pool
+        """Where serial sync tasks run when the worker has a process pool (``keyqueue.app.process_pool``)."""
         self.queue = queue
         self.key = key
         self.tasks = tasks
@@ -181,6 +185,13 @@ class TaskProcessor(BaseProcessor):
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
+        if self.pool is not None and not inspect.iscoroutinefunction(task.fn):
+            # In a child process: the plain fields cross (keyqueue.app.process_pool), not the objects.
+            fields = self.arguments(task, request)
+            task.codec.to_call(fields)  # a request that cannot bind is rejected here, as in a thread
+            context = {"task": task.name, "queue": ctx.queue, "key": ctx.key, "request_id": request.request_id,
+                       "attempt": ctx.attempt, "fencing": list(ctx.fencing)}
+            return self.reply(task, request, await self.pool.run(task, fields, context))
         # Decoded and bound once: for a serial task, decode()'s check of the arguments against the
         # function's signature is the binding itself, so it is not done twice.
         if len(request.data) > DECODE_OFF_LOOP_BYTES:
@@ -282,7 +293,7 @@ def keyqueue_build_processor(app: App, worker: Worker, queue: str, key: str) -> 
         return None
     from keyqueue.builtins.request_records import RecordingTaskProcessor  # a subclass: imported late
 
-    return RecordingTaskProcessor(app, queue, key, tasks, worker.executor)
+    return RecordingTaskProcessor(app, queue, key, tasks, worker.executor, pool=worker.process_pool)
 
 
 @hookimpl(trylast=True)

@@ -43,8 +43,9 @@ from keyqueue.errors import (
     WrongLastSequence,
 )
 from keyqueue.events import publish_event
+from keyqueue.jetstream.api import stored_seconds
 from keyqueue.jetstream.connect import wait_connected
-from keyqueue.tasks.arguments import CANCELLED_BY, result_headers
+from keyqueue.tasks.arguments import CANCELLED_BY, EXPIRED_BY, result_headers
 from keyqueue.tasks.context import CANCEL_CHECK
 from keyqueue.tasks.task import Task
 from keyqueue.wire import headers as H
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 
     from keyqueue.app.application import App
     from keyqueue.app.cancel import CancelWatch
+    from keyqueue.app.process_pool import ProcessPool
     from keyqueue.jetstream.records import RequestRecords
     from keyqueue.tasks.task import AnyTask
 
@@ -79,12 +81,12 @@ class RecordingTaskProcessor(TaskProcessor):
     """``TaskProcessor`` plus cancels and kept results (see the module docstring)."""
 
     def __init__(self, app: App, queue: str, key: str, tasks: Mapping[str, AnyTask],
-                 executor: Executor | None = None, *, runs: RunStore | None = None,
+                 executor: Executor | None = None, *, pool: ProcessPool | None = None, runs: RunStore | None = None,
                  clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         """``runs``, ``clock`` and ``sleep`` serve rate limits (default: the queue's records, wall
         time, real sleeps; the eager test mode passes its own)."""
-        super().__init__(app, queue, key, tasks, executor)
+        super().__init__(app, queue, key, tasks, executor, pool)
         self.watch: CancelWatch | None = None
         self.records: RequestRecords | None = None
         self.runs = runs
@@ -206,9 +208,12 @@ class RecordingTaskProcessor(TaskProcessor):
         """Keep the error of requests whose failure is final (rejected, or their last attempt)."""
         if self.records is None or not requests or isinstance(error, LeaseLost):
             return
+        policy = self.retry_policy(requests[0]) or RetryPolicy()
         if isinstance(error, WireError | Reject):
             reason = "rejected"
-        elif (self.retry_policy(requests[0]) or RetryPolicy()).exhausted(ctx.attempt):
+        elif not policy.retries(error):
+            reason = "not-retried"
+        elif policy.exhausted(ctx.attempt):
             reason = "max-attempts"
         else:
             return
@@ -226,23 +231,34 @@ class RecordingTaskProcessor(TaskProcessor):
 
     # --- cancels ---
 
-    def _cancelled_reply(self, request: Request) -> Reply:
+    def _skipped_reply(self, request: Request, by: str) -> Reply:
         task = self._task_or_none(request)
         headers = result_headers(task.name, task.spec.version) if task is not None else {}
-        return Reply(b"", {**headers, H.STATUS: H.STATUS_SUPERSEDED, H.SUPERSEDED_BY: CANCELLED_BY})
+        return Reply(b"", {**headers, H.STATUS: H.STATUS_SUPERSEDED, H.SUPERSEDED_BY: by})
 
-    async def _skip(self, ctx: RequestContext, requests: Sequence[Request]) -> list[BatchOutcome]:
-        """The cancelled requests' replies, once their cancels are answered and recorded."""
-        assert self.watch is not None
+    def _expired(self, request: Request) -> bool:
+        """Whether the request's ``expires`` time (``options(expires=...)``) has passed."""
+        stamp = request.headers.get(H.EXPIRES)
+        if not stamp:
+            return False
+        deadline = stored_seconds(stamp)
+        return deadline is not None and self.clock() >= deadline
+
+    async def _skip(self, ctx: RequestContext, requests: Sequence[Request],
+                    by: str = CANCELLED_BY) -> list[BatchOutcome]:
+        """The replies of requests that do not run (cancelled, or expired), once answered and recorded."""
         ctx.check_lease()
-        replies: list[BatchOutcome] = [self._cancelled_reply(r) for r in requests]
-        await asyncio.gather(*(self.watch.answer(r.request_id, "cancelled") for r in requests))
+        replies: list[BatchOutcome] = [self._skipped_reply(r, by) for r in requests]
+        if by == CANCELLED_BY:
+            assert self.watch is not None
+            await asyncio.gather(*(self.watch.answer(r.request_id, "cancelled") for r in requests))
         await self._keep(ctx, requests, replies)
+        event, why = (("cancelled", "cancelled before it started") if by == CANCELLED_BY else
+                      ("expired", "its expires time passed before it started"))
         for request in requests:
-            log.info("request %s (key %s) was cancelled before it started; it does not run", request.request_id,
-                     self.key)
-            await publish_event(self.app, "cancelled", self.queue, self.key, request_id=request.request_id,
-                                task=request.headers.get(H.MESSAGE_TYPE), reason="cancelled before it started")
+            log.info("request %s (key %s): %s; it does not run", request.request_id, self.key, why)
+            await publish_event(self.app, event, self.queue, self.key, request_id=request.request_id,
+                                task=request.headers.get(H.MESSAGE_TYPE), reason=why)
         return replies
 
     # --- rate limits ---
@@ -266,7 +282,9 @@ class RecordingTaskProcessor(TaskProcessor):
             delay = limit.wait(starts, self.clock())
             if delay > 0:
                 log.debug("task %s on key %s waits %.3fs for its rate limit %s", task.name, self.key, delay, limit)
-                await self.sleep(delay)
+                pause = getattr(ctx, "pause", None) if self.sleep is asyncio.sleep else None
+                # Through the session where it can: the key stays held, its worker slot serves another key.
+                await (pause(delay) if pause is not None else self.sleep(delay))
                 continue
             now = self.clock()
             window = [*limit.window(starts, now), now][-limit.count:]
@@ -286,6 +304,10 @@ class RecordingTaskProcessor(TaskProcessor):
         return isinstance(task, Task) and task.spec.policy == "serial"
 
     async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        if self._expired(request):
+            [expired] = await self._skip(ctx, [request], EXPIRED_BY)
+            assert isinstance(expired, Reply)
+            return expired
         if self._serial(request):  # other policies run (and count) as one batch, in handle_batch
             await self._take_slot(ctx, [request])
         watch = self.watch
@@ -323,11 +345,15 @@ class RecordingTaskProcessor(TaskProcessor):
         if watch is None:
             return await self._batch_keeping(ctx, requests)
         await watch.refresh()
-        flags = [watch.start_run(r.request_id) for r in requests]
+        expired = [i for i, r in enumerate(requests) if self._expired(r)]
+        flags = [None if i in expired else watch.start_run(r.request_id) for i, r in enumerate(requests)]
         try:
-            skipped = [i for i, flag in enumerate(flags) if flag is None]
+            skipped = [i for i, flag in enumerate(flags) if flag is None and i not in expired]
             runnable = [i for i, flag in enumerate(flags) if flag is not None]
             outcomes: dict[int, BatchOutcome] = {}
+            if expired:
+                outcomes.update(zip(expired, await self._skip(ctx, [requests[i] for i in expired], EXPIRED_BY),
+                                    strict=True))
             if skipped:
                 outcomes.update(zip(skipped, await self._skip(ctx, [requests[i] for i in skipped]), strict=True))
             if runnable:

@@ -18,7 +18,10 @@ from keyqueue.admin.consumers import unpin as unpin_queue
 from keyqueue.admin.diagnosis import diagnose_key
 from keyqueue.admin.inspection import KEY_LIMIT, Holder, KeyState, QueueReport, inspect_queue, list_queues
 from keyqueue.admin.key_history import key_events, runs_of
+from keyqueue.admin.permissions import ROLES, server_block
+from keyqueue.admin.permissions import permissions as role_permissions
 from keyqueue.admin.workers import WorkerState, queue_workers
+from keyqueue.app.purge import PurgeFilter, count_pending, purge_pending
 from keyqueue.cli.common import connection, load_app, table, to_json, url_option
 from keyqueue.cli.common import no_such_queue as _no_such_queue
 from keyqueue.cli.key_inspection import key_fields, key_text
@@ -26,7 +29,7 @@ from keyqueue.errors import ConfigError, ConsumerNotFound, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.topology import QueueConfig, Topology
 
-__all__ = ["configure", "inspect_command", "recreate_consumer", "unpin"]
+__all__ = ["configure", "inspect_command", "permissions_command", "purge", "recreate_consumer", "unpin"]
 
 
 async def _report(api: JetStreamApi, queue: str) -> QueueReport:
@@ -226,9 +229,11 @@ def unpin(queue: str, url: str | None) -> None:
               help="How many keys the whole fleet may hold at once.")
 @click.option("--max-backlog-per-key", type=click.IntRange(0), default=None, metavar="N",
               help="Pending requests a key may have (0: unlimited); one more is refused with BacklogFull.")
+@click.option("--duplicate-window", type=click.FloatRange(1), default=None, metavar="SECONDS",
+              help="How long a repeated request id (options(request_id=...)) stores nothing new (default 120).")
 @url_option
 def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, max_backlog_per_key: int | None,
-              url: str | None) -> None:
+              duplicate_window: float | None, url: str | None) -> None:
     """Change a queue's settings on the server in place, while its workers run; without options, show them.
 
     The settings belong to the queue: workers started without --ack-wait hold keys for the lease
@@ -239,6 +244,7 @@ def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, m
     \b
     Examples:
       $ keyqueue configure shop --ack-wait 60
+      $ keyqueue configure shop --duplicate-window 3600   # a repeated request id is a no-op for an hour
       $ keyqueue configure shop                 # show them
     """
 
@@ -248,7 +254,8 @@ def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, m
             topology = Topology(api, QueueConfig(queue))
             try:
                 changes = await topology.configure(ack_wait=ack_wait, max_ack_pending=max_ack_pending,
-                                                   max_backlog_per_key=max_backlog_per_key)
+                                                   max_backlog_per_key=max_backlog_per_key,
+                                                   duplicate_window=duplicate_window)
                 current = await topology.server_config()
             except StreamNotFound:
                 raise await _no_such_queue(api, queue) from None
@@ -260,6 +267,7 @@ def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, m
         if not changes:
             click.echo(f"queue {queue}: ack_wait {current.ack_wait:g}s, max_ack_pending {current.max_ack_pending}, "
                        f"max_backlog_per_key {current.max_backlog_per_key or 'unlimited'}, "
+                       f"duplicate_window {current.duplicate_window:g}s, "
                        f"priority policy {current.priority_policy}")
 
     asyncio.run(run())
@@ -272,13 +280,16 @@ def configure(queue: str, ack_wait: float | None, max_ack_pending: int | None, m
 @click.option("--ack-wait", type=click.FloatRange(1), default=None, metavar="SECONDS",
               help="Set the queue's lease (default: keep the server's).")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--force", is_flag=True, help="Recreate it even while the worker registry lists live workers.")
 @url_option
-def recreate_consumer(queue: str, app_spec: str | None, ack_wait: float | None, yes: bool, url: str | None) -> None:
+def recreate_consumer(queue: str, app_spec: str | None, ack_wait: float | None, yes: bool, force: bool,
+                      url: str | None) -> None:
     """Delete and recreate a queue's token consumer, to change its priority policy or repair it.
 
     Stop every worker of the queue first: the new consumer delivers every remaining token again.
-    Requests are kept, and so are the queue's settings (its lease and max_ack_pending; change
-    them in place with `keyqueue configure`).
+    It refuses while the worker registry lists live workers of the queue (a heartbeat within the
+    last few intervals), unless --force. Requests are kept, and so are the queue's settings (its
+    lease and max_ack_pending; change them in place with `keyqueue configure`).
 
     \b
     Example:
@@ -293,6 +304,10 @@ def recreate_consumer(queue: str, app_spec: str | None, ack_wait: float | None, 
     async def run() -> None:
         async with connection(url) as nc:
             api = JetStreamApi(nc)
+            live = [w.name for w in await queue_workers(api, queue) if w.live]
+            if live and not force:
+                raise ConfigError(f"queue {queue!r} has {len(live)} live worker(s) ({', '.join(live[:5])}): stop them "
+                                  "first (the new consumer delivers every token again, to anyone), or pass --force")
             try:
                 config = app_config or await _server_config(api, queue)
                 lease = await Topology(api, config).recreate_consumer(ack_wait=ack_wait)
@@ -310,3 +325,76 @@ async def _server_config(api: JetStreamApi, queue: str) -> QueueConfig:
         return await Topology(api, QueueConfig(queue)).server_config()
     except ConsumerNotFound:
         return QueueConfig(queue)
+
+
+@click.command()
+@click.argument("queue")
+@click.option("--key", metavar="KEY", default=None, help="Only this key's pending requests.")
+@click.option("--task", metavar="TASK", default=None, help="Only this task's pending requests (the others keep "
+              "their order).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@url_option
+def purge(queue: str, key: str | None, task: str | None, yes: bool, url: str | None) -> None:
+    """Remove pending requests of a queue (all, one key's, one task's): they never run.
+
+    A request a worker has already started (or read ahead) may still run; delayed requests not
+    yet due are not pending yet (cancel them by id). The dead-letter queue has its own purge
+    (keyqueue dlq purge).
+
+    \b
+    Examples:
+      $ keyqueue purge shop --key o17            # asks first
+      $ keyqueue purge shop --task refund --yes
+      removed 12 pending request(s) from queue shop (task refund)
+    """
+    which = PurgeFilter(queue, key, task)
+
+    async def counted() -> int:
+        async with connection(url) as nc:
+            api = JetStreamApi(nc)
+            try:
+                return await count_pending(api, which)
+            except StreamNotFound:
+                raise await _no_such_queue(api, queue) from None
+
+    async def removed() -> int:
+        async with connection(url) as nc:
+            return await purge_pending(JetStreamApi(nc), which)
+
+    found = asyncio.run(counted())
+    if not found:
+        click.echo(f"no pending requests in queue {queue}{which.describe()}")
+        return
+    if not yes:
+        click.confirm(f"Remove {found} pending request(s) from queue {queue}{which.describe()}? They will never run",
+                      abort=True)
+    click.echo(f"removed {asyncio.run(removed())} pending request(s) from queue {queue}{which.describe()}")
+
+
+@click.command("permissions")
+@click.argument("role", type=click.Choice(ROLES))
+@click.argument("queues", nargs=-1, metavar="QUEUE...")
+@click.option("--json", "as_json", is_flag=True, help="Print {publish: [...], subscribe: [...]} as JSON.")
+def permissions_command(role: str, queues: tuple[str, ...], as_json: bool) -> None:
+    """Print the NATS permissions a role needs, as a nats-server `permissions` block for its user.
+
+    \b
+    producer   enqueue (and call) only: cannot read requests, results or the DLQ, nor purge
+    worker     run the queues' requests
+    dashboard  read-only: streams, consumers, stored messages, events and progress of every queue
+    operator   the command line's writes (purge, configure, dlq replay, release)
+
+    \b
+    Example:
+      $ keyqueue permissions producer shop
+      permissions: {
+        publish: { allow: ["$JS.API.INFO", "kq.shop.in.>", ...] }
+        subscribe: { allow: ["_INBOX.>"] }
+      }
+    """
+    if role in ("producer", "worker") and not queues:
+        raise ConfigError(f"the {role} role's permissions are per queue: name at least one QUEUE")
+    if as_json:
+        click.echo(to_json(role_permissions(role, list(queues))))  # type: ignore[arg-type]
+    else:
+        click.echo(server_block(role, list(queues)))  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""``keyqueue result QUEUE REQUEST_ID`` and ``keyqueue cancel QUEUE REQUEST_ID``: a request by its id."""
+"""``keyqueue result``, ``keyqueue status`` and ``keyqueue cancel``: a request by its id."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import asyncio
 import click
 
 from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, request_cancel
+from keyqueue.app.status import request_status
 from keyqueue.cli.common import connection, require_queue, to_json, url_option
-from keyqueue.errors import KeyqueueTimeout, ResultExpired
+from keyqueue.errors import KeyqueueTimeout, RequestNotFound, ResultExpired
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.records import RequestRecords
-from keyqueue.jetstream.subjects import QueueNames, validate_request_id
+from keyqueue.jetstream.subjects import QueueNames, validate_key, validate_request_id
 from keyqueue.tasks.arguments import decode_result
 from keyqueue.wire import headers as H
 
-__all__ = ["cancel", "result"]
+__all__ = ["cancel", "result", "status"]
 
 
 @click.command()
@@ -56,28 +57,37 @@ def result(queue: str, request_id: str, timeout: float, url: str | None) -> None
     asyncio.run(run())
 
 
+_SEQ_HELP = "The request's inbox sequence (its receipt's seq): finds a pending request of a task that keeps no results."
+_KEY_HELP = "The request's key: its backlog is searched for the id (a pending request of a task that keeps no results)."
+
+
 @click.command()
 @click.argument("queue")
 @click.argument("request_id")
-@click.option("--seq", type=click.IntRange(1), help="The request's inbox sequence (its receipt's seq): "
-              "tells 'pending' from 'done' when no worker answers.")
+@click.option("--seq", type=click.IntRange(1), help=_SEQ_HELP)
+@click.option("--key", default=None, help=_KEY_HELP)
 @url_option
-def cancel(queue: str, request_id: str, seq: int | None, url: str | None) -> None:
-    """Cancel a request that has not started; print what became of it.
+def status(queue: str, request_id: str, seq: int | None, key: str | None, url: str | None) -> None:
+    """Print where a request is.
 
     \b
-    cancelled  it never ran (a waiting caller gets Cancelled)
-    pending    it has not started and never will (its key's holder removes it)
-    running    it had started: not interrupted (ctx.cancel_requested is true)
-    done       it had finished
-    requested  it will not start from now on; whether it already ran is unknown (give --seq)
+    unknown    no trace of it (a pending request of a task without result_ttl needs --seq or --key)
+    pending    stored, not started
+    scheduled  delayed: waiting for its due time
+    running    a live worker runs it now
+    done       finished
+    failed     dead-lettered
+    cancelled  cancelled before it started: it never runs
+    expired    its kept result's result_ttl has passed, or it expired (expires=) before it started
 
     \b
     Example:
-      $ keyqueue cancel shop 01J9ZQ4R3M5V6W7X8Y9Z0A1B2C --seq 42
-      pending
+      $ keyqueue status shop charge-o17-1
+      running
     """
     validate_request_id(request_id)
+    if key is not None:
+        validate_key(key)
 
     async def run() -> None:
         async with connection(url) as nc:
@@ -85,8 +95,49 @@ def cancel(queue: str, request_id: str, seq: int | None, url: str | None) -> Non
             await require_queue(api, queue)
             records = RequestRecords(nc, queue)
             await records.ensure()
-            state = await request_cancel(records, api, QueueNames(queue).inbox_stream, request_id, seq,
-                                         CANCEL_ANSWER_WAIT)
-        click.echo(state)
+            click.echo(await request_status(records, api, request_id, seq=seq, key=key))
 
     asyncio.run(run())
+
+
+@click.command()
+@click.argument("queue")
+@click.argument("request_id")
+@click.option("--seq", type=click.IntRange(1), help=_SEQ_HELP)
+@click.option("--key", default=None, help=_KEY_HELP)
+@url_option
+def cancel(queue: str, request_id: str, seq: int | None, key: str | None, url: str | None) -> None:
+    """Cancel a request that has not started; print what became of it.
+
+    \b
+    cancelled  it never ran (a waiting caller gets Cancelled)
+    pending    it has not started and never will (its key's holder removes it)
+    running    it had started: not interrupted (ctx.cancel_requested is true)
+    done       it had finished
+    unknown    no such request was found: nothing was cancelled (exit status 1) and the id stays
+               usable; a pending request of a task without result_ttl is found with --seq or --key
+
+    \b
+    Example:
+      $ keyqueue cancel shop 01J9ZQ4R3M5V6W7X8Y9Z0A1B2C --seq 42
+      pending
+    """
+    validate_request_id(request_id)
+    if key is not None:
+        validate_key(key)
+
+    async def run() -> str:
+        async with connection(url) as nc:
+            api = JetStreamApi(nc)
+            await require_queue(api, queue)
+            records = RequestRecords(nc, queue)
+            await records.ensure()
+            return await request_cancel(records, api, QueueNames(queue).inbox_stream, request_id, seq,
+                                        CANCEL_ANSWER_WAIT, key=key)
+
+    state = asyncio.run(run())
+    click.echo(state)
+    if state == "unknown":
+        raise RequestNotFound(f"no request {request_id} found in queue {queue!r}: nothing was cancelled. A pending "
+                              "request of a task that keeps no results is found only with --seq (its receipt's "
+                              "seq) or --key")

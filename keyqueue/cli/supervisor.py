@@ -31,7 +31,11 @@ from typing import IO, Final
 
 from keyqueue.errors import KeyqueueError
 
-__all__ = ["RestartPolicy", "Supervisor", "WorkerCommand", "describe_exit"]
+__all__ = ["EXIT_RECYCLED", "RestartPolicy", "Supervisor", "WorkerCommand", "describe_exit"]
+
+EXIT_RECYCLED: Final = 76
+"""A worker process's exit status after it drained on purpose, having served ``--max-requests-per-child``
+requests: the parent starts a new one at once (no backoff, not a death)."""
 
 log = logging.getLogger("keyqueue.supervisor")
 
@@ -193,6 +197,12 @@ class Supervisor:
                 log.warning("worker process %s (pid %d) exited on its own with status 0; not restarting it",
                             name, child.proc.pid)
                 return
+            if returncode == EXIT_RECYCLED:
+                # It drained (its keys were handed on) after --max-requests-per-child: a fresh one now.
+                log.info("worker process %s (pid %d) served its --max-requests-per-child and drained; starting a "
+                         "new one", name, child.proc.pid)
+                delay, quick_deaths = self.policy.first_delay, 0
+                continue
             ran = time.monotonic() - child.started
             if ran >= self.policy.quick:
                 delay, quick_deaths = self.policy.first_delay, 0

@@ -22,9 +22,10 @@ from keyqueue.app.application import App
 from keyqueue.app.event_loop import LOOPS, resolve_loop
 from keyqueue.app.event_loop import run as run_on
 from keyqueue.cli.common import LOG_FORMATS, configure_logging, load_app, url_option
-from keyqueue.cli.supervisor import Supervisor, WorkerCommand
+from keyqueue.cli.supervisor import EXIT_RECYCLED, Supervisor, WorkerCommand
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
+from keyqueue.plugins.manager import hookimpl
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -80,9 +81,17 @@ class ProcessCount(click.ParamType[int, Any]):
               help="End the process (exit status 75) before an event loop blocked by a handler (sync code in an "
                    "async def) outlives a key's lease, so that no other worker runs the key beside it; the "
                    "blocked attempt counts toward the task's max_attempts.")
+@click.option("--pool", "sync_pool", type=click.Choice(["threads", "processes"]), default="threads",
+              show_default=True,
+              help="Where sync task functions run: threads, or child processes, which a task's hard timeout and "
+                   "the drain deadline can stop (like Celery's prefork; serial tasks only).")
 @click.option("--processes", "-p", type=ProcessCount(), default="1", show_default=True,
               help="Worker processes to run, each with these options, under a parent that restarts them "
                    "(auto: one per CPU).")
+@click.option("--max-requests-per-child", type=click.IntRange(1), default=None, metavar="N",
+              help="Each worker process drains and is replaced by a fresh one after N requests (succeeded or "
+                   "dead-lettered): a bound on what a leaking task can hold. Runs the workers under a parent, "
+                   "as --processes does (with --processes 1: one child).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (with --processes N, worker k "
                    "of N listens on PORT+k-1). See docs/dashboard.md.")
@@ -103,8 +112,8 @@ class ProcessCount(click.ParamType[int, Any]):
                    "queue, key, request_id, attempt).")
 def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: float, ack_wait: float | None,
            drain_timeout: float, name: str | None, overflow_min_pending: int, overflow_min_ack_pending: int,
-           priority: int | None, connect_timeout: float | None, watchdog: bool, processes: int,
-           metrics_port: int | None,
+           priority: int | None, connect_timeout: float | None, watchdog: bool, sync_pool: str, processes: int,
+           max_requests_per_child: int | None, metrics_port: int | None,
            metrics_host: str, loop_name: str, url: str | None, log_level: str, log_format: str) -> None:
     """Serve the tasks and processors of an app until SIGINT or SIGTERM.
 
@@ -140,14 +149,20 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     configure_logging(log_level, log_format.lower())
     loop_name = resolve_loop(loop_name.lower())  # a missing uvloop is an error before anything starts
     app = load_app(app_spec, url)
-    if processes > 1:
+    supervised = os.environ.get(_CHILD_ENV) == "1"
+    if processes > 1 or (max_requests_per_child is not None and not supervised):
         json_lines = log_format.lower() == "json"
         asyncio.run(_supervise(app, click.get_current_context(), processes, name, json_lines=json_lines))
         return
     serving = app.worker(queues=list(queues) or None, concurrency=concurrency, linger=linger, ack_wait=ack_wait,
                          drain_timeout=drain_timeout, name=name, overflow_min_pending=overflow_min_pending,
                          overflow_min_ack_pending=overflow_min_ack_pending, priority=priority,
-                         connect_timeout=connect_timeout, watchdog=watchdog)
+                         connect_timeout=connect_timeout, watchdog=watchdog, sync_pool=sync_pool,
+                         app_spec=app_spec)
+
+    recycle = _Recycle(serving, max_requests_per_child) if max_requests_per_child is not None else None
+    if recycle is not None:
+        app.plugins.register(recycle, name="keyqueue.cli.worker.recycle")
 
     async def run() -> None:
         try:
@@ -158,6 +173,34 @@ def worker(app_spec: str, queues: tuple[str, ...], concurrency: int, linger: flo
     logging.getLogger("keyqueue.worker").debug("event loop: %s", loop_name)
     with _metrics(app, metrics_port, metrics_host):
         run_on(run(), loop_name)
+    if recycle is not None and recycle.drained:
+        sys.exit(EXIT_RECYCLED)
+
+
+class _Recycle:
+    """``--max-requests-per-child``: drains the worker once it has finished ``limit`` requests."""
+
+    def __init__(self, worker: Any, limit: int) -> None:
+        self.worker, self.limit = worker, limit
+        self.done = 0
+        self.drained = False
+
+    def _count(self) -> None:
+        self.done += 1
+        if self.done >= self.limit and not self.drained:
+            self.drained = True
+            logging.getLogger("keyqueue.worker").info(
+                "served %d request(s) (--max-requests-per-child): draining; the parent starts a fresh process",
+                self.done)
+            self.worker.request_stop()
+
+    @hookimpl
+    def keyqueue_request_succeeded(self) -> None:
+        self._count()
+
+    @hookimpl
+    def keyqueue_request_dead_lettered(self) -> None:
+        self._count()
 
 
 @contextlib.contextmanager
@@ -174,6 +217,9 @@ def _metrics(app: App, port: int | None, host: str) -> Iterator[None]:
         logging.getLogger("keyqueue.worker").info("metrics on http://%s:%d/metrics", host, bound)
         yield
 
+
+_CHILD_ENV: Final = "KEYQUEUE_SUPERVISED"
+"""Set in a worker process's environment by its parent: it serves, and exits when it should be replaced."""
 
 _URL_ENV: Final = "KEYQUEUE_URL"
 """How the parent gives its worker processes the server's URL (in their environment, not in ``ps``)."""
@@ -211,7 +257,7 @@ async def _supervise(app: App, ctx: click.Context, processes: int, name: str | N
         url = await app.url()
         port = ctx.params.get("metrics_port")
         return WorkerCommand([sys.executable, "-m", "keyqueue", "worker", ctx.params["app_spec"],
-                              *_worker_options(ctx)], {**os.environ, _URL_ENV: url},
+                              *_worker_options(ctx)], {**os.environ, _URL_ENV: url, _CHILD_ENV: "1"},
                              # Worker k of N serves its metrics on port + k - 1 (the parent serves none).
                              child_args=None if port is None else lambda k: ["--metrics-port", str(port + k - 1)])
 

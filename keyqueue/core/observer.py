@@ -101,6 +101,9 @@ class RequestAttempt:
     """How many requests the attempt handled together."""
     max_attempts: int = 0
     """The attempts its retry policy allows in all (0 where it does not apply)."""
+    stored_at: str = ""
+    """When the server stored the request in the inbox (its RFC 3339 stream timestamp, the server's
+    clock), "" where unknown: where the request's wait is measured from, however its id was made."""
 
 
 class SessionObserver(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from keyqueue.errors import ConfigError
+from keyqueue.errors import ConfigError, Retry
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +18,8 @@ class RetryPolicy:
     max_delay: float = 60.0
     jitter: float = 0.2
     """Fraction of each delay drawn at random (+/-), so retries of many keys do not align."""
+    retry_on: tuple[type[BaseException], ...] | None = None
+    """Only these exceptions (and subclasses) are retried; None: any. ``Retry`` always is."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -28,6 +30,17 @@ class RetryPolicy:
     def exhausted(self, attempt: int) -> bool:
         """True once ``attempt`` (1-based, the one that just failed) was the last allowed."""
         return attempt >= self.max_attempts
+
+    def retries(self, error: BaseException) -> bool:
+        """Whether a failure with ``error`` is retried (attempts allowing): ``Retry`` always, others
+        when ``retry_on`` is None or lists their class."""
+        return self.retry_on is None or isinstance(error, (Retry, *self.retry_on))
+
+    def delay_after(self, attempt: int, error: BaseException, rng: random.Random | None = None) -> float:
+        """Seconds to wait after failed attempt ``attempt``: a ``Retry``'s own countdown, else :meth:`delay`."""
+        if isinstance(error, Retry) and error.countdown is not None:
+            return error.countdown
+        return self.delay(attempt, rng)
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""

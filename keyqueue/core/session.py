@@ -41,6 +41,7 @@ from keyqueue.core.lock import KeyLock
 from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
+from keyqueue.core.slots import Slots
 from keyqueue.core.turns import Turns
 from keyqueue.errors import (
     ConnectionFailed,
@@ -141,6 +142,11 @@ class _Context:
         """Await ``confirm()`` before any removal of the requests handled so far (``HoldsRemoval``)."""
         self._session.owed.append(confirm)
 
+    async def pause(self, seconds: float) -> None:
+        """Wait ``seconds`` holding the key but not a worker slot (a rate limit's wait)."""
+        async with self._session.off_slot():
+            await asyncio.sleep(seconds)
+
     async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
         self.check_lease()
         extra = {H.REQUEST_ID: self.request_id} if self.request_id else {}
@@ -184,6 +190,7 @@ class KeySession:
         "republished",
         "settings",
         "should_yield",
+        "slots",
         "token",
         "turns",
         "worker",
@@ -192,7 +199,7 @@ class KeySession:
     def __init__(self, io: QueueIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
                  observer: SessionObserver, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
                  worker: str = "", turns: Turns | None = None, idle: dict[str, KeySession] | None = None,
-                 recheck_later: Callable[[Token, int], None] | None = None) -> None:
+                 recheck_later: Callable[[Token, int], None] | None = None, slots: Slots | None = None) -> None:
         self.io = io
         self.token = token
         self.key = token.key
@@ -208,6 +215,8 @@ class KeySession:
         """Shared by the worker's sessions: those waiting for a request, longest waiting first. The
         worker wakes them (:meth:`wake`) to give their keys back when more keys wait for a worker
         than it has free slots."""
+        self.slots = slots
+        """The worker's slots: a session waiting out a backoff or a rate limit gives its own back (core/slots.py)."""
         self.recheck_later = recheck_later
         """Who re-checks the key's inbox (and removes this token) once the connection allows, when
         this session could not (the worker: :meth:`~keyqueue.core.worker.QueueWorker.recheck_later`)."""
@@ -705,7 +714,8 @@ class KeySession:
             await self.observer.wait_for_room()
             self.lease.check()
             self.ctx.request_id, self.ctx.attempt = head.request_id, attempt
-            this = self._attempt(head.seq, head.headers, attempt, len(requests), policy.max_attempts)
+            this = self._attempt(head.seq, head.headers, attempt, len(requests), policy.max_attempts,
+                                 batch[0].timestamp)
             self.observer.request_started(this)
             started = time.monotonic()
             try:
@@ -724,10 +734,13 @@ class KeySession:
                 if isinstance(e, WireError | Reject):
                     await self._dead_letter(batch, e, attempt, reason="rejected")
                     return
+                if not policy.retries(e):  # the task's retry_on does not list it
+                    await self._dead_letter(batch, e, attempt, reason="not-retried")
+                    return
                 if policy.exhausted(attempt):
                     await self._dead_letter(batch, e, attempt, reason="max-attempts")
                     return
-                delay = policy.delay(attempt)
+                delay = policy.delay_after(attempt, e)
                 self.observer.request_retried(this, delay, e)
                 if not await self._backoff(delay):
                     return  # draining: the request stays at the head for the next holder
@@ -748,21 +761,29 @@ class KeySession:
             return
 
     def _attempt(self, seq: int, headers: Mapping[str, str], attempt: int, batch: int,
-                 max_attempts: int = 0) -> RequestAttempt:
-        """What the observer is told of the request stored at ``seq``."""
+                 max_attempts: int = 0, stored_at: str = "") -> RequestAttempt:
+        """What the observer is told of the request stored at ``seq`` (at ``stored_at``, its stream timestamp)."""
         return RequestAttempt(self.io.names.queue, self.key, headers.get(H.MSG_ID, ""), _message_type(headers),
-                              seq, attempt, batch, max_attempts)
+                              seq, attempt, batch, max_attempts, stored_at)
 
     async def _backoff(self, delay: float) -> bool:
-        """Sleep before a retry, holding the key; False if a drain started meanwhile."""
-        # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancel that arrives as
-        # the drain starts.
-        waiter = asyncio.ensure_future(self.draining.wait())
-        try:
-            await asyncio.wait({waiter}, timeout=delay)
-        finally:
-            waiter.cancel()
+        """Sleep before a retry, holding the key but not a slot; False if a drain started meanwhile."""
+        async with self.off_slot():
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancel that arrives as
+            # the drain starts.
+            waiter = asyncio.ensure_future(self.draining.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=delay)
+            finally:
+                waiter.cancel()
         return not self.draining.is_set()
+
+    def off_slot(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """While the session only waits (a backoff, a rate limit), it keeps its key (its lease is
+        renewed, nothing behind its request runs) and lends its slot to another key (core/slots.py)."""
+        if self.slots is None:
+            return contextlib.nullcontext()
+        return self.slots.parked_while(self.draining)
 
     async def _succeeded(self, batch: list[StoredMsg], requests: list[Request], replies: list[Reply | None],
                          elapsed: float, through: int, attempt: int) -> None:

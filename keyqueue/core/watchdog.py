@@ -140,10 +140,17 @@ class LoopWatchdog:
             except Exception as e:  # the attempt goes uncounted; the stop must not wait for it
                 log.error("loop watchdog: could not count the blocked attempts: %r", e)
         requests = ", ".join(f"{h.key} (seq {h.in_hand})" for h in in_hand[:5]) or "none in hand"
-        log.critical("event loop blocked for %.1fs with %d key(s) held, a lease ending in %.1fs: stopping this "
-                     "worker process now (exit status %d) so that no other worker runs its keys beside it; "
-                     "requests in hand: %s. A handler is blocking the loop: make it async, or a sync function "
-                     "(it runs in a thread)", blocked, len(held), earliest, EXIT_BLOCKED, requests)
+        self.end_process(f"event loop blocked for {blocked:.1f}s with {len(held)} key(s) held, a lease ending in "
+                         f"{earliest:.1f}s; requests in hand: {requests}. A handler is blocking the loop: make it "
+                         "async, or a sync function (it runs in a thread)")
+        return True
+
+    def end_process(self, why: str) -> None:
+        """End the process now (status :data:`EXIT_BLOCKED`), saying why, so that no other worker runs
+        its keys beside work it cannot stop; its leases end on the server."""
+        self.fired = True
+        log.critical("%s: stopping this worker process now (exit status %d) so that no other worker runs its keys "
+                     "beside it", why, EXIT_BLOCKED)
         for handler in logging.getLogger().handlers + log.handlers:
             try:
                 handler.flush()
@@ -151,4 +158,3 @@ class LoopWatchdog:
                 pass
         sys.stderr.flush()
         self.exit(EXIT_BLOCKED)
-        return True

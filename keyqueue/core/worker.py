@@ -49,6 +49,7 @@ from keyqueue.core.observer import (
 from keyqueue.core.processor import ProcessorFactory, Request, RequestContext
 from keyqueue.core.reconciler import Reconciler
 from keyqueue.core.session import KeySession, SessionSettings
+from keyqueue.core.slots import Slots
 from keyqueue.core.turns import Turns
 from keyqueue.core.watchdog import HeldLease, LoopWatchdog
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, KeyqueueTimeout
@@ -62,6 +63,9 @@ log = logging.getLogger("keyqueue.worker")
 
 NO_JETSTREAM_AFTER = 30.0
 """Seconds of "no responders" to the JetStream API after which a starting worker gives up."""
+
+DRAIN_GRACE = 2.0
+"""Seconds cut-off sessions have to end after the drain deadline (a sync task to see its stop)."""
 
 LOOP_TICK = 0.1
 """Seconds between the loop-lag monitor's ticks."""
@@ -115,6 +119,8 @@ class QueueWorker:
                                   options=pull, on_pinned=self._on_pinned)
         self.reconciler = Reconciler(self.io, interval=reconcile_interval, worker=self.name)
         self.sessions: dict[str, asyncio.Task[str]] = {}
+        self.slots = Slots(concurrency, lambda: len(self.sessions), freed=self._slot_freed)
+        """The worker's slots (core/slots.py): a session waiting out a backoff or a rate limit gives its slot back."""
         self.draining = asyncio.Event()
         self._stop_now = False
         self._tg: asyncio.TaskGroup | None = None
@@ -144,7 +150,10 @@ class QueueWorker:
     # --- slots -----------------------------------------------------------------------------------
 
     def free_slots(self) -> int:
-        return 0 if self.draining.is_set() else self.concurrency - len(self.sessions)
+        return 0 if self.draining.is_set() else self.slots.free()
+
+    def _slot_freed(self) -> None:
+        self.puller.wake()
 
     def _should_yield(self) -> bool:
         """An idle session releases at once, rather than lingering, when more keys wait for a
@@ -201,7 +210,7 @@ class QueueWorker:
             return
         session = KeySession(self.io, token, self.factory, self.settings, observer=self.report,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name,
-                             turns=self.turns, idle=self._idle, recheck_later=self.recheck_later)
+                             turns=self.turns, idle=self._idle, recheck_later=self.recheck_later, slots=self.slots)
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session
@@ -228,6 +237,7 @@ class QueueWorker:
             if self._held.get(session.key) is session:
                 self.sessions.pop(session.key, None)
                 del self._held[session.key]
+            await self.slots.changed()  # a parked session may take the slot
             self.puller.wake()
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -325,13 +335,22 @@ class QueueWorker:
                 task.cancel()
 
     async def _drain(self) -> None:
+        await self.slots.changed()  # parked sessions go on to give their keys back
         deadline = time.monotonic() + self.settings.drain_timeout
         while self.sessions and time.monotonic() < deadline and not self._stop_now:
             await asyncio.wait(list(self.sessions.values()), timeout=max(0.0, deadline - time.monotonic()))
         for task in list(self.sessions.values()):
             task.cancel()
         if self.sessions:
-            await asyncio.wait(list(self.sessions.values()), timeout=5)
+            await asyncio.wait(list(self.sessions.values()), timeout=DRAIN_GRACE)
+        if self.sessions and self.watchdog is not None:
+            # A session cut off at the deadline still runs: a sync task blocked in C code, which no
+            # exception reaches. Its thread ends only with the process, so the process ends now
+            # (the drain deadline holds), before anything is given back for those keys: their
+            # leases end on the server, or the --processes parent releases them as it reaps us.
+            self.watchdog.end_process(
+                f"{len(self.sessions)} key session(s) still ran {DRAIN_GRACE:g}s after the drain deadline "
+                f"(a sync task that no exception stops: {', '.join(sorted(self.sessions)[:5])})")
 
     def reconnected(self) -> None:
         self.puller.reconnected()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -60,6 +61,22 @@ class StoredMsg:
     headers: dict[str, str]
     data: bytes
     timestamp: str = ""
+
+
+def stored_seconds(timestamp: str) -> float | None:
+    """A stored message's timestamp (RFC 3339 with up to nanoseconds, the server's wall clock) as
+    Unix seconds; None for an empty or unreadable one."""
+    text = timestamp.strip().replace("Z", "+00:00")
+    if not text:
+        return None
+    base, sep, rest = text.partition(".")
+    if sep:
+        digits = rest[:len(rest) - len(rest.lstrip("0123456789"))]
+        text = f"{base}.{digits[:6].ljust(6, '0')}{rest[len(digits):]}"
+    try:
+        return datetime.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
 
 
 def raise_for_reply(body: Mapping[str, Any]) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, Protocol, TypeVar
@@ -383,6 +384,13 @@ async def connect(target: str | ConnectOptions, *, name: str = "keyqueue",
                          disconnected_cb=on_disconnect, **options)
         return nc
     except (OSError, nats.errors.NoServersError, nats.errors.TimeoutError) as e:
+        if "tls" in options and isinstance(e, ssl.SSLError | ConnectionResetError | BrokenPipeError):
+            # A TLS server that requires a client certificate alerts, or drops, a client that has none.
+            raise ConnectionFailed(
+                f"cannot connect to NATS at {where} ({type(e).__name__}: {e}): the TLS handshake failed; check "
+                "KEYQUEUE_TLS_CA (the CA that signed the server's certificate) and, if the server requires a "
+                "client certificate, KEYQUEUE_TLS_CERT and KEYQUEUE_TLS_KEY"
+            ) from e
         raise ConnectionFailed(
             f"cannot reach NATS at {where} ({type(e).__name__}: {e}); start one with "
             "`keyqueue dev-server` or set KEYQUEUE_URL"

@@ -4,7 +4,8 @@ The server accepts ``@at <RFC 3339 time>`` (2.12), ``@every <Go duration>`` of a
 second and cron expressions with an optional IANA time zone (2.14). Its cron grammar is
 robfig/cron's with six fields, ``second minute hour day-of-month month day-of-week``: each field a
 comma-separated list of ``*``, ``?``, ``N``, ``N-M``, with an optional ``/step``; month and weekday
-names (``jan``, ``mon``); weekdays 0-6 (Sunday is 0, never 7); ``@yearly``, ``@annually``,
+names (``jan``, ``mon``); weekdays 0-6 (Sunday is 0; the server refuses 7, which many crontabs
+also read as Sunday, so :func:`cron_pattern` writes a 7 as 0); ``@yearly``, ``@annually``,
 ``@monthly``, ``@weekly``, ``@daily``, ``@midnight`` and ``@hourly``. A five-field expression (the
 crontab form, no seconds) is read here as firing at second 0. Anything else the server would refuse
 the schedule with an error that names no field, so :func:`cron_pattern` refuses it first, saying
@@ -156,11 +157,28 @@ def cron_pattern(expression: str) -> str:
         raise InvalidSchedule(f"cron expression {expression!r}: the named schedules are {', '.join(PREDEFINED)}")
     if len(text.split()) == 5:
         text = "0 " + text
+    if len(fields := text.split()) == 6:
+        text = " ".join([*fields[:5], _sunday_as_zero(fields[5])])
     spec = parse_cron(text)
     if next_cron(spec, ZoneInfo("UTC"), dt.datetime.now(dt.UTC)) is None:
         raise InvalidSchedule(
             f"cron expression {expression!r} never fires (the server looks {_YEARS_AHEAD} years ahead)")
     return text
+
+
+def _sunday_as_zero(weekdays: str) -> str:
+    """A weekday field with crontab's Sunday 7 written as the server's 0 (``5-7`` -> ``0,5,6``); any
+    other field as it is."""
+    if "*" in weekdays or "?" in weekdays:
+        return weekdays
+    name, low, _, names = _FIELDS[5]
+    try:
+        days = set().union(*(_range(part, name, low, 7, names)[0] for part in weekdays.split(",")))
+    except InvalidSchedule:
+        return weekdays  # parse_cron says what is wrong with it
+    if 7 not in days:
+        return weekdays
+    return ",".join(str(d) for d in sorted({d % 7 for d in days}))
 
 
 def parse_every(every: float | dt.timedelta) -> float:

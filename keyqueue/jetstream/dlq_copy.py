@@ -14,8 +14,12 @@ key stuck behind it. So the copy is built to what nats-py sends and the server a
   ``dlq:<inbox sequence>``: a copy re-sent after a crash is stored once, while two stored requests
   that share a request id (enqueued outside the duplicate window) each get their own copy.
 - *Size.* Headers and body together must fit the server's ``max_payload`` (nats-py checks the
-  body alone; the server closes the connection of a client that sends more). A copy that would
-  not fit keeps as much of the body as fits and says ``X-KQ-DLQ-Truncated: <original size>``.
+  body alone; the server closes the connection of a client that sends more). Producers leave
+  :data:`DLQ_HEADROOM` bytes free for the copy's own headers (a larger request is refused at
+  enqueue), and a copy that would not fit gives up its diagnostics first (the traceback, then all
+  but the start of the error message), so every request keyqueue accepted has a whole, replayable
+  copy. Only a request stored by other means can still need its body cut: the copy then keeps as
+  much of the body as fits and says ``X-KQ-DLQ-Truncated: <original size>``.
   The body is cut rather than replaced by a reference to the original because the original is
   deleted right after the copy is stored.
 - *Last resort.* A minimal copy, keyqueue's own headers and an empty body, when the request's
@@ -35,7 +39,15 @@ from keyqueue.jetstream.api import StoredMsg
 from keyqueue.wire import header_block_size
 from keyqueue.wire import headers as H
 
-__all__ = ["DEDUPE_PREFIX", "DeadLetterCopy", "copy_id", "dead_letter_copy", "minimal_dead_letter_copy"]
+__all__ = ["DEDUPE_PREFIX", "DLQ_HEADROOM", "DeadLetterCopy", "copy_id", "dead_letter_copy", "minimal_dead_letter_copy"]
+
+DLQ_HEADROOM: Final = 2048
+"""Bytes below the server's ``max_payload`` that a request leaves for its dead-letter copy's own
+headers (reason, error type, the start of the error message, attempts, original subject and
+sequence, time, request id), so that its copy keeps the whole body and can be replayed."""
+
+_SHORT_ERROR: Final = 200
+"""Characters of the error message a copy keeps when its diagnostics must make room for the body."""
 
 DEDUPE_PREFIX: Final = "dlq:"
 """Start of a copy's ``Nats-Msg-Id``; the inbox sequence of the request follows."""
@@ -82,6 +94,12 @@ def dead_letter_copy(msg: StoredMsg, why: Mapping[str, str], max_payload: int) -
     headers.update(own)
     if escaped:
         headers[H.DLQ_ESCAPED_HEADERS] = json.dumps(escaped, ensure_ascii=True, separators=(",", ":"))
+    if header_block_size(headers) + len(msg.data) <= max_payload:
+        return DeadLetterCopy(headers, msg.data)
+    # The body is what a replay needs: the diagnostics make room for it first.
+    headers.pop(H.DLQ_TRACEBACK, None)
+    if H.ERROR_MESSAGE in headers:
+        headers[H.ERROR_MESSAGE] = H.header_safe(headers[H.ERROR_MESSAGE], _SHORT_ERROR)
     if header_block_size(headers) + len(msg.data) <= max_payload:
         return DeadLetterCopy(headers, msg.data)
     headers[H.DLQ_TRUNCATED] = str(len(msg.data))

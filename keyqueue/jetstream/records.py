@@ -2,14 +2,17 @@
 
 One stream per queue ``Q``, ``KQ_Q_RECORDS``, holds at most one message per subject:
 
-- ``kq.Q.result.<id>``: a finished request's reply (its ``X-KQ-Status`` headers and body), written
+- ``kq.Q.result.<id>``: for a task that keeps results, first a *pending* record written by the
+  producer once the request is stored (``X-KQ-Status: pending``, only where the subject is still
+  empty, kept for :data:`CANCEL_TTL`), so that a request is found by its id alone; then a
+  finished request's reply (its ``X-KQ-Status`` headers and body), written
   by the worker that ran it when its task keeps results, with a per-message TTL (``Nats-TTL``) of
   the task's ``result_ttl``. When that TTL passes the server replaces it with a *subject delete
   marker* (a message without ``X-KQ-Status``) that lives for :data:`EXPIRED_MARKER_TTL`, so a
   reader can tell "expired" from "not there yet".
 - ``kq.Q.cancel.<id>``: a cancel request and its answer (``X-KQ-Cancel``: ``requested``, then
   ``cancelled``, ``running`` or ``done`` from the worker that holds the request's key), kept for
-  :data:`CANCEL_TTL`.
+  :data:`CANCEL_TTL`; ``withdrawn`` when the canceller found no such request (the id stays usable).
 - ``kq.Q.runs.<task>.<key>``: the start times of a rate-limited task's recent runs on a key (a JSON
   list of Unix seconds), written by the key's holder by compare-and-set before each run, kept for
   the limit's period.
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
-__all__ = ["CANCEL_STATE", "CANCEL_TTL", "EXPIRED_MARKER_TTL", "RequestRecords"]
+__all__ = ["CANCEL_STATE", "CANCEL_TTL", "EXPIRED_MARKER_TTL", "PENDING", "RequestRecords"]
 
 CAS_TRIES: Final = 10
 """Tries of a compare-and-set on a record that others write too, reading again after each lost race."""
@@ -51,7 +54,13 @@ CANCEL_TTL: Final = 7 * 24 * 3600
 """Seconds a cancel record is kept: longer than any request should wait for its key."""
 
 CANCEL_STATE: Final = "X-KQ-Cancel"
-"""Header of a cancel record: ``requested``, ``cancelled``, ``running`` or ``done``."""
+"""Header of a cancel record: ``requested``, ``cancelled``, ``running``, ``done`` or ``withdrawn``."""
+
+PENDING: Final = "pending"
+"""``X-KQ-Status`` of the record a producer writes for a stored request whose task keeps results."""
+
+WITHDRAWN_TTL: Final = 3600
+"""Seconds a withdrawn cancel record is kept (workers that missed it reload the records)."""
 
 RESULT_RECHECK_FIRST: Final = 0.1
 RESULT_RECHECK_MAX: Final = 2.0
@@ -82,6 +91,22 @@ class RequestRecords:
     @property
     def cancel_wildcard(self) -> str:
         return f"kq.{self.queue}.cancel.>"
+
+    def ask_subject(self, request_id: str) -> str:
+        """Where a status question about a request goes: the worker running it answers (core NATS, not stored)."""
+        return f"kq.{self.queue}.ask.{request_id_token(request_id)}"
+
+    @property
+    def ask_wildcard(self) -> str:
+        return f"kq.{self.queue}.ask.>"
+
+    async def ask_running(self, request_id: str, wait: float) -> bool:
+        """Whether a live worker says it runs ``request_id`` (within ``wait`` seconds)."""
+        try:
+            await self.nc.request(self.ask_subject(request_id), b"", timeout=wait, headers={H.REQUEST_ID: request_id})
+        except Exception:  # no responders, no answer: nobody runs it
+            return False
+        return True
 
     def config(self) -> dict[str, Any]:
         return {
@@ -144,8 +169,18 @@ class RequestRecords:
         [reply] = await wait(sent, self.api.timeout, f"a result in {self.stream}")
         return parse_pub_ack(reply).seq
 
+    async def put_pending(self, request_id: str, ttl: float = CANCEL_TTL) -> None:
+        """Say that ``request_id`` is stored and not finished, unless its subject holds something
+        already (its result, written by a fast worker, must not be overwritten)."""
+        try:
+            await self._publish(self.result_subject(request_id), {H.STATUS: PENDING, H.REQUEST_ID: request_id}, b"",
+                                ttl, expected_last=0)
+        except WrongLastSequence:
+            pass
+
     async def get_result(self, request_id: str) -> StoredMsg | None:
-        """The kept reply, the marker of an expired one (no ``X-KQ-Status``), or None."""
+        """The kept reply, the marker of an expired one (no ``X-KQ-Status``), a producer's pending
+        record (``X-KQ-Status: pending``), or None."""
         return await self._last(self.result_subject(request_id))
 
     async def wait_result(self, request_id: str, timeout: float) -> tuple[dict[str, str], bytes] | None:
@@ -160,32 +195,33 @@ class RequestRecords:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         pause = RESULT_RECHECK_FIRST
-        async with self._watch(subject) as arrived:
+        async with self._watch(subject) as arrivals:
             while True:
                 stored = await self._last(subject)
-                if stored is not None:
+                if stored is not None and stored.headers.get(H.STATUS) != PENDING:
                     return stored.headers, stored.data
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return None
                 try:
                     async with asyncio.timeout(min(pause, remaining)):
-                        msg = await asyncio.shield(arrived)
-                    return dict(msg.headers or {}), msg.data
+                        while True:
+                            msg = await arrivals.get()
+                            if (msg.headers or {}).get(H.STATUS) != PENDING:
+                                return dict(msg.headers or {}), msg.data
                 except TimeoutError:
                     pause = min(2 * pause, RESULT_RECHECK_MAX)
 
     @asynccontextmanager
-    async def _watch(self, subject: str) -> AsyncIterator[asyncio.Future[Msg]]:
-        future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+    async def _watch(self, subject: str) -> AsyncIterator[asyncio.Queue[Msg]]:
+        arrivals: asyncio.Queue[Msg] = asyncio.Queue()
 
         async def on_msg(msg: Msg) -> None:
-            if not future.done():
-                future.set_result(msg)
+            arrivals.put_nowait(msg)
 
         sub = await self.nc.subscribe(subject, cb=on_msg)
         try:
-            yield future
+            yield arrivals
         finally:
             await sub.unsubscribe()
 
@@ -234,6 +270,13 @@ class RequestRecords:
         (``WrongLastSequence`` if it changed since)."""
         return await self._publish(self.cancel_subject(request_id), {CANCEL_STATE: state, H.REQUEST_ID: request_id},
                                    b"", CANCEL_TTL, expected_last=expected_last)
+
+    async def withdraw_cancel(self, request_id: str, expected_last: int) -> None:
+        """Take back a ``requested`` cancel record (read at ``expected_last``) whose request does not
+        exist, so the id stays usable; workers that loaded it forget it (``WrongLastSequence`` if it
+        was answered meanwhile)."""
+        await self._publish(self.cancel_subject(request_id), {CANCEL_STATE: "withdrawn", H.REQUEST_ID: request_id},
+                            b"", WITHDRAWN_TTL, expected_last=expected_last)
 
     async def cancel_state(self, request_id: str) -> tuple[str, int] | None:
         """``(state, seq)`` of the request's cancel record, or None."""

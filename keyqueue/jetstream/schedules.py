@@ -345,7 +345,7 @@ def parse_time(text: str) -> dt.datetime:
     text = text.strip().replace("Z", "+00:00")
     base, sep, rest = text.partition(".")
     if sep:
-        digits = "".join(c for c in rest if c.isdigit())
-        zone = rest[len(digits):]
-        text = f"{base}.{digits[:6].ljust(6, '0')}{zone}"
+        # Only the fraction's digits: the zone after it (+00:00) has digits too.
+        digits = rest[:len(rest) - len(rest.lstrip("0123456789"))]
+        text = f"{base}.{digits[:6].ljust(6, '0')}{rest[len(digits):]}"
     return dt.datetime.fromisoformat(text)

@@ -193,7 +193,7 @@ _DURATIONS: Final = frozenset({"ack_wait", "priority_timeout"})
 
 
 def _shown(setting: str, value: float) -> str:
-    if setting in _DURATIONS:
+    if setting in _DURATIONS or setting == "duplicate_window":
         return f"{value:g}s"
     if setting == "max_backlog_per_key" and value <= 0:
         return "unlimited"
@@ -260,7 +260,7 @@ class Topology:
     # --- the queue's settings --------------------------------------------------------------------
 
     async def configure(self, *, ack_wait: float | None = None, max_ack_pending: int | None = None,
-                        max_backlog_per_key: int | None = None) -> list[Change]:
+                        max_backlog_per_key: int | None = None, duplicate_window: float | None = None) -> list[Change]:
         """Change the queue's settings on the server in place, on a live fleet; one ``Change``
         per setting given. ``StreamNotFound`` / ``ConsumerNotFound`` if the queue does not exist."""
         if ack_wait is not None and ack_wait < 1:
@@ -269,6 +269,8 @@ class Topology:
             raise ConfigError(f"max_ack_pending must be positive, got {max_ack_pending}")
         if max_backlog_per_key is not None and max_backlog_per_key < 0:
             raise ConfigError(f"max_backlog_per_key must be 0 (unlimited) or more, got {max_backlog_per_key}")
+        if duplicate_window is not None and not duplicate_window >= 1:
+            raise ConfigError(f"duplicate_window must be at least 1 second, got {duplicate_window}")
         n = self.config.names
         changes: list[Change] = []
         update: dict[str, Any] = {}
@@ -282,11 +284,19 @@ class Topology:
                 update["max_ack_pending"] = max_ack_pending
             await self.api.request(f"CONSUMER.CREATE.{n.token_stream}.{n.consumer}",
                                    {"stream_name": n.token_stream, "config": {**current, **update}, "action": "update"})
-        if max_backlog_per_key is not None:
+        if max_backlog_per_key is not None or duplicate_window is not None:
             inbox = (await self.api.stream_info(n.inbox_stream))["config"]
-            changes.append(Change("max_backlog_per_key", max(0, inbox.get("max_msgs_per_subject", -1)),
-                                  max_backlog_per_key))
-            await self.api.request(f"STREAM.UPDATE.{n.inbox_stream}", {**inbox, **backlog_cap(max_backlog_per_key)})
+            inbox_update: dict[str, Any] = {}
+            if max_backlog_per_key is not None:
+                changes.append(Change("max_backlog_per_key", max(0, inbox.get("max_msgs_per_subject", -1)),
+                                      max_backlog_per_key))
+                inbox_update.update(backlog_cap(max_backlog_per_key))
+            if duplicate_window is not None:
+                # The window in which a repeated request id (Nats-Msg-Id) stores nothing new; the
+                # server applies it to ids seen from now on.
+                changes.append(Change("duplicate_window", inbox.get("duplicate_window", 0) / NS, duplicate_window))
+                inbox_update["duplicate_window"] = int(duplicate_window * NS)
+            await self.api.request(f"STREAM.UPDATE.{n.inbox_stream}", {**inbox, **inbox_update})
         return changes
 
     async def server_config(self) -> QueueConfig:
@@ -298,6 +308,7 @@ class Topology:
         return dataclasses.replace(
             self.config, ack_wait=consumer["ack_wait"] / NS, max_ack_pending=consumer["max_ack_pending"],
             max_backlog_per_key=max(0, inbox.get("max_msgs_per_subject", -1)),
+            duplicate_window=inbox.get("duplicate_window", 0) / NS or self.config.duplicate_window,
             priority_policy=consumer.get("priority_policy", "none"), priority_group=groups[0],
             priority_timeout=timeout / NS if timeout else self.config.priority_timeout,
         )

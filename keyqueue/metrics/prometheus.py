@@ -71,17 +71,6 @@ def make_instruments(registry: CollectorRegistry) -> dict[str, Any]:
             for name, (kind, description, attributes) in INSTRUMENTS.items()}
 
 
-def _enqueued_at(request_id: str) -> float | None:
-    if len(request_id) != 26:
-        return None
-    try:
-        from ulid import ULID
-
-        return float(ULID.from_str(request_id).timestamp)
-    except (ValueError, TypeError):
-        return None
-
-
 class PrometheusPlugin:
     """Counts a worker's lifecycle hooks into Prometheus instruments (``registry``)."""
 
@@ -104,8 +93,9 @@ class PrometheusPlugin:
         self.instruments["keyqueue.keys.held"].labels(queue).dec()
 
     @hookimpl
-    def keyqueue_request_started(self, queue: str, request_id: str, message_type: str, attempt: int) -> None:
-        enqueued_at = _enqueued_at(request_id)
+    def keyqueue_request_started(self, queue: str, message_type: str, attempt: int,
+                                 enqueued_at: float | None) -> None:
+        # From the stored message's timestamp (whatever the request id: a caller's own, a backfill's hash).
         if attempt == 1 and enqueued_at is not None:
             self.instruments["keyqueue.request.wait"].labels(queue, message_type).observe(
                 max(0.0, time.time() - enqueued_at))

@@ -185,12 +185,16 @@ def keyqueue_key_released(worker: Worker, queue: str, key: str, outcome: str) ->
 
 @hookspec
 def keyqueue_request_started(
-    worker: Worker, queue: str, key: str, request_id: str, message_type: str, attempt: int
+    worker: Worker, queue: str, key: str, request_id: str, message_type: str, attempt: int,
+    enqueued_at: float | None,
 ) -> Awaitable[None] | None:
     """An attempt at a request begins (for a batch: once, for its first request).
 
     ``message_type`` is the request's ``X-MESSAGE-TYPE`` (the task name for tasks); ``attempt``
-    counts from 1. Opening hook. May be async.
+    counts from 1. ``enqueued_at`` is when the server stored the request in its key's inbox (Unix
+    seconds on the server's clock, from the stored message, whatever its request id), or None if
+    unknown: ``time.time() - enqueued_at`` is its wait, as exact as the two hosts' clocks agree.
+    Opening hook. May be async.
     """
 
 

@@ -269,9 +269,9 @@ class LifecycleHooks:
                            outcome=outcome)
 
     async def request_started(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                              attempt: int) -> None:
+                              attempt: int, enqueued_at: float | None = None) -> None:
         await self._notify("keyqueue_request_started", worker=worker, queue=queue, key=key, request_id=request_id,
-                           message_type=message_type, attempt=attempt)
+                           message_type=message_type, attempt=attempt, enqueued_at=enqueued_at)
 
     async def request_failed(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
                              attempt: int, error: BaseException, elapsed: float) -> None:

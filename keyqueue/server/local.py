@@ -113,6 +113,10 @@ class LocalServer:
         """Whether this process started the server (and stops it on ``close``)."""
         return self._server is not None
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: the server (if this process started it) is the parent's to stop; keep its URL."""
+        self._server = None
+
     async def url(self) -> str:
         """The URL of the app's embedded server, starting it if none answers."""
         if self._url is not None and (self._server is None or self._server.running):

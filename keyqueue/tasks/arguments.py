@@ -24,6 +24,7 @@ from keyqueue.errors import (
     Cancelled,
     ConfigError,
     DeadLettered,
+    Expired,
     MalformedBody,
     RemoteError,
     Superseded,
@@ -37,6 +38,7 @@ from keyqueue.wire import headers as H
 
 __all__ = [
     "CANCELLED_BY",
+    "EXPIRED_BY",
     "ArgumentCodec",
     "KeyMaker",
     "Upgrade",
@@ -53,6 +55,9 @@ Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
 """Turns the arguments of version ``v`` of a task into those of version ``v + 1``."""
 
 _CONTEXT_NAME: Final = "ctx"
+
+EXPIRED_BY: Final = "(expired)"
+"""``X-KQ-Superseded-By`` of the reply to a request whose ``expires`` time passed before it started."""
 
 CANCELLED_BY: Final = "(cancelled)"
 """``X-KQ-Superseded-By`` of the reply to a request cancelled before it started (status ``superseded``,
@@ -330,6 +335,8 @@ def decode_result(headers: Mapping[str, str], body: bytes, request_id: str, resu
     if status == H.STATUS_SUPERSEDED:
         if headers.get(H.SUPERSEDED_BY) == CANCELLED_BY:
             raise Cancelled(request_id)
+        if headers.get(H.SUPERSEDED_BY) == EXPIRED_BY:
+            raise Expired(request_id)
         raise Superseded(request_id, headers.get(H.SUPERSEDED_BY, "unknown"))
     if status == H.STATUS_DEAD_LETTERED:
         reason = headers.get(H.DLQ_REASON, "")

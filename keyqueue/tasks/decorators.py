@@ -44,6 +44,8 @@ class _Declaration:
     merge: Merge | None
     result_ttl: float | None = None
     rate_limit: RateLimit | None = None
+    soft_timeout: float | None = None
+    retry_on: tuple[type[BaseException], ...] | None = None
 
     def spec(self, fn: Callable[..., Any]) -> TaskSpec:
         backoff = self.backoff if isinstance(self.backoff, Backoff) else Backoff(base=float(self.backoff))
@@ -51,6 +53,7 @@ class _Declaration:
             name=self.name or fn.__name__, queue=self.queue, policy=self.policy, max_attempts=self.max_attempts,
             backoff=backoff, timeout=self.timeout, version=self.version, upgrades=dict(self.upgrades or {}),
             max_batch=self.max_batch, merge=self.merge, result_ttl=self.result_ttl, rate_limit=self.rate_limit,
+            soft_timeout=self.soft_timeout, retry_on=self.retry_on,
         )
 
 
@@ -114,12 +117,14 @@ def declare(
     *, key: KeySpec, queue: str, name: str | None, policy: Policy, max_attempts: int, backoff: Backoff | float,
     timeout: float | None, version: int, upgrades: Mapping[int, Upgrade] | None, max_batch: int, merge: Merge | None,
     register: Register, dispatcher: Callable[[], Dispatcher], result_ttl: float | None = None,
-    rate_limit: str | None = None,
+    rate_limit: str | None = None, soft_timeout: float | None = None,
+    retry_on: Sequence[type[BaseException]] | None = None,
 ) -> TaskDecorator | BatchTaskDecorator:
     """The decorator for one task declaration (``App.task`` and ``keyqueue.task`` call this)."""
     declaration = _Declaration(key, queue, name, policy, max_attempts, backoff, timeout, version, upgrades,
                                max_batch, merge, result_ttl,
-                               parse_rate_limit(rate_limit) if rate_limit is not None else None)
+                               parse_rate_limit(rate_limit) if rate_limit is not None else None,
+                               soft_timeout, tuple(retry_on) if retry_on is not None else None)
     if policy == "batch":
         return BatchTaskDecorator(declaration, register, dispatcher)
     return TaskDecorator(declaration, register, dispatcher)

@@ -1,52 +1,150 @@
 """Running a task function once, in the worker: on the event loop, or in a thread if it is sync.
 
-A coroutine function runs on the worker's loop under ``asyncio.timeout``. Any other function runs
-in the worker's executor, so it cannot block the loop that keeps the leases alive. A thread
-cannot be stopped: when its timeout passes or its key session is cancelled, keyqueue waits for
-it to return before giving up, so the key never moves to another worker while it still runs.
+Two time limits bound an attempt, for async and sync functions alike:
+
+- ``soft_timeout``: ``keyqueue.SoftTimeout`` is raised *inside* the function, which may catch it to
+  clean up (and then return, or raise). Uncaught, the attempt fails with it (and is retried).
+- ``timeout`` (the hard limit): the run is stopped. A coroutine is cancelled; a thread gets an
+  exception it cannot catch as an ``Exception`` (``_Stopped``, a ``BaseException``), raised in it at
+  its next Python instruction. The attempt fails with ``KeyqueueTimeout``.
+
+A drain that reaches its deadline cancels the key session: a coroutine is cut off (its request
+runs again on the key's next holder); a thread is waited for, and its run kept.
+
+A thread cannot be stopped while it blocks in C (a socket read, ``time.sleep``): keyqueue then
+waits for it to return before it gives the key up, so the key never moves to another worker while
+the function still runs (for a limit that stops anything, run sync tasks in processes:
+``keyqueue.app.process_pool``). **A run that completes is never thrown away**: a thread that
+returns after its hard limit, or after the worker's drain deadline cancelled its session, returns
+its result, and the key session records it as done (it is removed, never run again). Only a run
+that did not complete (it raised the injected stop) counts as timed out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import ctypes
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import types
+from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from keyqueue.errors import KeyqueueTimeout
+from keyqueue.errors import KeyqueueTimeout, SoftTimeout
 
 __all__ = ["invoke"]
 
 log = logging.getLogger("keyqueue.task")
 
 
-async def _run_in_thread(task: str, call: Callable[[], Any], timeout: float | None, executor: Executor | None) -> Any:
+class _Stopped(BaseException):
+    """Raised inside a sync task's thread to stop it (its hard limit, or the worker's drain deadline).
+
+    A ``BaseException``, so the function's own ``except Exception`` does not swallow it."""
+
+
+def _raise_in(ident: int, error: type[BaseException]) -> bool:
+    """Raise ``error`` in the thread ``ident`` at its next Python instruction (CPython's async exception)."""
+    return bool(ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(error)) == 1)
+
+
+def _noop() -> None:
+    """A Python call: a pending async exception is raised at the latest when one is made."""
+
+
+class _ThreadRun:
+    """A sync function's run in a thread, into which an exception can be raised while (only while) it runs."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call = call
+        self.lock = threading.Lock()
+        self.ident: int | None = None
+        self.finished = False
+        self.raised: set[type[BaseException]] = set()
+
+    def __call__(self) -> tuple[bool, Any]:
+        """``(True, result)`` or ``(False, the exception it raised)``: never raises itself."""
+        with self.lock:
+            self.ident = threading.get_ident()
+        outcome: tuple[bool, Any]
+        try:
+            outcome = (True, self.call())
+        except BaseException as exc:
+            outcome = (False, exc)
+        while True:
+            # An exception raised into this thread just as the function returned lands here, never
+            # in the executor's own code; the function's outcome stands.
+            try:
+                with self.lock:
+                    self.finished = True
+                _noop()
+                _noop()
+                return outcome
+            except (_Stopped, SoftTimeout):
+                continue
+
+    def interrupt(self, error: type[BaseException]) -> bool:
+        """Raise ``error`` in the thread if the function still runs; whether it was raised."""
+        with self.lock:
+            if self.finished or self.ident is None:
+                return False
+            self.raised.add(error)
+            return _raise_in(self.ident, error)
+
+
+async def _run_in_thread(task: str, call: Callable[[], Any], soft: float | None, hard: float | None,
+                         executor: Executor | None) -> Any:
     loop = asyncio.get_running_loop()
     ctx = contextvars.copy_context()
-    future = loop.run_in_executor(executor, functools.partial(ctx.run, call))
+    run = _ThreadRun(call)
+    future = loop.run_in_executor(executor, functools.partial(ctx.run, run))
+    timers = []
+    if soft is not None:
+        timers.append(loop.call_later(soft, run.interrupt, SoftTimeout))
     try:
-        return await asyncio.wait_for(asyncio.shield(future), timeout)
-    except TimeoutError:
-        if future.done():
-            raise  # the function itself raised TimeoutError
-        log.warning("sync task %s exceeded its %ss timeout; waiting for it to return (threads cannot be stopped)",
-                    task, timeout)
-        await _wait_uncancellable(future)
-        raise KeyqueueTimeout(f"task {task} exceeded its timeout of {timeout}s") from None
-    except asyncio.CancelledError:
-        # The thread cannot be stopped. Holding on until it returns keeps the key from moving to
-        # another worker while this one still runs its request.
-        if not future.done():
-            log.warning("sync task %s was cancelled while running; waiting for it to return", task)
-            await _wait_uncancellable(future)
-        raise
+        try:
+            ok, value = await asyncio.wait_for(asyncio.shield(future), hard)
+        except TimeoutError:
+            if future.done():
+                raise
+            run.interrupt(_Stopped)
+            log.warning("sync task %s passed its hard limit of %ss: stopping it (a thread blocked in C code "
+                        "cannot stop before it returns; its key stays held until then)", task, hard)
+            ok, value = await _wait_uncancellable(future)
+            if not ok and isinstance(value, _Stopped):
+                raise KeyqueueTimeout(f"task {task} exceeded its timeout of {hard}s") from None
+            if ok:
+                log.warning("sync task %s completed after its hard limit of %ss: its result stands", task, hard)
+        except asyncio.CancelledError:
+            # The drain deadline (or a second signal). A thread cannot be cut off: hold the key until
+            # it returns, so that no other worker runs the key beside it, and keep its run, which
+            # the key's session then records as done. (Nothing is raised into it: its work may be
+            # done, and an exception at its last line would make it run again.) A thread that does
+            # not return within the worker's grace ends with the process (core/worker.py).
+            if not future.done():
+                log.warning("sync task %s was running when its key session was cut off; waiting for it", task)
+            ok, value = await _wait_uncancellable(future)
+            if not ok and isinstance(value, _Stopped):
+                raise
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            log.warning("sync task %s completed as its key session was cut off: its outcome is kept", task)
+    finally:
+        for timer in timers:
+            timer.cancel()
+    if ok:
+        return value
+    if isinstance(value, SoftTimeout) and SoftTimeout in run.raised:
+        raise SoftTimeout(f"task {task} passed its soft timeout of {soft}s") from None
+    raise value
 
 
-async def _wait_uncancellable(future: asyncio.Future[Any]) -> None:
+async def _wait_uncancellable(future: asyncio.Future[Any]) -> Any:
     cancelled = False
     while not future.done():
         try:
@@ -55,26 +153,88 @@ async def _wait_uncancellable(future: asyncio.Future[Any]) -> None:
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
+    return future.result()
+
+
+@types.coroutine
+def _soft_limited(coro: Coroutine[Any, Any, Any], expired: list[bool], task: str,
+                  soft: float) -> Generator[Any, Any, Any]:
+    """Drive ``coro``; a cancel that comes once ``expired[0]`` is set is thrown into it as ``SoftTimeout``
+    instead (the soft limit's timer sets the flag and cancels the task running this)."""
+    send: Any = None
+    throw: BaseException | None = None
+    while True:
+        try:
+            yielded = coro.send(send) if throw is None else coro.throw(throw)
+        except StopIteration as stop:
+            return stop.value
+        send, throw = None, None
+        try:
+            send = yield yielded
+        except asyncio.CancelledError as exc:
+            if expired[0]:
+                expired[0] = False
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
+                throw = SoftTimeout(f"task {task} passed its soft timeout of {soft}s")
+            else:
+                throw = exc
+        except BaseException as exc:
+            throw = exc
+
+
+async def _run_coroutine(task: str, coro: Coroutine[Any, Any, Any], soft: float | None, hard: float | None) -> Any:
+    if soft is None:
+        if hard is None:
+            return await coro
+        deadline = asyncio.timeout(hard)
+        try:
+            async with deadline:
+                return await coro
+        except TimeoutError:
+            if deadline.expired():
+                raise KeyqueueTimeout(f"task {task} exceeded its timeout of {hard}s") from None
+            raise
+    expired = [False]
+    async def limited() -> Any:
+        return await _soft_limited(coro, expired, task, soft)
+
+    inner = asyncio.ensure_future(limited())
+
+    def soft_limit() -> None:
+        if not inner.done():
+            expired[0] = True
+            inner.cancel()
+
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(soft, soft_limit)
+    try:
+        done, _ = await asyncio.wait([inner], timeout=hard)
+        if not done:
+            inner.cancel()
+            await asyncio.wait([inner])
+            if inner.cancelled():
+                raise KeyqueueTimeout(f"task {task} exceeded its timeout of {hard}s")
+        return inner.result()
+    except asyncio.CancelledError:
+        inner.cancel()
+        await asyncio.wait([inner])
+        raise
+    finally:
+        timer.cancel()
 
 
 async def invoke(task: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *,
-                 timeout: float | None, executor: Executor | None = None) -> Any:
+                 timeout: float | None, soft_timeout: float | None = None, executor: Executor | None = None) -> Any:
     """Run task ``task``'s function ``fn`` once: coroutine functions on the loop, others in a thread.
 
-    ``timeout`` (seconds, or None) bounds the run; past it the run fails with ``KeyqueueTimeout``.
+    ``soft_timeout`` raises ``SoftTimeout`` inside the function; ``timeout`` (the hard limit) stops
+    the run, which then fails with ``KeyqueueTimeout`` (see the module docstring).
     """
     if inspect.iscoroutinefunction(fn):
-        if timeout is None:
-            return await fn(*args, **kwargs)  # no deadline to keep: no timeout context to enter
-        deadline = asyncio.timeout(timeout)
-        try:
-            async with deadline:
-                return await fn(*args, **kwargs)
-        except TimeoutError:
-            if deadline.expired():
-                raise KeyqueueTimeout(f"task {task} exceeded its timeout of {timeout}s") from None
-            raise
-    result = await _run_in_thread(task, functools.partial(fn, *args, **kwargs), timeout, executor)
+        return await _run_coroutine(task, fn(*args, **kwargs), soft_timeout, timeout)
+    result = await _run_in_thread(task, functools.partial(fn, *args, **kwargs), soft_timeout, timeout, executor)
     if inspect.isawaitable(result):  # a sync function that returned an awaitable
         return await result
     return result

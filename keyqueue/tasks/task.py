@@ -65,6 +65,7 @@ from keyqueue.wire import headers as H
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
     "POLICIES",
+    "SYNC_BOUND",
     "Backoff",
     "BatchTask",
     "BatchTaskCall",
@@ -92,6 +93,12 @@ POLICIES: Final = ("serial", "batch", "latest", "merge")
 
 DEFAULT_CALL_TIMEOUT: Final = 30.0
 """Seconds ``call`` waits for a result unless told otherwise."""
+
+SYNC_BOUND: Final = 60.0
+"""Seconds a sync call waits beyond what it waits for by design (a ``call``'s own timeout): an
+enqueue's longest path is a first connect (2 x ``connect_timeout`` + 1, 11 s by default), a
+producer's outage wait (15 s) and a few JetStream replies (5 s each)."""
+
 
 KeySpec = str | Callable[..., str]
 """A key template over the task's arguments (``"{order_id}"``) or a callable returning the key."""
@@ -129,7 +136,12 @@ class TaskSpec:
     max_attempts: int = 5
     backoff: Backoff = field(default_factory=Backoff)
     timeout: float | None = None
-    """Seconds one attempt may run; a timed-out attempt fails (and is retried)."""
+    """The hard limit: seconds one attempt may run before it is stopped; it then fails (and is retried)."""
+    soft_timeout: float | None = None
+    """Seconds after which ``SoftTimeout`` is raised inside the attempt (it may catch it to clean up)."""
+    retry_on: tuple[type[BaseException], ...] | None = None
+    """Only these exceptions (and their subclasses) are retried; any other dead-letters at once
+    (reason ``not-retried``). None: every exception is retried, up to ``max_attempts``."""
     version: int = 1
     upgrades: Mapping[int, Upgrade] = field(default_factory=dict)
     max_batch: int = 100
@@ -152,6 +164,15 @@ class TaskSpec:
             raise ConfigError(f"task {self.name}: max_batch must be at least 1, got {self.max_batch}")
         if self.timeout is not None and not self.timeout > 0:
             raise ConfigError(f"task {self.name}: timeout must be a positive number of seconds, got {self.timeout}")
+        if self.soft_timeout is not None and not self.soft_timeout > 0:
+            raise ConfigError(f"task {self.name}: soft_timeout must be a positive number of seconds, "
+                              f"got {self.soft_timeout}")
+        if self.soft_timeout is not None and self.timeout is not None and not self.soft_timeout < self.timeout:
+            raise ConfigError(f"task {self.name}: soft_timeout ({self.soft_timeout}s) must come before the hard "
+                              f"timeout ({self.timeout}s)")
+        if self.retry_on is not None and not all(isinstance(e, type) and issubclass(e, BaseException)
+                                                 for e in self.retry_on):
+            raise ConfigError(f"task {self.name}: retry_on takes exception classes, got {self.retry_on!r}")
         if self.merge is not None and self.policy != "merge":
             raise ConfigError(f"task {self.name}: merge= is only used with policy='merge'")
         check_upgrades(self.name, self.version, self.upgrades)
@@ -161,7 +182,7 @@ class TaskSpec:
         """The core's retry policy for this task's attempts and backoff."""
         b = self.backoff
         return RetryPolicy(max_attempts=self.max_attempts, base_delay=b.base, factor=b.factor,
-                           max_delay=b.max, jitter=b.jitter)
+                           max_delay=b.max, jitter=b.jitter, retry_on=self.retry_on)
 
 
 @dataclass(frozen=True)
@@ -184,8 +205,13 @@ class Receipt:
 
     def _lookup(self) -> RequestLookup:
         if self.source is None:
-            raise ConfigError("this receipt was not returned by an app; use App.result / App.cancel")
+            raise ConfigError("this receipt was not returned by an app; use App.result / App.cancel / App.status")
         return self.source
+
+    @property
+    def _inbox_seq(self) -> int | None:
+        # A delayed request's seq is in the schedules stream, not the inbox: not a clue to its state.
+        return self.seq if self.due is None else None
 
     async def result(self, timeout: float = DEFAULT_CALL_TIMEOUT) -> Any:
         """The request's result, waiting up to ``timeout`` seconds for it (see ``App.result``)."""
@@ -193,8 +219,23 @@ class Receipt:
 
     async def cancel(self) -> str:
         """Cancel the request unless it has started; what became of it (see ``App.cancel``)."""
-        # A delayed request's seq is in the schedules stream, not the inbox: not a clue to its state.
-        return await self._lookup().cancel(self.queue, self.request_id, seq=self.seq if self.due is None else None)
+        return await self._lookup().cancel(self.request_id, queue=self.queue, seq=self._inbox_seq, key=self.key)
+
+    async def status(self) -> str:
+        """Where the request is: pending, scheduled, running, done, failed, cancelled, expired (``App.status``)."""
+        return await self._lookup().status(self.request_id, queue=self.queue, seq=self._inbox_seq, key=self.key)
+
+    def result_sync(self, timeout: float = DEFAULT_CALL_TIMEOUT) -> Any:
+        """``result`` for code without a running event loop."""
+        return self._lookup().result_sync(self.request_id, queue=self.queue, timeout=timeout, task=self.task)
+
+    def cancel_sync(self) -> str:
+        """``cancel`` for code without a running event loop."""
+        return self._lookup().cancel_sync(self.request_id, queue=self.queue, seq=self._inbox_seq, key=self.key)
+
+    def status_sync(self) -> str:
+        """``status`` for code without a running event loop."""
+        return self._lookup().status_sync(self.request_id, queue=self.queue, seq=self._inbox_seq, key=self.key)
 
 
 class RequestLookup(Protocol):
@@ -204,8 +245,25 @@ class RequestLookup(Protocol):
                      task: str | None = None) -> Any:
         """The request's kept result (or its error, raised)."""
 
-    async def cancel(self, queue: str, request_id: str, *, seq: int | None = None) -> str:
+    async def cancel(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None) -> str:
         """Cancel the request unless it started; its state."""
+
+    async def status(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None) -> str:
+        """Where the request is."""
+
+    def result_sync(self, request_id: str, *, queue: str | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,
+                    task: str | None = None) -> Any:
+        """``result`` from code without a running event loop."""
+
+    def cancel_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None) -> str:
+        """``cancel`` from code without a running event loop."""
+
+    def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None) -> str:
+        """``status`` from code without a running event loop."""
 
 
 @dataclass
@@ -239,6 +297,23 @@ class CallOptions:
     """Seconds ``call`` waits for the result (``DEFAULT_CALL_TIMEOUT`` when unset)."""
     delay: Delay | None = None
     """When the request may start: ``countdown=`` seconds from the enqueue, or at ``eta=``."""
+    expires: float | datetime.datetime | None = None
+    """Drop the request if it has not started by then: seconds from the enqueue, or an aware datetime."""
+    queue: str | None = None
+    """Send the request to this queue instead of the task's (``options(queue=...)``)."""
+
+
+def _expiry(expires: float | datetime.datetime | None) -> float | datetime.datetime | None:
+    """``expires=`` checked: a number of seconds > 0, or an aware datetime (``ConfigError`` otherwise)."""
+    if expires is None:
+        return None
+    if isinstance(expires, datetime.datetime):
+        if expires.tzinfo is None or expires.utcoffset() is None:
+            raise ConfigError(f"expires {expires.isoformat()} is naive: give it a time zone")
+        return expires
+    if isinstance(expires, bool) or not isinstance(expires, int | float) or not expires > 0:
+        raise ConfigError(f"expires must be a number of seconds > 0 or an aware datetime, not {expires!r}")
+    return float(expires)
 
 
 class Dispatcher(Protocol):
@@ -253,8 +328,10 @@ class Dispatcher(Protocol):
     async def ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
         """Store the request and wait for its reply: ``(headers, body)``; ``KeyqueueTimeout`` if none."""
 
-    def run_sync(self, make: Callable[[], Awaitable[T]]) -> T:
-        """Run ``make()`` to completion from code without a running event loop (``delay``)."""
+    def run_sync(self, make: Callable[[], Awaitable[T]], *, bound: float | None = None,
+                 what: str = "a sync call") -> T:
+        """Run ``make()`` to completion from code without a running event loop (``delay``), waiting at
+        most ``bound`` seconds (None: the app's default bound); ``what`` names the work in its timeout."""
 
 
 # --- tasks ---------------------------------------------------------------------------------------
@@ -312,7 +389,8 @@ class _TaskBase:
 
     # --- sending ---
 
-    def _request(self, key: str, fields: dict[str, Any], request_id: str | None) -> TaskRequest:
+    def _request(self, key: str, fields: dict[str, Any], request_id: str | None,
+                 opts: CallOptions | None = None) -> TaskRequest:
         request_id = new_request_id() if request_id is None else validate_request_id(request_id)
         body = dumps(fields, CBOR)
         headers = {
@@ -321,11 +399,19 @@ class _TaskBase:
             H.MESSAGE_VERSION: str(self.spec.version),
             H.MSG_ID: request_id,
         }
-        return TaskRequest(self.spec.queue, key, self.spec.name, request_id, fields, headers, body, self.spec)
+        queue = self.spec.queue
+        if opts is not None:
+            if opts.expires is not None:
+                deadline = (opts.expires if isinstance(opts.expires, datetime.datetime) else
+                            datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=opts.expires))
+                headers[H.EXPIRES] = deadline.astimezone(datetime.UTC).isoformat()
+            if opts.queue is not None:
+                queue = opts.queue
+        return TaskRequest(queue, key, self.spec.name, request_id, fields, headers, body, self.spec)
 
     async def _enqueue(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
         key, fields = self.fields_for(args, kwargs)
-        request = self._request(key, fields, opts.request_id)
+        request = self._request(key, fields, opts.request_id, opts)
         request.delay = opts.delay
         [receipt] = await self.app.publish([request])
         return receipt
@@ -333,29 +419,36 @@ class _TaskBase:
     async def _call(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         key, fields = self.fields_for(args, kwargs)
         running = _RUNNING.get()
-        if running is not None and running[:2] == (self.spec.queue, key):
-            raise CallOnOwnKey(running[2], self.spec.name, self.spec.queue, key)
-        request = self._request(key, fields, opts.request_id)
+        queue = opts.queue or self.spec.queue
+        if running is not None and running[:2] == (queue, key):
+            raise CallOnOwnKey(running[2], self.spec.name, queue, key)
+        request = self._request(key, fields, opts.request_id, opts)
         request.delay = opts.delay
         timeout = opts.timeout if opts.timeout is not None else DEFAULT_CALL_TIMEOUT
         headers, body = await self.app.ask(request, timeout)
         return decode_result(headers, body, request.request_id, self.result_type())
 
-    async def _enqueue_many(self, items: Iterable[Any], as_mapping: bool, delay: Delay | None = None) -> list[Receipt]:
+    async def _enqueue_many(self, items: Iterable[Any], as_mapping: bool, delay: Delay | None = None,
+                            opts: CallOptions | None = None) -> list[Receipt]:
         requests = []
         for index, item in enumerate(items):
             try:
                 key, fields = self.fields_from_mapping(item) if as_mapping else self.fields_for((item,), {})
             except (TypeError, MalformedBody, ConfigError) as exc:
                 raise type(exc)(f"item {index}: {exc}") from None
-            requests.append(self._request(key, fields, None))
+            requests.append(self._request(key, fields, None, opts))
             requests[-1].delay = delay
         if not requests:
             return []
         return await self.app.publish(requests)
 
     def _delay(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
-        return self.app.run_sync(lambda: self._enqueue(opts, args, kwargs))
+        return self.app.run_sync(lambda: self._enqueue(opts, args, kwargs), what=f"{self.spec.name}.delay()")
+
+    def _call_sync(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        timeout = opts.timeout if opts.timeout is not None else DEFAULT_CALL_TIMEOUT
+        return self.app.run_sync(lambda: self._call(opts, args, kwargs), bound=timeout + SYNC_BOUND,
+                                 what=f"{self.spec.name}.call_sync()")
 
     # --- running (the worker side) ---
 
@@ -370,7 +463,8 @@ class _TaskBase:
             args = [context, *args]
         token = _RUNNING.set((context.queue, context.key, self.spec.name)) if context is not None else None
         try:
-            return await invoke(self.spec.name, self.fn, args, kwargs, timeout=self.spec.timeout, executor=executor)
+            return await invoke(self.spec.name, self.fn, args, kwargs, timeout=self.spec.timeout,
+                                soft_timeout=self.spec.soft_timeout, executor=executor)
         finally:
             if token is not None:
                 _RUNNING.reset(token)
@@ -409,14 +503,17 @@ class Task(_TaskBase, Generic[F]):
         return self.codec.result_dataclass
 
     def options(self, *, request_id: str | None = None, timeout: float | None = None,
-                countdown: float | None = None, eta: datetime.datetime | None = None) -> TaskCall[F]:
+                countdown: float | None = None, eta: datetime.datetime | None = None,
+                expires: float | datetime.datetime | None = None, queue: str | None = None) -> TaskCall[F]:
         """This task with per-call options: ``await charge.options(timeout=10).call(...)``.
 
         ``countdown=`` (seconds) or ``eta=`` (an aware datetime) delays the request: it is stored at
         once and joins its key's order when it falls due (``InvalidSchedule`` for a naive ``eta`` or
-        a negative ``countdown``).
+        a negative ``countdown``). ``expires=`` (seconds from now, or an aware datetime): a request
+        that has not started by then is dropped (``Expired``). ``queue=``: send it to that queue
+        (whose workers run it; a key is exclusive within its queue).
         """
-        return TaskCall(self, CallOptions(request_id, timeout, Delay.of(countdown, eta)))
+        return TaskCall(self, _options(self, request_id, timeout, countdown, eta, expires, queue))
 
     @overload
     async def enqueue(self: Task[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> Receipt: ...
@@ -470,11 +567,32 @@ class Task(_TaskBase, Generic[F]):
         """``enqueue`` for code without a running event loop (blocks until stored)."""
         return self._delay(CallOptions(), args, kwargs)
 
+    @overload
+    def call_sync(self: Task[_AsyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: Task[_SyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: Task[_Async[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: Task[_Sync[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: Task[Callable[..., Coroutine[Any, Any, R]]], *args: Any, timeout: float | None,
+                  **kwargs: Any) -> R: ...
+    @overload
+    def call_sync(self: Task[Callable[..., R]], *args: Any, timeout: float | None, **kwargs: Any) -> R: ...
+
+    def call_sync(self, *args: Any, **kwargs: Any) -> Any:
+        """``call`` for code without a running event loop: blocks until the result comes (up to
+        ``timeout=`` seconds, then ``KeyqueueTimeout``), safe in a forked process."""
+        opts, arguments = self._call_timeout(CallOptions(), kwargs)
+        return self._call_sync(opts, args, arguments)
+
     async def enqueue_many(self, items: Iterable[Mapping[str, Any]]) -> list[Receipt]:
         """Store many requests, each a map of keyword arguments, with pipelined publishes.
 
         Requests of one key are stored in the order given. If some are not stored (a full
-        backlog, say), the others still are and ``EnqueueError`` says how many failed.
+        backlog, say), the others still are, and ``PartiallyEnqueued`` (an ``EnqueueError``) holds
+        each item's receipt or error (``results``) and the stored ones' receipts (``receipts``).
         """
         return await self._enqueue_many(items, as_mapping=True)
 
@@ -521,10 +639,30 @@ class TaskCall(Generic[F]):
     def delay(self, *args: Any, **kwargs: Any) -> Receipt:
         return self.task._delay(self.call_options, args, kwargs)
 
+    @overload
+    def call_sync(self: TaskCall[_AsyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: TaskCall[_SyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: TaskCall[_Async[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: TaskCall[_Sync[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call_sync(self: TaskCall[Callable[..., Coroutine[Any, Any, R]]], *args: Any, timeout: float | None,
+                  **kwargs: Any) -> R: ...
+    @overload
+    def call_sync(self: TaskCall[Callable[..., R]], *args: Any, timeout: float | None, **kwargs: Any) -> R: ...
+
+    def call_sync(self, *args: Any, **kwargs: Any) -> Any:
+        """``Task.call_sync`` with these options."""
+        opts, arguments = self.task._call_timeout(self.call_options, kwargs)
+        return self.task._call_sync(opts, args, arguments)
+
     async def enqueue_many(self, items: Iterable[Mapping[str, Any]]) -> list[Receipt]:
         """``Task.enqueue_many`` with these options' delay (each request gets its own id)."""
         _no_request_id(self.call_options)
-        return await self.task._enqueue_many(items, as_mapping=True, delay=self.call_options.delay)
+        return await self.task._enqueue_many(items, as_mapping=True, delay=self.call_options.delay,
+                                             opts=self.call_options)
 
 
 class BatchTask(_TaskBase, Generic[T, R]):
@@ -595,9 +733,10 @@ class BatchTask(_TaskBase, Generic[T, R]):
         return item
 
     def options(self, *, request_id: str | None = None, timeout: float | None = None,
-                countdown: float | None = None, eta: datetime.datetime | None = None) -> BatchTaskCall[T, R]:
+                countdown: float | None = None, eta: datetime.datetime | None = None,
+                expires: float | datetime.datetime | None = None) -> BatchTaskCall[T, R]:
         """This task with per-call options (see ``Task.options``)."""
-        return BatchTaskCall(self, CallOptions(request_id, timeout, Delay.of(countdown, eta)))
+        return BatchTaskCall(self, _options(self, request_id, timeout, countdown, eta, expires, None))
 
     async def enqueue(self, item: T) -> Receipt:
         """Store a request carrying ``item``."""
@@ -611,6 +750,11 @@ class BatchTask(_TaskBase, Generic[T, R]):
     def delay(self, item: T) -> Receipt:
         """``enqueue`` for code without a running event loop."""
         return self._delay(CallOptions(), (item,), {})
+
+    def call_sync(self, item: T, *, timeout: float | None = None) -> R:
+        """``call`` for code without a running event loop."""
+        result: R = self._call_sync(CallOptions(timeout=timeout), (item,), {})
+        return result
 
     async def enqueue_many(self, items: Iterable[T]) -> list[Receipt]:
         """Store one request per item, pipelined (see ``Task.enqueue_many``)."""
@@ -636,10 +780,28 @@ class BatchTaskCall(Generic[T, R]):
     def delay(self, item: T) -> Receipt:
         return self.task._delay(self.call_options, (item,), {})
 
+    def call_sync(self, item: T, *, timeout: float | None = None) -> R:
+        opts = self.call_options if timeout is None else dataclasses.replace(self.call_options, timeout=timeout)
+        result: R = self.task._call_sync(opts, (item,), {})
+        return result
+
     async def enqueue_many(self, items: Iterable[T]) -> list[Receipt]:
         """``BatchTask.enqueue_many`` with these options' delay (each request gets its own id)."""
         _no_request_id(self.call_options)
-        return await self.task._enqueue_many(items, as_mapping=False, delay=self.call_options.delay)
+        return await self.task._enqueue_many(items, as_mapping=False, delay=self.call_options.delay,
+                                             opts=self.call_options)
+
+
+def _options(task: _TaskBase, request_id: str | None, timeout: float | None, countdown: float | None,
+             eta: datetime.datetime | None, expires: float | datetime.datetime | None,
+             queue: str | None) -> CallOptions:
+    if queue is not None:
+        validate_queue_name(queue)
+        if task.spec.policy != "serial":
+            raise ConfigError(f"task {task.spec.name} (policy {task.spec.policy!r}) runs only in its own queue "
+                              f"{task.spec.queue!r}: options(queue=...) is for serial tasks")
+    return CallOptions(request_id, timeout, Delay.of(countdown, eta), _expiry(expires),
+                       None if queue == task.spec.queue else queue)
 
 
 def _no_request_id(options: CallOptions) -> None:

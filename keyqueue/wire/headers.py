@@ -27,6 +27,7 @@ __all__ = [
     "DLQ_TRUNCATED",
     "ERROR_MESSAGE",
     "ERROR_TYPE",
+    "EXPIRES",
     "JSON",
     "MESSAGE_TYPE",
     "MESSAGE_VERSION",
@@ -60,6 +61,10 @@ MSG_ID: Final = "Nats-Msg-Id"
 
 REPLY_INBOX: Final = "X-Reply-Inbox"
 """Optional core-NATS subject the caller waits on for the result."""
+
+EXPIRES: Final = "X-KQ-Expires"
+"""Optional: when a request that has not started by then is dropped instead of run (RFC 3339, UTC,
+computed by the producer: ``options(expires=...)``)."""
 
 TRACEPARENT: Final = "traceparent"
 """Optional W3C trace context: the caller's span."""

@@ -28,17 +28,6 @@ INSTRUMENTS: Final = {
 """name -> (kind, unit, description)."""
 
 
-def _enqueued_at(request_id: str) -> float | None:
-    if len(request_id) != 26:
-        return None
-    try:
-        from ulid import ULID
-
-        return float(ULID.from_str(request_id).timestamp)
-    except (ValueError, TypeError):
-        return None
-
-
 class Metrics:
     """The instruments, and one method per thing counted."""
 
@@ -68,8 +57,8 @@ class Metrics:
     def enqueued(self, queue: str, task: str) -> None:
         self._enqueued.add(1, self._attrs(queue, task))
 
-    def started(self, queue: str, task: str, request_id: str) -> None:
-        enqueued_at = _enqueued_at(request_id)
+    def started(self, queue: str, task: str, enqueued_at: float | None) -> None:
+        """An attempt started; ``enqueued_at`` is when the server stored its request (Unix seconds)."""
         if enqueued_at is not None:
             self._wait.record(max(0.0, time.time() - enqueued_at), self._attrs(queue, task))
 

@@ -324,10 +324,11 @@ class OtelPlugin:
             span.end()
 
     @hookimpl
-    def keyqueue_request_started(self, queue: str, request_id: str, message_type: str, attempt: int) -> None:
+    def keyqueue_request_started(self, queue: str, message_type: str, attempt: int,
+                                 enqueued_at: float | None) -> None:
         meters = self.meters()
         if meters is not None and attempt == 1:
-            meters.started(queue, message_type, request_id)
+            meters.started(queue, message_type, enqueued_at)
 
     @hookimpl
     def keyqueue_request_failed(self, queue: str, message_type: str, error: BaseException) -> None:

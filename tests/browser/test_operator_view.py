@@ -183,8 +183,10 @@ async def test_why_a_key_waits_running_backing_off_rate_limited_or_in_line(brows
     assert "carrier unreachable" in blocker(browser, "retry-backoff")
     shot(browser, "key")
 
-    # Four slots: o-ship, o-run and o-inv hold three; one more long hold fills the worker.
-    await tasks["hold"].enqueue(order_id="o-fill", seconds=40)
+    # Four slots: o-run works in one; o-ship's backoff and o-inv's rate-limit wait hold their keys
+    # but not a slot (issue 24). Three more long holds fill the worker.
+    for n in range(3):
+        await tasks["hold"].enqueue(order_id=f"o-fill-{n}", seconds=40)
     await tasks["hold"].enqueue(order_id="o-line", seconds=0)
     browser.get(dashboard + "/queues/shop/keys/o-line")
     await until(browser, lambda d: "waiting for a free worker slot: position 1 of 1" in blocker(d, "waiting-for-slot"),

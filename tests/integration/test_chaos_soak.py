@@ -12,8 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from keyqueue.chaos.checker import read_log
+from keyqueue.chaos.checker import LivenessBounds, read_log
 from keyqueue.chaos.soak import CLASSES, SoakOptions, soak
+
+BOUNDS = LivenessBounds.for_lease(2.0, strand=4.0)
+"""The soaks' lease is 2 s. A test shares its machine with others (in CI, and here): its strands are
+held to twice the documented soak's 2 s bound (docs/chaos.md), which still fails a request left to a
+reconciler sweep (5 s in the chaos worker) or a key kept a lease too long."""
 
 EXPECTED_KINDS = {
     "network": {"net-blackhole", "net-reset"},
@@ -27,7 +32,7 @@ EXPECTED_KINDS = {
 async def test_short_soak(fault_class: str, tmp_path: Path) -> None:
     # Seeds chosen so that each class injects its dangerous kinds within the short run.
     options = SoakOptions(seed=3, duration={"server": 16.0, "cluster": 25.0}.get(fault_class, 20.0),
-                          classes=(fault_class,), workdir=tmp_path, progress=None)
+                          classes=(fault_class,), workdir=tmp_path, progress=None, bounds=BOUNDS)
     result = await soak(options)
     print(result.summary())
     assert result.ok, result.summary()
@@ -41,7 +46,7 @@ async def test_short_soak(fault_class: str, tmp_path: Path) -> None:
 
 
 async def test_short_cluster_soak_mixing_every_class(tmp_path: Path) -> None:
-    options = SoakOptions(seed=3, duration=25.0, classes=CLASSES, workdir=tmp_path, progress=None)
+    options = SoakOptions(seed=3, duration=25.0, classes=CLASSES, workdir=tmp_path, progress=None, bounds=BOUNDS)
     assert options.clustered
     result = await soak(options)
     print(result.summary())

@@ -349,7 +349,7 @@ async def test_the_lease_is_the_queues_set_by_a_worker_or_configure_and_kept_by_
     assert (await token_consumer(nats_url))["ack_wait"] == 7_000_000_000
     code, out, _ = await run("configure", "shop", env=env)
     assert (code, out) == (0, "queue shop: ack_wait 7s, max_ack_pending 10000, max_backlog_per_key unlimited, "
-                              "priority policy none\n")
+                              "duplicate_window 120s, priority policy none\n")
     code, out, _ = await run("recreate-consumer", "shop", "--yes", "--ack-wait", "9", env=env)
     assert (code, out) == (0, "recreated consumer workers of queue shop (priority policy none, ack_wait 9s)\n")
 
@@ -390,3 +390,46 @@ async def test_a_worker_on_a_stream_keyqueue_did_not_make_is_one_line_and_exit_1
         "(`nats stream rm KQ_shop_INBOX`, which deletes its messages) and keyqueue creates it again "
         '(docs/decisions.md, "Who owns each setting")')
     assert "never retrieved" not in err and "Traceback" not in err, err
+
+
+async def test_configure_changes_the_duplicate_window_in_place(nats_url: str) -> None:
+    env = environment(KEYQUEUE_URL=nats_url)
+    app = keyqueue.App("shop", url=nats_url, set_as_default=False, autoload_plugins=False)
+
+    @app.task(key="{order_id}")
+    async def charge(order_id: str) -> None: ...
+
+    try:
+        first = await charge.options(request_id="pay-o1").enqueue(order_id="o1")
+        code, out, _ = await run("configure", "shop", "--duplicate-window", "1", env=env)
+        assert (code, out) == (0, "queue shop: duplicate_window 120s → 1s\n")
+        code, out, _ = await run("configure", "shop", env=env)
+        assert "duplicate_window 1s" in out
+        # The window passes (there is no event for it); the server forgets an id at its next sweep.
+        for _ in range(20):
+            await asyncio.sleep(1.0)
+            again = await charge.options(request_id="pay-o1").enqueue(order_id="o1")
+            if not again.duplicate:
+                break
+        assert (again.duplicate, again.seq > first.seq) == (False, True)  # a new request after the window
+    finally:
+        await app.close()
+
+
+async def test_recreate_consumer_refuses_while_workers_are_live_and_worker_errors_are_one_line(nats_url: str) -> None:
+    env = environment(KEYQUEUE_URL=nats_url)
+    code, out, err = await run("worker", "examples.quickstart.app:app", "--queue", "nosuch", env=env)
+    assert (code, out) == (1, "")
+    assert err.strip() == ("Error: app shop has no tasks or processors for queue(s) nosuch; its queues: shop, "
+                           "shop-prices")  # no "stopped" line before it: it never started
+    worker = await Process.start("worker", "examples.quickstart.app:app", "-q", "shop", env=env)
+    try:
+        await worker.wait_for(r"queue shop: charge, refund")
+        code, _, err = await run("recreate-consumer", "shop", "--yes", env=env)
+        assert code == 1
+        assert re.fullmatch(r"Error: queue 'shop' has 1 live worker\(s\) \(\S+\): stop them first \(the new "
+                            r"consumer delivers every token again, to anyone\), or pass --force\n", err), err
+    finally:
+        assert await worker.stop() == 0
+    code, out, _ = await run("recreate-consumer", "shop", "--yes", env=env)  # a stopped worker says so at once
+    assert code == 0, out

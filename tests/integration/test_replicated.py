@@ -222,8 +222,10 @@ async def test_a_release_re_checks_the_inbox_only_once_its_token_is_gone(cluster
     assert still_there == [], f"{len(still_there)} of {len(keys)} re-checks ran while the token was still stored"
 
 
-async def test_fact_a_double_acks_reply_on_r3_can_precede_the_tokens_removal(cluster: EmbeddedCluster) -> None:
-    """Why the release removes its token itself on a replicated stream: nats-server's fact 7."""
+async def test_a_token_published_right_after_release_token_is_never_refused(cluster: EmbeddedCluster) -> None:
+    """The release's token step against nats-server's fact 7: after a double ack alone, a token
+    published at once is often refused on R3 (the acked token is still stored; how often depends on
+    timing, so it is printed, not asserted); after ``release_token`` never."""
     async with connections(cluster, 1) as (nc,):
         config = await replicated_queue(nc, "fact7")
         io = QueueIO(nc, config)
@@ -239,8 +241,9 @@ async def test_fact_a_double_acks_reply_on_r3_can_precede_the_tokens_removal(clu
                 if not await io.schedule(key):
                     refused[how] += 1
                 await JetStreamApi(nc).purge(config.names.token_stream)
+        print(f"refused right after: {refused['ack']}/100 after an ack alone, {refused['release_token']}/100 "
+              "after release_token")
         assert refused["release_token"] == 0
-        assert refused["ack"] > 0, "nats-server now removes the token before it answers the ack: see DESIGN fact 7"
 
 
 async def test_every_other_compare_and_set_rides_out_a_lost_race_on_r3(cluster: EmbeddedCluster) -> None:

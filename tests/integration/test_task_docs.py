@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-DOCS = ("docs/tutorial.md", "docs/plugins.md")
+DOCS = ("docs/tutorial.md", "docs/plugins.md", "docs/web.md")
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 

@@ -559,3 +559,40 @@ async def test_a_wrongly_typed_argument_is_refused_at_enqueue_not_dead_lettered(
     assert str(refused_item.value) == "item 1: charge(): argument 'amount' must be int, not bool"
     receipt = await charge.enqueue(order_id="o1", amount=1)
     assert receipt.seq == 1  # nothing was stored before
+
+
+async def test_enqueue_many_that_is_partly_refused_says_which_were_stored(make_app: MakeApp) -> None:
+    app = make_app("capped")
+    app.configure_queue(keyqueue.QueueConfig("capped", max_backlog_per_key=2))
+
+    @app.task(key="{k}")
+    async def note(k: str, n: int) -> int:
+        return n
+
+    with pytest.raises(keyqueue.PartiallyEnqueued) as caught:
+        await note.enqueue_many([{"k": "a", "n": 1}, {"k": "a", "n": 2}, {"k": "b", "n": 3}, {"k": "a", "n": 4}])
+    results = caught.value.results
+    assert [type(r).__name__ for r in results] == ["Receipt", "Receipt", "Receipt", "BacklogFull"]
+    assert [r.key for r in caught.value.receipts] == ["a", "a", "b"]
+    assert list(caught.value.errors) == [3]
+    assert "1 of 4 note requests were not stored (first: item 3: key 'a'" in str(caught.value)
+
+
+async def test_a_request_too_large_for_a_whole_dead_letter_copy_is_refused_at_enqueue(make_app: MakeApp) -> None:
+    app = make_app("big")
+
+    @app.task(key="{k}", max_attempts=1)
+    async def load(k: str, blob: bytes) -> None:
+        raise ValueError("x" * 5000)  # a long error message: its copy must still keep the whole body
+
+    limit = (await app.connection()).max_payload
+    with pytest.raises(keyqueue.PayloadTooLarge, match="less 2048 bytes kept for its dead-letter copy's headers"):
+        await load.enqueue(k="a", blob=b"\0" * (limit - 1024))
+    receipt = await load.enqueue(k="a", blob=b"\1" * (limit - 2048 - 400))  # fits, with room for its copy
+    async with app.worker():
+        with pytest.raises(keyqueue.DeadLettered):
+            await load.call(k="a", blob=b"", timeout=20)
+    [letter, _] = await dead_letters(JetStreamApi(await app.connection()), "big")
+    assert letter.request_id == receipt.request_id
+    assert letter.truncated_from is None  # whole: a replay runs it as it was
+    assert loads(letter.data, CBOR)["blob"] == b"\1" * (limit - 2048 - 400)

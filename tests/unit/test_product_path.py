@@ -7,6 +7,7 @@ chosen to reach every branch, so an optimisation that changes behaviour fails he
 
 from __future__ import annotations
 
+import datetime
 import random
 import re
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ import pytest
 
 import keyqueue
 from keyqueue.app.worker import Worker
-from keyqueue.builtins import events, processor
+from keyqueue.builtins import processor
 from keyqueue.builtins.processor import TaskProcessor
 from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd
 from keyqueue.core.processor import Request
@@ -244,29 +245,16 @@ async def test_the_worker_queues_only_the_hooks_some_plugin_implements() -> None
     assert request_id == "01J1" and elapsed >= 0
 
 
-# --- the events plugin -----------------------------------------------------------------------------
+# --- wait times: the stored message's timestamp -----------------------------------------------------
 
 
-def reference_enqueued_at(request_id: str) -> float | None:
-    crockford = {c: i for i, c in enumerate("0123456789ABCDEFGHJKMNPQRSTVWXYZ")}
-    if len(request_id) != 26:
-        return None
-    ms = 0
-    try:
-        for c in request_id[:10].upper():
-            ms = ms * 32 + crockford[c]
-    except KeyError:
-        return None
-    return ms / 1000.0 if ms < 1 << 48 else None
+def test_a_stored_message_timestamp_is_read_as_unix_seconds() -> None:
+    from keyqueue.jetstream.api import stored_seconds
 
-
-def test_the_enqueue_time_of_a_request_id_is_read_as_the_reference_does() -> None:
-    ids = [str(keyqueue.wire.new_request_id()) for _ in range(100)]
-    ids += ["01ARZ3NDEKTSV4RRFFQ69G5FAV", "7ZZZZZZZZZZZZZZZZZZZZZZZZZ", "80000000000000000000000000", "short",
-            "01arz3ndektsv4rrffq69g5fav", "01ARZ3NDEIIIIIIIIIIIIIIIII", "01ARZ3NDE_TSV4RRFFQ69G5FAV",
-            " 1ARZ3NDEKTSV4RRFFQ69G5FAV", "+1ARZ3NDEKTSV4RRFFQ69G5FAV", "01ARZ3NDEULSV4RRFFQ69G5FAV",
-            "ß1ARZ3NDEKTSV4RRFFQ69G5FA", "\uff101ARZ3NDEKTSV4RRFFQ69G5FAV", "01ARZ3NDE-TSV4RRFFQ69G5FAV"]
-    rng = random.Random(14)
-    ids += ["".join(rng.choice("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabc_ +-ß") for _ in range(26)) for _ in range(2000)]
-    for request_id in ids:
-        assert events._enqueued_at(request_id) == reference_enqueued_at(request_id), request_id
+    base = datetime.datetime(2026, 3, 1, 12, 30, 5, tzinfo=datetime.UTC).timestamp()
+    assert stored_seconds("2026-03-01T12:30:05Z") == base
+    assert stored_seconds("2026-03-01T12:30:05.123456789Z") == pytest.approx(base + 0.123456)
+    assert stored_seconds("2026-03-01T12:30:05.5Z") == pytest.approx(base + 0.5)
+    assert stored_seconds("2026-03-01T13:30:05.25+01:00") == pytest.approx(base + 0.25)
+    assert stored_seconds("") is None
+    assert stored_seconds("not a time") is None

@@ -25,6 +25,10 @@ UTC = dt.UTC
     ("@daily", "@daily"),
     ("  0  0 12 1 jan ?  ", "0 0 12 1 jan ?"),
     ("5/10 * * * *", "0 5/10 * * * *"),
+    # Sunday as 7, as many crontabs write it (issue 24, item 10): the server takes only 0.
+    ("0 9 * * 7", "0 0 9 * * 0"),
+    ("0 9 * * 5-7", "0 0 9 * * 0,5,6"),
+    ("0 0 9 * * 1,7", "0 0 9 * * 0,1"),
 ])
 def test_cron_expressions_the_server_reads(given: str, sent: str) -> None:
     assert cron_pattern(given) == sent
@@ -32,7 +36,7 @@ def test_cron_expressions_the_server_reads(given: str, sent: str) -> None:
 
 @pytest.mark.parametrize(("given", "says"), [
     ("0 9 * *", "has 4 fields"),
-    ("0 0 9 * * 7", "day of week field '7' is outside 0-6"),
+    ("0 0 9 * * 8", "day of week field '8' is outside 0-6"),
     ("61 * * * *", "minute field '61' is outside 0-59"),
     ("0 0 9 L * *", "'L' is not a number"),
     ("0 0 9 * * MON#2", "'MON#2' is not a number"),

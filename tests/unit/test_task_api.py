@@ -163,7 +163,7 @@ class RecordingDispatcher:
         self.asked.append((request, timeout))
         return {H.STATUS: H.STATUS_OK, H.CONTENT_TYPE: CBOR}, dumps(self.reply, CBOR)
 
-    def run_sync(self, make: Callable[[], Awaitable[T]]) -> T:
+    def run_sync(self, make: Callable[[], Awaitable[T]], **_: Any) -> T:
         self.synced += 1
 
         async def run() -> T:
