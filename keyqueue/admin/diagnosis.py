@@ -256,7 +256,7 @@ def _head(msg: Any, latest: dict[str, StoredEvent]) -> HeadRequest:
     finished = any(e.event in _FINISHED for e in mine)
     if started is not None and started.request_id == request_id and request_id and not finished:
         attempts = started.attempt
-        if retried is not None and retried.request_id == request_id and retried.seq > started.seq:
+        if retried is not None and retried.request_id == request_id and retried.order > started.order:
             error = retried.reason
             retry = retried.ts + (retried.delay or 0.0)
         else:

@@ -60,6 +60,13 @@ class StoredEvent:
     reason: str | None = None
     fence: int | None = None
     delay: float | None = None
+    index: int = 0
+    """Its place in that message (a batch's events share ``seq``)."""
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Where it stands among the key's stored events (``seq``, then ``index``)."""
+        return self.seq, self.index
 
     @classmethod
     def decode(cls, msg: StoredMsg) -> StoredEvent | None:
@@ -70,10 +77,10 @@ class StoredEvent:
     @classmethod
     def decode_all(cls, msg: StoredMsg) -> list[StoredEvent]:
         """The events in ``msg``, in order: one, or several for a batch of the key's events."""
-        return [cls._of(msg.seq, body) for body in decode_events(msg.headers, msg.data)]
+        return [cls._of(msg.seq, body, i) for i, body in enumerate(decode_events(msg.headers, msg.data))]
 
     @classmethod
-    def _of(cls, seq: int, body: dict[str, Any]) -> StoredEvent:
+    def _of(cls, seq: int, body: dict[str, Any], index: int = 0) -> StoredEvent:
         def text(name: str) -> str | None:
             value = body.get(name)
             return value if isinstance(value, str) else None
@@ -87,7 +94,8 @@ class StoredEvent:
             return value if isinstance(value, int) and not isinstance(value, bool) else None
 
         return cls(seq, number("ts") or 0.0, body["event"], text("request_id"), text("task"), text("worker"),
-                   whole("attempt"), number("wait"), number("run"), text("reason"), whole("fence"), number("delay"))
+                   whole("attempt"), number("wait"), number("run"), text("reason"), whole("fence"), number("delay"),
+                   index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +129,7 @@ async def latest_events(api: JetStreamApi, queue: str, key: str) -> dict[str, St
     except StreamNotFound:
         return {}
     latest: dict[str, StoredEvent] = {}
-    for msg in found:
+    for msg in sorted(found, key=lambda m: m.seq):
         # A batch (the last of the key's batches) holds several: the later of one name wins.
         for stored in StoredEvent.decode_all(msg):
             latest[stored.event] = stored

@@ -1004,6 +1004,11 @@ class KeySession:
             try:
                 if await self.io.request_remains(self.key, self.cursor):
                     self.republished = await self.io.schedule(self.key)
+                    if not self.republished and self.io.replicated and await self.io.token_stored(self.token):
+                        # Refused by our own token: on R3 it was seen still stored (rarely, under load)
+                        # after release_token returned. Remove it again and publish the key's token.
+                        await self.io.delete_token(self.token)
+                        self.republished = await self.io.schedule(self.key)
                 return
             except _RETRIED as e:
                 left = give_up - time.monotonic()

@@ -396,6 +396,13 @@ class QueueIO:
             if e.err_code != NO_MESSAGE_FOUND:
                 raise
 
+    async def token_stored(self, token: Token) -> bool:
+        """Whether ``token`` itself (its sequence) is still the key's stored token, as the token
+        stream's leader says."""
+        stored = await self.api.get_msg(self.names.token_stream, last_by_subject=self.names.token(token.key),
+                                        direct=False)
+        return stored is not None and stored.seq == token.stream_seq
+
     async def release_token(self, token: Token, timeout: float = 5.0) -> None:
         """Ack the token, returning once it is gone from the token stream, so that a token published
         from now on for the key is stored (not refused with 10077 by the one being released).

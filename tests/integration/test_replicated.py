@@ -190,18 +190,20 @@ async def test_a_release_re_checks_the_inbox_only_once_its_token_is_gone(cluster
         worker = QueueWorker(worker_nc, config, lambda key: Done(), settings=SessionSettings(ack_wait=10, linger=0),
                              reconcile_interval=3600, concurrency=32)
         real_next_request, real_ack = worker.io.next_request, worker.io.ack
-        acked: set[str] = set()
+        acked: dict[str, int] = {}
 
         async def ack(token: Token, timeout: float = 5.0) -> None:
             await real_ack(token, timeout)
-            acked.add(token.key)
+            acked[token.key] = token.stream_seq
 
         async def looks_for_the_token_first(key: str, from_seq: int) -> object:
             if key in acked:  # the release's re-check (not one of the session's reads)
-                acked.discard(key)
+                released = acked.pop(key)
                 token = await api.get_msg(config.names.token_stream, last_by_subject=config.names.token(key),
                                           direct=False)
-                if token is not None:
+                # (a newer token of the key may be there: the worker's start-up reconcile pass
+                # schedules each key it finds with requests, and one can land after the release)
+                if token is not None and token.seq == released:
                     still_there.append(key)
                 rechecked.append(key)
             return await real_next_request(key, from_seq)

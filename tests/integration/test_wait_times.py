@@ -14,11 +14,11 @@ import contextlib
 import time
 from pathlib import Path
 
-import cbor2
 import pytest
 
 import keyqueue
 from keyqueue.dashboard.state import Monitor
+from keyqueue.events import decode_events
 from keyqueue.metrics.prometheus import PrometheusPlugin
 
 PAUSE = 0.5
@@ -49,11 +49,13 @@ async def test_waits_agree_for_caller_chosen_and_backfilled_ids(nats_url: str, t
     dashboard_saw_all = asyncio.Event()
 
     async def on_event(msg: object) -> None:
-        events.append(cbor2.loads(msg.data))  # type: ignore[attr-defined]
+        # A key's events travel together (one KeyqueueEventBatch when its session gives it back).
+        events.extend(e for e in decode_events(msg.headers, msg.data)  # type: ignore[attr-defined]
+                      if e["event"] == "started")
         if len(events) == len(ids):
             all_started.set()
 
-    sub = await nc.subscribe("kq.timings.events.started.>", cb=on_event)
+    sub = await nc.subscribe("kq.timings.events.>", cb=on_event)
     dashboard = Monitor(nc, queues=["timings"], refresh=0.2)
     # The dashboard tells its listeners after each refresh: by then it has read the events that came.
     dashboard.listeners.append(lambda _: dashboard.waits["timings"].count() == len(ids) and dashboard_saw_all.set())

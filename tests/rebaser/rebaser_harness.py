@@ -101,9 +101,9 @@ async def dvu_events(app: App, key: str, count: int, timeout: float = 10.0) -> l
                 info = await api.stream_info(stream)
                 for seq in range(max(1, int(info["state"]["first_seq"])), int(info["state"]["last_seq"]) + 1):
                     msg = await api.get_msg(stream, seq=seq, direct=False)
-                    body = loads(msg.data, CBOR) if msg is not None else None
-                    if body and body["event"] == DVU_FINISHED and body["key"] == key:
-                        found.append(body)
+                    # One event, or a key's batch of them (KeyqueueEventBatch).
+                    bodies = ev.decode_events(msg.headers, msg.data) if msg is not None else []
+                    found += [b for b in bodies if b["event"] == DVU_FINISHED and b["key"] == key]
             except StreamNotFound:
                 pass
             if len(found) >= count:

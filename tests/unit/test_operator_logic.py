@@ -234,3 +234,20 @@ def test_a_minute_counts_events_and_bins_waits_and_runs_and_survives_its_encodin
     (KeyState("k", 3, "none"), "no-token")])
 def test_what_a_keys_token_backlog_and_record_say_together(state: KeyState, condition: str) -> None:
     assert state.condition == condition
+
+
+def test_a_retry_in_the_same_event_batch_as_its_start_is_a_backoff_not_a_run() -> None:
+    """A key's events travel in batches (issue 23): the head's ``started`` and ``retried`` can share
+    one stream sequence, and their place in the batch says which came last."""
+    from keyqueue.admin.diagnosis import _head
+    from keyqueue.jetstream.api import StoredMsg
+
+    head = StoredMsg("kq.shop.inbox.o1", 9, {"Nats-Msg-Id": "r1", "X-MESSAGE-TYPE": "pay"}, b"",
+                     "2027-01-15T08:00:00Z")
+    started = StoredEvent(12, NOW, "started", request_id="r1", attempt=1, index=0)
+    retried = StoredEvent(12, NOW + 1, "retried", request_id="r1", attempt=1, reason="boom", delay=5.0, index=1)
+    backing_off = _head(head, {"started": started, "retried": retried})
+    assert (backing_off.next_retry, backing_off.running_since, backing_off.last_error) == (NOW + 6, None, "boom")
+    restarted = StoredEvent(12, NOW + 6, "started", request_id="r1", attempt=2, index=2)
+    running = _head(head, {"started": restarted, "retried": retried})
+    assert (running.next_retry, running.running_since, running.attempts) == (None, NOW + 6, 2)

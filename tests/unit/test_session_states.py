@@ -146,9 +146,21 @@ class FakeIO:
     async def nak(self, token: Token, delay: float = 0.0) -> None:
         self.writes.append(("nak", token.reply))
 
+    replicated = False
+    refuse_schedules = 0
+    """How many of the next schedules are refused (a token is stored for the key)."""
+    stored_token: int | None = None
+    """The sequence of the key's stored token, as :meth:`token_stored` reads it."""
+
     async def schedule(self, key: str) -> bool:
         self.writes.append(("schedule", key))
+        if self.refuse_schedules:
+            self.refuse_schedules -= 1
+            return False
         return True
+
+    async def token_stored(self, token: Token) -> bool:
+        return self.stored_token == token.stream_seq
 
 
 class Steps(NullObserver):
@@ -547,3 +559,28 @@ async def test_a_release_that_cannot_confirm_its_token_is_gone_hands_the_re_chec
     assert handed == [(7, 2)]
     assert sent(io, "schedule") == []  # not re-checked while the token may still be there
     assert io.records == {}, "the lease record was removed"
+
+
+class LateArrival(FakeIO):
+    """A request lands right after the session's last read, before its release's re-check."""
+
+    async def release_token(self, token: Token, timeout: float = 5.0) -> None:
+        await super().release_token(token, timeout)
+        self.inbox[9] = stored(9, b"late")
+
+
+@pytest.mark.parametrize("ours", [True, False])
+async def test_a_re_schedule_refused_by_our_own_token_on_r3_removes_it_again(ours: bool) -> None:
+    """On R3 the released token was seen still stored, rarely, after release_token: a refused
+    re-schedule that finds its own token removes it and publishes again; a token of someone else
+    (a producer's, the reconciler's) is left as the key's token."""
+    io = LateArrival(stored(1, b"a"))
+    io.replicated, io.refuse_schedules, io.stored_token = True, 1, 7 if ours else 8
+    steps = Steps()
+    s = session(io, Handles(steps), steps)
+    assert await s.run() is Outcome.RELEASED
+    if ours:
+        assert sent(io, "delete_token", "schedule") == [("schedule", KEY), ("delete_token", 7), ("schedule", KEY)]
+        assert s.republished
+    else:
+        assert sent(io, "delete_token", "schedule") == [("schedule", KEY)] and not s.republished
