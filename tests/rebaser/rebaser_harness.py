@@ -88,7 +88,6 @@ async def dvu_events(app: App, key: str, count: int, timeout: float = 10.0) -> l
     from keyqueue import events as ev
     from keyqueue.errors import StreamNotFound
     from keyqueue.ext import JetStreamApi
-    from keyqueue.wire import CBOR, loads
     from keyqueue_rebaser import DVU_FINISHED
 
     api = JetStreamApi(await app.connection())
