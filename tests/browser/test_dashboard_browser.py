@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from browser_pages import click, make_browser, number_in, start_dashboard, text_of, until
 from command_output import Command
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
@@ -21,12 +22,17 @@ Shot = Callable[[WebDriver, str], Path]
 
 
 def seconds_in(driver: WebDriver, css: str) -> float | None:
-    """The ``data-seconds`` of what ``css`` selects, when it holds a number."""
-    found = driver.find_elements(By.CSS_SELECTOR, css)
-    try:
-        return float(found[0].get_attribute("data-seconds") or "") if found else None
-    except ValueError:
-        return None
+    """The ``data-seconds`` of what ``css`` selects, when it holds a number (read again if a live
+    refresh replaced the element while it was read)."""
+    for _ in range(10):
+        try:
+            found = driver.find_elements(By.CSS_SELECTOR, css)
+            return float(found[0].get_attribute("data-seconds") or "") if found else None
+        except StaleElementReferenceException:
+            continue
+        except ValueError:
+            return None
+    raise AssertionError(f"{css!r} kept being replaced while it was read")
 
 
 async def test_overview_counts_move_live(browser: WebDriver, dashboard: str, producer: Any, shot: Shot) -> None:
