@@ -306,10 +306,14 @@ def _gave_up(x: Run, y: Run, shared: float, pauses: Sequence[Interval], faults: 
 
 def _renewal_faults(ordered: Sequence[Record]) -> dict[str, list[float]]:
     """Per worker, when a fault began that can fail its lease renewals: every server-side fault (all
-    workers: a server restart or kill, a leader kill or stepdown, a node cut off, a rolling restart)
-    and network faults on its own connection. Keyed ``"*"`` for every worker."""
+    workers: a server restart or kill, a leader kill or stepdown, a node cut off, a rolling restart),
+    network faults on its own connection, and a handler of its own blocking its event loop (its
+    ``blocked`` record: nothing renews until the loop runs again, and a SIGSTOP that follows stops
+    the loop watchdog before it can end the process). Keyed ``"*"`` for every worker."""
     faults: dict[str, list[float]] = defaultdict(list)
     for r in ordered:
+        if r.get("kind") == "blocked":
+            faults[str(r.get("w"))].append(float(r["t"]))
         if r.get("kind") != "fault":
             continue
         name, t = str(r.get("fault", "")), float(r["t"])

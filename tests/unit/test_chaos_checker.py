@@ -273,6 +273,12 @@ def test_a_holder_whose_renewals_a_fault_cut_gives_up_during_its_pause_and_is_fe
     elsewhere = [*paused_log(resume=8.0, b_start=2.5, b_end=6.0), rec("fault", "soak", 1.5, fault="net-reset",
                                                                        target="w3")]
     assert len(check(elsewhere, EXPECTED, handover_after=1.0).overlaps) == 1
+    # A handler that blocked w1's own loop before the stall cut its renewals too (no watchdog runs
+    # in a stopped process): fenced. Another worker's blocked loop excuses nothing.
+    blocked = [*paused_log(resume=8.0, b_start=2.5, b_end=6.0), rec("blocked", "w1", 1.2, "k", "a", seconds=3.0)]
+    assert check(blocked, EXPECTED, handover_after=1.0).ok
+    blocked_elsewhere = [*paused_log(resume=8.0, b_start=2.5, b_end=6.0), rec("blocked", "w3", 1.2, "j", "x")]
+    assert len(check(blocked_elsewhere, EXPECTED, handover_after=1.0).overlaps) == 1
 
 
 # --- liveness: strands -------------------------------------------------------------------------
