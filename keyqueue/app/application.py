@@ -30,7 +30,7 @@ from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, CancelState
-from keyqueue.app.portal import SYNC_BOUND, SyncRunner
+from keyqueue.app.portal import SYNC_BOUND, SyncRunner, require_sync_caller
 from keyqueue.app.schedules import Periodic, make_periodic
 from keyqueue.app.status import RequestStatus
 from keyqueue.app.transport import Connections, NatsTransport, Transport
@@ -387,13 +387,7 @@ class App:
         loop and a connection of its own (``keyqueue.app.portal``).
         """
         if self._eager is not None:
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                pass
-            else:
-                raise ConfigError("this is the sync form, for code without a running event loop; "
-                                  "in async code, await the async form (task.enqueue(...))")
+            require_sync_caller()
 
             async def run() -> T:
                 return await make()

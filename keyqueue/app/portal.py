@@ -30,9 +30,19 @@ from typing import Any, TypeVar
 from keyqueue.errors import ConfigError, SyncTimeout
 from keyqueue.tasks.task import SYNC_BOUND
 
-__all__ = ["SYNC_BOUND", "Portal", "SyncRunner"]
+__all__ = ["SYNC_BOUND", "Portal", "SyncRunner", "require_sync_caller"]
 
 T = TypeVar("T")
+
+
+def require_sync_caller() -> None:
+    """Refuse a sync form called from a running event loop (it would block that loop)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise ConfigError("this is the sync form, for code without a running event loop; "
+                      "in async code, await the async form (task.enqueue(...), task.call(...))")
 
 class Portal:
     """A private event loop in a daemon thread, for sync callers."""
@@ -93,13 +103,7 @@ class SyncRunner:
 
     def run(self, make: Callable[[], Awaitable[T]], *, bound: float, what: str) -> T:
         """Run ``make()`` on the portal from code without a running event loop, for at most ``bound`` seconds."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            raise ConfigError("this is the sync form, for code without a running event loop; "
-                              "in async code, await the async form (task.enqueue(...), task.call(...))")
+        require_sync_caller()
 
         async def run() -> T:
             return await make()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import click
 
@@ -15,6 +16,9 @@ from keyqueue.jetstream.records import RequestRecords
 from keyqueue.jetstream.subjects import QueueNames, validate_key, validate_request_id
 from keyqueue.tasks.arguments import decode_result
 from keyqueue.wire import headers as H
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
 
 __all__ = ["cancel", "result", "status"]
 
@@ -40,9 +44,7 @@ def result(queue: str, request_id: str, timeout: float, url: str | None) -> None
 
     async def run() -> None:
         async with connection(url) as nc:
-            await require_queue(JetStreamApi(nc), queue)
-            records = RequestRecords(nc, queue)
-            await records.ensure()
+            _, records = await _queue_records(nc, queue)
             kept = await records.wait_result(request_id, timeout)
         if kept is None:
             raise KeyqueueTimeout(f"no result for request {request_id} of queue {queue!r}"
@@ -91,10 +93,7 @@ def status(queue: str, request_id: str, seq: int | None, key: str | None, url: s
 
     async def run() -> None:
         async with connection(url) as nc:
-            api = JetStreamApi(nc)
-            await require_queue(api, queue)
-            records = RequestRecords(nc, queue)
-            await records.ensure()
+            api, records = await _queue_records(nc, queue)
             click.echo(await request_status(records, api, request_id, seq=seq, key=key))
 
     asyncio.run(run())
@@ -128,10 +127,7 @@ def cancel(queue: str, request_id: str, seq: int | None, key: str | None, url: s
 
     async def run() -> str:
         async with connection(url) as nc:
-            api = JetStreamApi(nc)
-            await require_queue(api, queue)
-            records = RequestRecords(nc, queue)
-            await records.ensure()
+            api, records = await _queue_records(nc, queue)
             return await request_cancel(records, api, QueueNames(queue).inbox_stream, request_id, seq,
                                         CANCEL_ANSWER_WAIT, key=key)
 
@@ -141,3 +137,12 @@ def cancel(queue: str, request_id: str, seq: int | None, key: str | None, url: s
         raise RequestNotFound(f"no request {request_id} found in queue {queue!r}: nothing was cancelled. A pending "
                               "request of a task that keeps no results is found only with --seq (its receipt's "
                               "seq) or --key")
+
+
+async def _queue_records(nc: Client, queue: str) -> tuple[JetStreamApi, RequestRecords]:
+    """The queue's API and request records, once the queue is known to exist (else ``QueueNotFound``)."""
+    api = JetStreamApi(nc)
+    await require_queue(api, queue)
+    records = RequestRecords(nc, queue)
+    await records.ensure()
+    return api, records

@@ -319,7 +319,8 @@ class DueMover:
         return parked
 
     async def _schedule_again(self, seq: int, request: OutgoingRequest, parked: _Parked | None) -> _Parked | None:
-        """:meth:`_delay_again` for a request of a batch: the key's parked record after it, None if it failed."""
+        """A full per-key backlog refused the due request at ``seq``: schedule it again a little later
+        and park its key behind it; the key's parked record after it, None if that failed."""
         due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=BACKLOG_FULL_DELAY)
         log.warning("queue %s: key %r's backlog is full; its due request %s is due again at %s", self.names.queue,
                     request.key, request.request_id, due.isoformat())
@@ -334,7 +335,9 @@ class DueMover:
         return record
 
     async def _schedule_behind(self, seq: int, request: OutgoingRequest, parked: _Parked) -> _Parked | None:
-        """:meth:`_delay_behind` for a request of a batch: the key's parked record after it, None if it failed."""
+        """The key is parked behind an earlier due request: schedule the one at ``seq`` again after the
+        last of the key's, so it joins the key's inbox in the order it fell due; the key's parked
+        record after it, None if that failed."""
         due = max(parked.last, dt.datetime.now(dt.UTC)) + BEHIND
         try:
             await self.store.delay(request.key, request.request_id, request.headers, request.body, due,
@@ -346,32 +349,17 @@ class DueMover:
         return record
 
     async def _delay_again(self, msg: Msg, request: OutgoingRequest, parked: _Parked | None) -> None:
-        """A full per-key backlog refused the request: schedule it again a little later, park its key
-        behind it, and let the next due request go (one in flight for the fleet: waiting here would
-        hold up every key)."""
-        due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=BACKLOG_FULL_DELAY)
-        log.warning("queue %s: key %r's backlog is full; its due request %s is due again at %s", self.names.queue,
-                    request.key, request.request_id, due.isoformat())
-        try:
-            await self.store.delay(request.key, request.request_id, request.headers, request.body, due,
-                                   msg_id=f"{request.request_id}~again-{msg.metadata.sequence.stream}")
-            last = max(due, parked.last) if parked is not None else due
-            await self._park(request.key, _Parked(request.request_id, last, parked.seq if parked else 0))
-        except KeyqueueError:
-            await self._nak(msg, RETRY_DELAY)
-            return
-        with contextlib.suppress(Exception):
-            await msg.ack()
+        """:meth:`_schedule_again` for the one due request in flight, then the next may go (one is in
+        flight for the fleet: waiting here would hold up every key)."""
+        await self._settle(msg, await self._schedule_again(msg.metadata.sequence.stream, request, parked))
 
     async def _delay_behind(self, msg: Msg, request: OutgoingRequest, parked: _Parked) -> None:
-        """The key is parked behind an earlier due request: schedule this one again after the last
-        of the key's, so it joins the key's inbox in the order it fell due."""
-        due = max(parked.last, dt.datetime.now(dt.UTC)) + BEHIND
-        try:
-            await self.store.delay(request.key, request.request_id, request.headers, request.body, due,
-                                   msg_id=f"{request.request_id}~behind-{msg.metadata.sequence.stream}")
-            await self._park(request.key, _Parked(parked.first, due, parked.seq))
-        except KeyqueueError:
+        """:meth:`_schedule_behind` for the one due request in flight."""
+        await self._settle(msg, await self._schedule_behind(msg.metadata.sequence.stream, request, parked))
+
+    async def _settle(self, msg: Msg, scheduled: _Parked | None) -> None:
+        """Ack the due request in flight once it is scheduled again (else it comes back a little later)."""
+        if scheduled is None:
             await self._nak(msg, RETRY_DELAY)
             return
         with contextlib.suppress(Exception):
