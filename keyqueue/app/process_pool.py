@@ -9,7 +9,14 @@ worker runs its serial sync tasks in child processes, one run at a time per chil
   attempt fails with ``KeyqueueTimeout``, and a fresh child takes its place;
 - a **drain** that reaches its deadline kills the children still running: the runs are stopped
   (not completed), their requests stay stored and run again on the keys' next holders, and the
-  worker keeps its ``--drain-timeout``.
+  worker keeps its ``--drain-timeout``;
+- a **lost lease** (renewals failed) kills the child running that key's request, at once;
+- a **worker that dies**, however (kill -9, the OOM killer, its lease alarm, the loop watchdog's
+  exit), takes its children with it: each child asks the kernel for ``SIGKILL`` when the worker's
+  event-loop thread ends (``PR_SET_PDEATHSIG``, core/alarm.py), so no run goes on as an orphan
+  while its key moves to another worker. Each child leads a process group of its own, and a stop
+  kills the group: processes the task started go with it (a task's own children are not killed
+  when the *worker* dies, only the pool child: start them with a death signal of their own).
 
 **How arguments cross, and why no user object is pickled.** A child is started with the
 ``spawn`` method and gets only the app's ``MODULE:APP`` string and its end of a pipe; it imports
@@ -40,6 +47,7 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Final
 
+from keyqueue.core.alarm import die_with_parent
 from keyqueue.errors import ConfigError, KeyqueueTimeout, Reject, Retry, SoftTimeout
 from keyqueue.tasks.arguments import encode_result
 from keyqueue.wire import CBOR, dumps, loads
@@ -103,8 +111,13 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise SoftTimeout("the task passed its soft timeout")
 
 
-def _child_main(conn: Connection, app_spec: str) -> None:
+def _child_main(conn: Connection, app_spec: str, parent: int) -> None:
     """A pool child: import the app, then run one request at a time until the pipe closes."""
+    # However the worker dies (kill -9, its lease alarm, the watchdog's exit, the OOM killer), the
+    # kernel kills this child with it: a run must not outlive the worker that holds its key.
+    die_with_parent(parent)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # a group of its own: stopping the run also stops what the task started
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when a child stops
     signal.signal(signal.SIGALRM, _on_alarm)
     module, _, attribute = app_spec.partition(":")
@@ -140,12 +153,17 @@ class _Child:
     def __init__(self, app_spec: str) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child_end = context.Pipe()
-        self.process = context.Process(target=_child_main, args=(child_end, app_spec), daemon=True,
+        self.process = context.Process(target=_child_main, args=(child_end, app_spec, os.getpid()), daemon=True,
                                        name="keyqueue-pool")
         self.process.start()
         child_end.close()
 
     def kill(self) -> None:
+        """Stop the child and what its task started (its process group), and wait for it."""
+        pid = self.process.pid
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             self.process.kill()
         self.process.join(5)
@@ -188,8 +206,10 @@ class ProcessPool:
         raise _rebuilt(answer["error"], answer["message"], answer.get("countdown"))
 
     async def _start(self) -> _Child:
-        """A new child, once it has imported the app."""
-        child = await asyncio.to_thread(_Child, self.app_spec)
+        """A new child, once it has imported the app. Started from the event loop's thread: the kernel
+        kills a child when the thread that started it ends (``PR_SET_PDEATHSIG``), and that thread
+        lives as long as the worker (starting one is a fork and exec; the child imports on its own)."""
+        child = _Child(self.app_spec)
         try:
             loads(await self._receive(child), CBOR)
         except BaseException:

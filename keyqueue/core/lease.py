@@ -42,6 +42,13 @@ class Lease:
     def remaining(self) -> float:
         return self.deadline - self.clock()
 
+    @property
+    def kill_point(self) -> float:
+        """When a run of this key that is still going on must end with its process
+        (core/alarm.py): half the margin after :attr:`deadline`, so the session has that long to
+        stop a run it can stop, and still before the server can expire the lease record."""
+        return self.deadline + self.margin / 2
+
     def valid(self) -> bool:
         if self.lost_reason is None and self.clock() >= self.deadline:
             self.lost_reason = "lease expired: no keepalive confirmed in time"

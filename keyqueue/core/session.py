@@ -184,6 +184,7 @@ class KeySession:
         "lock",
         "more",
         "observer",
+        "on_running",
         "owed",
         "processed",
         "recheck_later",
@@ -199,7 +200,8 @@ class KeySession:
     def __init__(self, io: QueueIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
                  observer: SessionObserver, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
                  worker: str = "", turns: Turns | None = None, idle: dict[str, KeySession] | None = None,
-                 recheck_later: Callable[[Token, int], None] | None = None, slots: Slots | None = None) -> None:
+                 recheck_later: Callable[[Token, int], None] | None = None, slots: Slots | None = None,
+                 on_running: Callable[[KeySession, bool], None] | None = None) -> None:
         self.io = io
         self.token = token
         self.key = token.key
@@ -218,6 +220,9 @@ class KeySession:
         self.slots = slots
         """The worker's slots: a session waiting out a backoff or a rate limit gives its own back (core/slots.py)."""
         self.recheck_later = recheck_later
+        self.on_running = on_running
+        """Told when the session's work (which runs the processor, so the user's code) begins and when
+        it has ended (the worker arms its lease alarm by it: core/alarm.py)."""
         """Who re-checks the key's inbox (and removes this token) once the connection allows, when
         this session could not (the worker: :meth:`~keyqueue.core.worker.QueueWorker.recheck_later`)."""
         self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
@@ -447,6 +452,8 @@ class KeySession:
         work = asyncio.current_task()
         assert work is not None
         self._work_task = work
+        if self.on_running is not None:
+            self.on_running(self, True)
         self._schedule_renewal()
         error: Exception | None = None
         outcome: Outcome | None = None
@@ -547,8 +554,17 @@ class KeySession:
                     pause = min(longest, pause * 2)
                 self.lease.check()
 
+    @property
+    def running(self) -> bool:
+        """Whether the session's work is going on: from when the key is acquired until the work,
+        the user's code included, has ended (a thread the work waits for, a cancelled coroutine
+        that has not yet finished)."""
+        return self._work_task is not None
+
     async def _stop_renewals(self) -> None:
         self._work_task = None  # no renewal is scheduled after this
+        if self.on_running is not None:
+            self.on_running(self, False)
         renewal, self._renewal = self._renewal, None
         if renewal is not None and not renewal.done():
             renewal.cancel()

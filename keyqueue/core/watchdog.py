@@ -6,9 +6,11 @@ its code still runs, another worker acquires the key and runs the same request b
 fencing token keeps a stale writer out of the stores that check it, but the user's other side
 effects would happen twice.
 
-So a thread watches the loop. When the loop has been blocked for a while *and* some held key's
-lease is about to end (a quarter of ``ack_wait`` before its deadline: a loop that runs renews
-every third of ``ack_wait``, so a healthy worker never gets that close), it
+So a thread watches the loop. It fires when the loop has been blocked for a while *and* some held
+key's lease is about to end (a quarter of ``ack_wait`` before its deadline: a loop that runs renews
+every third of ``ack_wait``, so a healthy worker never gets that close), and also, blocked or not,
+when a key's run still goes on a little past its lease's deadline (its session lost the lease and
+cancelled the work, but a sync task's thread cannot be cancelled). Then it
 
 1. counts the attempt that blocked: for each key with a request in hand, one more killed attempt
    of that request in the key's head record (``kq.<queue>.head.<key>``), on a connection of its
@@ -19,9 +21,9 @@ every third of ``ack_wait``, so a healthy worker never gets that close), it
    could have ended: the next holder starts only after the record expires, or after a
    supervisor that saw the process exit released its keys. Nothing of it runs beside the next.
 
-A process stopped as a whole (SIGSTOP, a suspended VM) stops this thread too: that holder comes
-back as a zombie whose late writes the fencing token refuses (docs/architecture.md, "What depends
-on time").
+This thread needs the GIL. C code that holds it (``sum(range(n))``, a huge ``json.loads``) stops
+this thread with the loop; so does a SIGSTOP. For those the kernel's lease alarm (core/alarm.py)
+ends the process at the lease's kill point, a little later, with no last word and no count.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ EXIT_BLOCKED: Final = 75
 CHECK_EVERY: Final = 0.05
 """Seconds between the watchdog's looks."""
 
+MIN_COUNT_BUDGET: Final = 0.1
+"""Seconds that must be left before a lease ends (or the lease alarm fires) for the watchdog to try
+to count the attempts it stops; with less, it ends the process without counting them."""
+
 
 @dataclass(frozen=True, slots=True)
 class HeldLease:
@@ -55,6 +61,9 @@ class HeldLease:
     """When its lease ends (``time.monotonic()``)."""
     in_hand: int
     """The inbox sequence of the request being processed, 0 between requests."""
+    running: bool = False
+    """Whether the key's work (the user's code) is going on: a run the process must not outlive its
+    lease with, even once the lease is lost."""
 
 
 class LoopWatchdog:
@@ -79,6 +88,10 @@ class LoopWatchdog:
         """Fire this long before the earliest deadline of a held lease."""
         self.blocked_after = min(1.0, ack_wait / 8)
         """The loop counts as blocked once it has not beaten for this long."""
+        self.overrun = min(1.0, ack_wait * 0.1) / 4
+        """A run still going on this long after its lease's deadline is one its session could not
+        stop (a thread, a handler that ignored its cancellation): a quarter of the lease's safety
+        margin, half the time left before the kernel's lease alarm (core/alarm.py) would end it."""
         self.last_beat = clock()
         self.fired = False
         self._stop = threading.Event()
@@ -106,10 +119,12 @@ class LoopWatchdog:
                 return
 
     def due(self) -> list[HeldLease] | None:
-        """The held leases, if the watchdog must fire now; else None."""
+        """The held leases, if the watchdog must fire now; else None.
+
+        It fires when the loop is blocked and a lease whose key's run goes on, or one still valid, is
+        about to end; or when, blocked or not, a run goes on past its lease's deadline (its session
+        could not stop it: only ending the process does)."""
         now = self.clock()
-        if now - self.last_beat < self.blocked_after:
-            return None
         for _ in range(3):  # the loop's thread may change the sessions while we read them
             try:
                 held = list(self.leases())
@@ -118,9 +133,13 @@ class LoopWatchdog:
                 continue
         else:
             return None
-        # A lease already past its deadline is lost: its session stops at its next check, and
-        # ending the process now would protect nothing.
-        held = [h for h in held if h.deadline > now]
+        if any(h.running and now >= h.deadline + self.overrun for h in held):
+            return held
+        if now - self.last_beat < self.blocked_after:
+            return None
+        # A lease past its deadline whose key runs nothing is lost harmlessly: its session stops at
+        # its next check. One whose run goes on is what the process must not outlive.
+        held = [h for h in held if h.deadline > now or h.running]
         if not held or min(h.deadline for h in held) - now > self.ahead:
             return None
         return held
@@ -131,18 +150,32 @@ class LoopWatchdog:
         if held is None:
             return False
         self.fired = True
-        blocked = self.clock() - self.last_beat
-        earliest = min(h.deadline for h in held) - self.clock()
+        now = self.clock()
+        blocked = now - self.last_beat
+        overrun = [h for h in held if h.running and now >= h.deadline + self.overrun]
+        # What is left before a lease ends (for the overrun, before the kernel's lease alarm): the
+        # count must not keep the process alive past it.
+        ends = [h.deadline + 2 * self.overrun for h in overrun] or [h.deadline for h in held]
+        left = min(ends) - now
         in_hand = [h for h in held if h.in_hand]
-        if self.count_killed is not None and in_hand:
+        if left < MIN_COUNT_BUDGET:
+            log.error("loop watchdog: no time left to count the attempts it stops (%.0f ms)", max(0.0, left) * 1000)
+        elif self.count_killed is not None and in_hand:
             try:
-                self.count_killed(in_hand, max(0.05, min(0.5, earliest / 2)))
+                self.count_killed(in_hand, min(0.5, left / 2))
             except Exception as e:  # the attempt goes uncounted; the stop must not wait for it
                 log.error("loop watchdog: could not count the blocked attempts: %r", e)
         requests = ", ".join(f"{h.key} (seq {h.in_hand})" for h in in_hand[:5]) or "none in hand"
-        self.end_process(f"event loop blocked for {blocked:.1f}s with {len(held)} key(s) held, a lease ending in "
-                         f"{earliest:.1f}s; requests in hand: {requests}. A handler is blocking the loop: make it "
-                         "async, or a sync function (it runs in a thread)")
+        if overrun and blocked < self.blocked_after:
+            keys = ", ".join(h.key for h in overrun[:5])
+            self.end_process(f"{len(overrun)} run(s) still going on after their leases ended (keys {keys}; "
+                             f"requests in hand: {requests}): the lease could not be renewed (see the renewal "
+                             "warnings above) while a sync task ran in a thread, which nothing can stop, and it must "
+                             "not run beside the key's next holder (with --pool processes the run alone is stopped)")
+        else:
+            self.end_process(f"event loop blocked for {blocked:.1f}s with {len(held)} key(s) held, a lease ending in "
+                             f"{left:.1f}s; requests in hand: {requests}. A handler is blocking the loop: make it "
+                             "async, or a sync function (it runs in a thread)")
         return True
 
     def end_process(self, why: str) -> None:

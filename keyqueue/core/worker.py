@@ -36,6 +36,7 @@ from typing import Any, ParamSpec
 
 from nats.aio.client import Client
 
+from keyqueue.core.alarm import LeaseAlarm
 from keyqueue.core.lease import Lease
 from keyqueue.core.observer import (
     KeyHold,
@@ -140,8 +141,14 @@ class QueueWorker:
         """With ``watchdog``: the thread that ends this process before a blocked loop outlives a
         lease (core/watchdog.py). Started with the worker; it is for processes that run workers,
         not for a process the worker is a guest in."""
+        self.alarm: LeaseAlarm | None = None
+        """With ``watchdog``: the kernel timer that kills this process at the earliest kill point of
+        the runs going on (core/alarm.py), for the runs no code of the process can stop in time."""
         if watchdog:
             self.watchdog = LoopWatchdog(self.settings.ack_wait, self._held_leases, count_killed=self._count_killed)
+            self.alarm = LeaseAlarm()
+        self._running: set[KeySession] = set()
+        """Sessions whose work (the user's code) is going on, the key's lease lost or not."""
         self._rechecks: dict[str, tuple[Token, int]] = {}
         """Keys whose session could not finish its release (the connection was down): the token it
         released (maybe unconfirmed) and the inbox sequence to re-check from."""
@@ -210,7 +217,8 @@ class QueueWorker:
             return
         session = KeySession(self.io, token, self.factory, self.settings, observer=self.report,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name,
-                             turns=self.turns, idle=self._idle, recheck_later=self.recheck_later, slots=self.slots)
+                             turns=self.turns, idle=self._idle, recheck_later=self.recheck_later, slots=self.slots,
+                             on_running=self._run_changed)
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session
@@ -278,6 +286,8 @@ class QueueWorker:
             self._tg = None
             if self.watchdog is not None:
                 self.watchdog.stop()
+            if self.alarm is not None and not self._running:
+                self.alarm.close()  # else it stays armed: a run still going on ends with the process
         log.debug("worker %s stopped serving queue %s: %s", self.name, self.config.name, self.summary())
 
     async def _ensure_topology(self) -> None:
@@ -385,9 +395,31 @@ class QueueWorker:
                     del self._rechecks[key]
 
     def _held_leases(self) -> list[HeldLease]:
-        """The keys held under a valid lease (read by the watchdog's thread)."""
-        return [HeldLease(s.key, s.lease.deadline, s._in_hand) for s in list(self._held.values())
-                if s.acquired and s.lease.lost_reason is None]
+        """The keys held under a valid lease, and those whose run goes on after their lease was lost
+        (read by the watchdog's thread)."""
+        running = list(self._running)
+        sessions = {id(s): s for s in list(self._held.values()) if s.acquired and s.lease.lost_reason is None}
+        sessions.update((id(s), s) for s in running)
+        going = {id(s) for s in running}
+        return [HeldLease(s.key, s.lease.deadline, s._in_hand, running=id(s) in going) for s in sessions.values()]
+
+    # --- the lease alarm (core/alarm.py) -------------------------------------------------------------
+
+    def _run_changed(self, session: KeySession, running: bool) -> None:
+        """A session's work began or ended: keep the lease alarm at the earliest kill point of the runs
+        going on (a later one moves it on the next tick)."""
+        if running:
+            self._running.add(session)
+            if self.alarm is not None and (self.alarm.armed is None or session.lease.kill_point < self.alarm.armed):
+                self.alarm.set(session.lease.kill_point)
+            return
+        self._running.discard(session)
+        if self.alarm is not None and self.alarm.armed is not None and session.lease.kill_point <= self.alarm.armed:
+            self._arm_alarm()
+
+    def _arm_alarm(self) -> None:
+        if self.alarm is not None:
+            self.alarm.set(min((s.lease.kill_point for s in self._running), default=None))
 
     def _count_killed(self, held: Sequence[HeldLease], budget: float) -> None:
         count_killed_attempts(self.nc, self.config, [(h.key, h.in_hand) for h in held], budget)
@@ -399,6 +431,7 @@ class QueueWorker:
             self._last_tick = time.monotonic()
             if self.watchdog is not None:
                 self.watchdog.beat()
+            self._arm_alarm()  # renewals moved the kill points later
             await asyncio.sleep(LOOP_TICK)
             lag = time.monotonic() - self._last_tick - LOOP_TICK
             if lag >= self._stale_after:

@@ -8,16 +8,20 @@ Two time limits bound an attempt, for async and sync functions alike:
   exception it cannot catch as an ``Exception`` (``_Stopped``, a ``BaseException``), raised in it at
   its next Python instruction. The attempt fails with ``KeyqueueTimeout``.
 
-A drain that reaches its deadline cancels the key session: a coroutine is cut off (its request
-runs again on the key's next holder); a thread is waited for, and its run kept.
+A key session that is cut off (the drain deadline, or its lease lost because renewals failed)
+cancels the run: a coroutine is cut off (its request runs again on the key's next holder); a
+thread is waited for, and its run kept if it returns in time.
 
-A thread cannot be stopped while it blocks in C (a socket read, ``time.sleep``): keyqueue then
-waits for it to return before it gives the key up, so the key never moves to another worker while
-the function still runs (for a limit that stops anything, run sync tasks in processes:
-``keyqueue.app.process_pool``). **A run that completes is never thrown away**: a thread that
-returns after its hard limit, or after the worker's drain deadline cancelled its session, returns
-its result, and the key session records it as done (it is removed, never run again). Only a run
-that did not complete (it raised the injected stop) counts as timed out.
+A thread cannot be stopped while it blocks in C (a socket read, ``time.sleep``), so **a sync task
+in a thread never outlives its key's lease, because its process does not**: while the lease is
+renewed the key stays held until the thread returns; once the lease is lost, a thread still
+running shortly after the lease's deadline ends the worker process with it (the loop watchdog,
+exit status 75, its attempt counted; or, when C code holds the GIL, the kernel's lease alarm:
+core/alarm.py), before the key's next holder can start. For a limit that stops only the run, run
+sync tasks in processes (``keyqueue.app.process_pool``). **A run that completes is never thrown
+away**: a thread that returns after its hard limit, or after the worker's drain deadline cut its
+session off, returns its result, and the key session records it as done (it is removed, never
+run again). Only a run that did not complete (it raised the injected stop) counts as timed out.
 """
 
 from __future__ import annotations
@@ -120,13 +124,15 @@ async def _run_in_thread(task: str, call: Callable[[], Any], soft: float | None,
             if ok:
                 log.warning("sync task %s completed after its hard limit of %ss: its result stands", task, hard)
         except asyncio.CancelledError:
-            # The drain deadline (or a second signal). A thread cannot be cut off: hold the key until
-            # it returns, so that no other worker runs the key beside it, and keep its run, which
-            # the key's session then records as done. (Nothing is raised into it: its work may be
-            # done, and an exception at its last line would make it run again.) A thread that does
-            # not return within the worker's grace ends with the process (core/worker.py).
+            # The drain deadline, a second signal, or a lost lease. A thread cannot be cut off: wait
+            # for it and keep its run, which the key's session then records as done if its lease
+            # still holds. (Nothing is raised into it: its work may be done, and an exception at
+            # its last line would make it run again.) A thread that does not return in time ends
+            # with the process: after the drain's grace (core/worker.py), or just after a lost
+            # lease's deadline (core/watchdog.py, core/alarm.py), before the next holder can start.
             if not future.done():
-                log.warning("sync task %s was running when its key session was cut off; waiting for it", task)
+                log.warning("sync task %s was running when its key session was cut off; waiting for it (the worker "
+                            "process ends if it still runs when the key's lease ends)", task)
             ok, value = await _wait_uncancellable(future)
             if not ok and isinstance(value, _Stopped):
                 raise

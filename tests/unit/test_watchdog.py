@@ -100,8 +100,45 @@ def test_sessions_changing_under_the_watchdog_are_read_again() -> None:
     assert dog.check()
 
 
-def test_a_lease_already_past_its_deadline_is_left_to_its_session() -> None:
+def test_a_lease_already_past_its_deadline_whose_key_runs_nothing_is_left_to_its_session() -> None:
     clock, counted = Clock(), []
-    dog = watchdog(clock, [HeldLease("k", clock.now + 1.0, 3)], counted)
-    clock.now += 5  # blocked 5 s; the lease ended 4 s ago: the process ending now protects nothing
+    dog = watchdog(clock, [HeldLease("k", clock.now + 1.0, 0)], counted)
+    clock.now += 5  # blocked 5 s; the lease ended 4 s ago and nothing of the key runs: nothing to protect
     assert not dog.check()
+
+
+def test_a_run_going_on_past_its_deadline_stops_the_process_when_the_loop_comes_back() -> None:
+    # C code held the GIL (the watchdog could not look) past the lease's deadline; the run goes on.
+    clock, counted = Clock(), []
+    dog = watchdog(clock, [HeldLease("k", clock.now + 1.0, 3, running=True)], counted)
+    clock.now += 5
+    with pytest.raises(Fired):
+        dog.check()
+    assert counted == []  # no time is left to count it: the process ends at once
+
+
+def test_a_run_outliving_its_lost_lease_stops_the_process_though_the_loop_beats() -> None:
+    # A sync task's thread runs on after the session lost the lease (renewals failed) and cancelled it.
+    clock, counted = Clock(), []
+    held = [HeldLease("k", clock.now + 1.0, 3, running=True), HeldLease("idle", clock.now + 0.5, 0)]
+    dog = watchdog(clock, held, counted)
+    clock.now += 1.0
+    dog.beat()
+    assert not dog.check()  # at the deadline: the session is stopping what it can
+    clock.now += dog.overrun
+    dog.beat()
+    with pytest.raises(Fired) as fired:
+        dog.check()
+    assert fired.value.args == (EXIT_BLOCKED,)
+    [(in_hand, budget)] = counted
+    # The count must end before the kernel's lease alarm would (twice the overrun past the deadline).
+    assert [h.key for h in in_hand] == ["k"] and 0.05 <= budget <= dog.overrun
+
+
+def test_a_run_within_its_lease_is_never_an_overrun() -> None:
+    clock, counted = Clock(), []
+    dog = watchdog(clock, [HeldLease("k", clock.now + 3.0, 3, running=True)], counted)
+    for _ in range(20):
+        clock.now += 0.1
+        dog.beat()
+        assert not dog.check()
