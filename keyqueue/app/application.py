@@ -621,9 +621,11 @@ class App:
         only while that many wait / are held. ``priority``: on a ``prioritized`` queue, 0 (served
         first) to 9. See docs/priority-groups.md. ``connect_timeout``: seconds to wait for an
         unreachable server at start, retrying with a backoff (None: wait forever). ``watchdog``:
-        end this process (exit status 75) before an event loop blocked by a handler outlives a
-        lease, so no other worker runs its keys beside it (``keyqueue worker`` turns it on; off
-        here, where the worker may be a guest in your process). ``sync_pool="processes"``: run serial
+        end this process before a run it cannot stop outlives its lease (an event loop blocked by a
+        handler, a sync task's thread after a lost lease: exit status 75; C code holding the GIL, a
+        stopped process: SIGKILL from a kernel timer, core/alarm.py), so no other worker runs its
+        keys beside it (``keyqueue worker`` turns it on; off here, where the worker may be a guest
+        in your process). ``sync_pool="processes"``: run serial
         sync tasks in child processes, which the hard limit and a drain's deadline can stop
         (``keyqueue.app.process_pool``; ``app_spec`` is the app as ``MODULE:APP`` for the children).
         """

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Final
 
+from keyqueue.core.watchdog import EXIT_BLOCKED
 from keyqueue.errors import KeyqueueError
 
 __all__ = ["EXIT_RECYCLED", "RestartPolicy", "Supervisor", "WorkerCommand", "describe_exit"]
@@ -71,8 +72,14 @@ class RestartPolicy:
 
 def describe_exit(returncode: int) -> str:
     """How a process ended, for a log line: ``exited with status 1``, ``was killed by SIGKILL``."""
+    if returncode == EXIT_BLOCKED:
+        return (f"exited with status {returncode} (its loop watchdog stopped a run that would have outlived its "
+                "lease; the reason is in its log above)")
     if returncode >= 0:
         return f"exited with status {returncode}"
+    if returncode == -signal.SIGKILL:
+        return ("was killed by SIGKILL (by hand, the OOM killer, or its lease alarm: a run it could not stop, C code "
+                "holding the GIL or a stopped process, was about to outlive its lease)")
     try:
         return f"was killed by {signal.Signals(-returncode).name}"
     except ValueError:

@@ -78,9 +78,11 @@ class ProcessCount(click.ParamType[int, Any]):
               help="How long to wait for an unreachable server at start, retrying with a backoff and "
                    "logging each attempt (default: wait forever).")
 @click.option("--watchdog/--no-watchdog", default=True, show_default=True,
-              help="End the process (exit status 75) before an event loop blocked by a handler (sync code in an "
-                   "async def) outlives a key's lease, so that no other worker runs the key beside it; the "
-                   "blocked attempt counts toward the task's max_attempts.")
+              help="End the process before a run it cannot stop outlives a key's lease, so that no other worker "
+                   "runs the key beside it: an event loop blocked by a handler (sync code in an async def) or a "
+                   "sync task's thread still running after its lease was lost ends it with status 75 (the "
+                   "attempt counts toward max_attempts); C code holding the GIL or a stopped process is killed "
+                   "(SIGKILL) by a kernel timer at the lease's end. Turn it off only to debug.")
 @click.option("--pool", "sync_pool", type=click.Choice(["threads", "processes"]), default="threads",
               show_default=True,
               help="Where sync task functions run: threads, or child processes, which a task's hard timeout and "
