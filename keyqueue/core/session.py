@@ -318,8 +318,12 @@ class KeySession:
             except Exception as e:  # NATS down, a timeout: the token comes back later, to anyone
                 log.warning("queue %s key %s: could not acquire the key's lease record: %r", self.io.names.queue,
                             self.key, e)
+                # A write of this claim may have been stored all the same (its reply lost): remove it,
+                # so the key is free when the token comes back, not only once the record expires.
                 with contextlib.suppress(Exception):
                     await self.io.nak(self.token, FAILED_SESSION_DELAY)
+                with contextlib.suppress(Exception):
+                    await self.lock.release()
                 return Outcome.FAILED
             return await self._run()
         except asyncio.CancelledError:
@@ -713,8 +717,9 @@ class KeySession:
                 # Each of its attempts blocked the event loop until the loop watchdog stopped its
                 # worker (core/watchdog.py): they count toward max_attempts like failed ones.
                 self.buffer[0:0] = batch[1:]
-                error = KeyqueueError(f"its attempt blocked the event loop past the lease {killed} time(s), and the "
-                                      "worker was stopped each time: a handler is blocking the loop")
+                error = KeyqueueError(f"its attempt blocked the event loop past the lease, or outlived a lost lease "
+                                      f"in a thread, {killed} time(s), and the worker was stopped each time (the "
+                                      "worker's log says which)")
                 await self._dead_letter([batch[0]], error, killed, reason="max-attempts")
                 return
         self._hurry(False)
@@ -814,10 +819,12 @@ class KeySession:
             # token is acked.
             self._unpurged += 1
             if self._unpurged >= PURGE_EVERY or not self.buffer:
+                await self._purge_after_beside()
                 await self._purge()
                 if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
                     await self._settle_deletes()
         else:
+            await self._purge_after_beside()
             await self._settle_owed()
             await self._steady(functools.partial(self.io.purge_through, self.key, through))
         self._in_hand = 0
@@ -850,6 +857,12 @@ class KeySession:
             self._unpurged += done  # still stored: the settle sends it again
             raise
 
+    async def _purge_after_beside(self) -> None:
+        """Wait for the purge sent beside the work, if one is in flight: it is still confirming the
+        kept results of the requests it removes, and a later removal covers those requests too."""
+        if self._purging is not None:
+            await asyncio.shield(self._purging)
+
     async def _settle_owed(self) -> None:
         """Await what the processor stores before its requests leave the inbox (kept results): sent
         beside the work, confirmed here, before the removal of every request handled so far."""
@@ -880,8 +893,7 @@ class KeySession:
 
     async def _settle_deletes(self) -> None:
         """Send what is done and not yet removed, then wait until every removal is confirmed."""
-        if self._purging is not None:
-            await asyncio.shield(self._purging)
+        await self._purge_after_beside()
         if self.lease.valid():
             await self._purge()
         elif self._purge_timer is not None:

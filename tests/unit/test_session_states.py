@@ -20,7 +20,7 @@ from keyqueue.core.observer import KeyHold, NullObserver, Outcome, RequestAttemp
 from keyqueue.core.processor import BaseProcessor, BatchOutcome, Reply, Request, RequestContext, SessionContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import PURGE_EVERY, KeySession, SessionSettings
-from keyqueue.errors import Reject, WrongLastSequence
+from keyqueue.errors import KeyqueueTimeout, Reject, ReplyLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.queue_io import QueueIO, Watch
@@ -584,3 +584,77 @@ async def test_a_re_schedule_refused_by_our_own_token_on_r3_removes_it_again(our
         assert s.republished
     else:
         assert sent(io, "delete_token", "schedule") == [("schedule", KEY)] and not s.republished
+
+
+async def test_an_acquire_that_fails_after_its_write_may_have_landed_leaves_no_lease_record() -> None:
+    # The acquire's write was stored but its reply lost, and the record could not be read back
+    # until the session gave up: the record would have kept the key from every worker until its TTL.
+    class Blind(FakeIO):
+        blind = True
+        writes_lost = 1
+
+        async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
+                                  timeout: float | None = None) -> int:
+            seq = await super().compare_and_set(subject, expected, body, ttl, timeout)
+            if self.writes_lost:
+                self.writes_lost -= 1
+                raise ReplyLost("the connection dropped before the reply")
+            return seq
+
+        async def last_record(self, subject: str) -> StoredMsg | None:
+            if self.blind:
+                raise KeyqueueTimeout("no answer")
+            return await super().last_record(subject)
+
+        async def nak(self, token: Token, delay: float = 0.0) -> None:
+            await super().nak(token, delay)
+            self.blind = False  # the server answers again as the session gives the token back
+
+    io = Blind(stored(1, b"a"))
+    steps = Steps()
+    assert await session(io, Handles(steps), steps, ack_wait=0.3).run() is Outcome.FAILED
+    assert sent(io, "nak") == [("nak", "$JS.ACK.token.1")]
+    assert io.records == {}, "the lease record of the failed acquire was left behind"
+
+
+async def test_a_removal_waits_for_the_purge_beside_the_work_that_still_confirms_kept_results() -> None:
+    # Request 1's kept result is confirmed slowly; request 2 runs past PURGE_WINDOW, so request 1's
+    # purge goes out beside it and waits for that confirmation. Request 2's own removal (a purge
+    # through 2, which removes 1 too) must wait for it as well: else request 1 leaves the inbox
+    # before its result is stored, and a crash then loses the result of a request that ran.
+    io = FakeIO(stored(1, b"a"), stored(2, b"b"))
+    steps = Steps()
+    first_kept = asyncio.Event()
+    second_done = asyncio.Event()
+    purged_with: list[tuple[int, bool]] = []
+    purge_through = io.purge_through
+
+    async def recording_purge(key: str, seq: int) -> int:
+        purged_with.append((seq, first_kept.is_set()))
+        return await purge_through(key, seq)
+
+    io.purge_through = recording_purge  # type: ignore[method-assign]
+
+    class Keeps(Handles):
+        async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+            if request.seq == 1:
+                ctx.hold_removal(first_kept.wait)  # type: ignore[attr-defined]
+            else:
+                await asyncio.sleep(session_module.PURGE_WINDOW * 20)  # request 1's purge goes out beside it
+
+                async def kept() -> None:
+                    return None
+
+                ctx.hold_removal(kept)  # type: ignore[attr-defined]
+                second_done.set()
+            return None
+
+    run = asyncio.ensure_future(session(io, Keeps(steps), steps).run())
+    await second_done.wait()
+    for _ in range(50):  # let the session go as far as it can without request 1's confirmation
+        await asyncio.sleep(0)
+    assert purged_with == [], "a request was removed before its kept result was confirmed"
+    first_kept.set()
+    assert await run is Outcome.RELEASED
+    assert purged_with and all(confirmed for _, confirmed in purged_with)
+    assert io.inbox == {}
