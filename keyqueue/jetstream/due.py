@@ -25,6 +25,14 @@ parked key is scheduled again behind that time instead of being moved, so none o
 refused one; the refused one, once moved, unparks the key. A parked record whose last time is
 long past (its first request was dropped) is ignored, and it expires by itself.
 
+**Whose clock.** The server fires ``@at`` by its own wall clock, so every time the mover decides
+with ("5 s from now", "long past") is the server's, as :class:`ServerClock` knows it from the
+stamps on the due requests, and parked records, it reads; the mover never reads its own wall
+clock. That clock is never ahead of the server's: a request scheduled again is due 5 s later by
+the server's clock, whatever the mover's host says (not in the past, where the server would fire
+it at once, again and again), and a parked record is judged stale only once it is by the
+server's clock (a mover whose clock runs ahead does not let a later request overtake a parked one).
+
 **Bursts.** One in flight at a time, each move a few round trips, held 1,000 requests due at once
 for seconds. So the mover that is delivered the one due request in flight (which no other mover
 can get while it is unacknowledged: it is the fleet's lock on moving) reads up to
@@ -68,7 +76,9 @@ from keyqueue.jetstream.schedules import (
     SCHEDULER,
     ScheduleNames,
     ScheduleStore,
+    parse_time,
 )
+from keyqueue.jetstream.server_clock import ServerClock
 from keyqueue.jetstream.subjects import QueueNames, validate_key
 from keyqueue.wire.headers import MSG_ID
 
@@ -85,7 +95,7 @@ FETCH_WAIT: Final = 5.0
 RETRY_DELAY: Final = 1.0
 """Seconds before a due request whose move failed is delivered again."""
 BACKLOG_FULL_DELAY: Final = 5.0
-"""Seconds until a due request refused by a full per-key backlog is due again."""
+"""Seconds (by the server's clock) until a due request refused by a full per-key backlog is due again."""
 BEHIND: Final = dt.timedelta(milliseconds=20)
 """How much later than the last one a due request of a parked key is scheduled again."""
 PARKED_TTL: Final = 3600
@@ -113,7 +123,8 @@ def due_request(msg_subject: str, headers: dict[str, str], body: bytes, seq: int
 class DueMover:
     """Moves a queue's due requests into their keys' inboxes until :meth:`stop`."""
 
-    def __init__(self, nc: Client, queue: str, *, on_moved: Callable[[OutgoingRequest], None] | None = None) -> None:
+    def __init__(self, nc: Client, queue: str, *, on_moved: Callable[[OutgoingRequest], None] | None = None,
+                 clock: ServerClock | None = None) -> None:
         self.nc = nc
         self.names = ScheduleNames(queue)
         self.queue_names = QueueNames(queue)
@@ -123,6 +134,8 @@ class DueMover:
         self.on_moved = on_moved
         self.moved = 0
         """Due requests this mover stored in an inbox (a repeated move of one counts again)."""
+        self.clock = clock or ServerClock()
+        """The server's time, from the stamps of what this mover reads: the only clock it decides by."""
         self._stopping = asyncio.Event()
         self._batches = False
         """Whether the schedules stream allows direct gets: then due requests are moved in batches."""
@@ -177,6 +190,7 @@ class DueMover:
             await self._mux.close()
 
     async def _move(self, msg: Msg) -> None:
+        self.clock.saw(msg.metadata.timestamp)
         request = due_request(msg.subject, dict(msg.headers or {}), msg.data, msg.metadata.sequence.stream,
                               self.names)
         parked = await self._parked(request.key)
@@ -215,9 +229,12 @@ class DueMover:
         """Move ``head`` (the one due request in flight: while it is unacknowledged no other mover gets
         any) and up to ``MOVE_BATCH - 1`` stored after it; see "Bursts" in the module docstring."""
         first = head.metadata.sequence.stream
+        self.clock.saw(head.metadata.timestamp)
         try:
             ahead, _ = await self.api.get_batch(self.names.stream, seq=first + 1, batch=MOVE_BATCH - 1,
                                                 next_by_subject=self.names.due_prefix + ">")
+            for stored in ahead:
+                self.clock.saw(_stamp(stored.timestamp))
             parked = await self._parked_keys()
         except KeyqueueError as exc:
             log.debug("queue %s: no batch of due requests (%r); moving one", self.names.queue, exc)
@@ -311,7 +328,9 @@ class DueMover:
         except StreamNotFound:
             return {}
         parked = {}
-        now = dt.datetime.now(dt.UTC)
+        for record in found:
+            self.clock.saw(_stamp(record.timestamp))
+        now = self.clock.now()
         for record in found:
             decoded = _Parked.decode(record.data, record.seq)
             if decoded is not None and decoded.last >= now - STALE_PARKED:
@@ -321,7 +340,7 @@ class DueMover:
     async def _schedule_again(self, seq: int, request: OutgoingRequest, parked: _Parked | None) -> _Parked | None:
         """A full per-key backlog refused the due request at ``seq``: schedule it again a little later
         and park its key behind it; the key's parked record after it, None if that failed."""
-        due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=BACKLOG_FULL_DELAY)
+        due = self.clock.now() + dt.timedelta(seconds=BACKLOG_FULL_DELAY)
         log.warning("queue %s: key %r's backlog is full; its due request %s is due again at %s", self.names.queue,
                     request.key, request.request_id, due.isoformat())
         try:
@@ -338,7 +357,7 @@ class DueMover:
         """The key is parked behind an earlier due request: schedule the one at ``seq`` again after the
         last of the key's, so it joins the key's inbox in the order it fell due; the key's parked
         record after it, None if that failed."""
-        due = max(parked.last, dt.datetime.now(dt.UTC)) + BEHIND
+        due = max(parked.last, self.clock.now()) + BEHIND
         try:
             await self.store.delay(request.key, request.request_id, request.headers, request.body, due,
                                    msg_id=f"{request.request_id}~behind-{seq}")
@@ -370,8 +389,9 @@ class DueMover:
                                         direct=False)
         if record is None:
             return None
+        self.clock.saw(_stamp(record.timestamp))
         parked = _Parked.decode(record.data, record.seq)
-        if parked is None or parked.last < dt.datetime.now(dt.UTC) - STALE_PARKED:
+        if parked is None or parked.last < self.clock.now() - STALE_PARKED:
             return None
         return parked
 
@@ -390,10 +410,18 @@ class DueMover:
             await msg.nak(delay=delay)
 
 
+def _stamp(timestamp: str) -> dt.datetime | None:
+    """A stored message's server timestamp (RFC 3339), None when there is none or it is unreadable."""
+    try:
+        return parse_time(timestamp) if timestamp else None
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True)
 class _Parked:
-    """A parked key's record: the due request that must go first, and the latest time any of the
-    key's due requests was scheduled again."""
+    """A parked key's record: the due request that must go first, and the latest time (the
+    server's) any of the key's due requests was scheduled again."""
 
     first: str
     last: dt.datetime

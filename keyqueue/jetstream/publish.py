@@ -218,7 +218,9 @@ class Publisher:
                 except KeyqueueTimeout:
                     results.append(EnqueueTimeout(self.names.queue, item.key, item.request_id, self.timeout))
                 except KeyqueueError as e:
-                    results.append(EnqueueError(f"request for key {item.key!r} not stored: {e}"))
+                    refused = EnqueueError(f"request for key {item.key!r} not stored: {e}")
+                    refused.__cause__ = e  # a caller tells a passing refusal from one about the request
+                    results.append(refused)
             keys = list(dict.fromkeys(r.key for r in results if isinstance(r, Enqueued)))
             tokens = await self._pipeline(mux, [(self.names.token(k), b"", None) for k in keys], window, outage)
             lost = [n for n, reply in enumerate(tokens) if isinstance(reply, ConnectionFailed | KeyqueueTimeout)]

@@ -27,7 +27,9 @@ option, by default the task's name: running the same rows again within the windo
 nothing. Use a new ``jobId`` to enqueue the same rows again on purpose.
 
 A row that cannot become a request (no key, an invalid key, a value that is not plain) is not
-published: it is counted and described in the job's summary. The commit logs the summary
+published: it is counted and described in the job's summary. A row the server refuses for a
+reason that passes (:func:`refused_for_now`: a full per-key backlog, no acknowledgement) is not
+a bad row: its task fails with :class:`KeyqueueWriteRefused` and Spark runs it again. The commit logs the summary
 (rows, accepted, duplicates, errors) to stderr, writes it as JSON to ``summaryPath`` if given,
 and fails the job if there were more than ``maxErrors`` bad rows (default 0; -1 allows any) --
 after the good rows are stored, so fixing the bad rows and running the same job again adds only
@@ -55,7 +57,16 @@ from pyspark.sql import Row
 from pyspark.sql.datasource import DataSourceWriter, WriterCommitMessage
 from pyspark.sql.types import DataType, StructType
 
-from keyqueue.errors import KeyqueueError, TokenPublishFailed
+from keyqueue.errors import (
+    BacklogFull,
+    ConnectionFailed,
+    EnqueueError,
+    EnqueueTimeout,
+    JetStreamUnavailable,
+    KeyqueueError,
+    KeyqueueTimeout,
+    TokenPublishFailed,
+)
 from keyqueue.ext import Client, Enqueued, OutgoingRequest, QueueNames
 from keyqueue.wire import CBOR
 
@@ -77,6 +88,12 @@ DEFAULT_MAX_PENDING_WRITERS: Final = 8
 
 class KeyqueueWriteError(RuntimeError):
     """A write finished with more bad rows than ``maxErrors`` allows; the message has the summary."""
+
+
+class KeyqueueWriteRefused(RuntimeError):
+    """The server refused rows for a reason that passes (a full per-key backlog, no acknowledgement,
+    the connection down): the task fails so that Spark runs it again. The rows it stored before
+    are not stored twice (the same request ids, within the duplicate window)."""
 
 
 # --- options -----------------------------------------------------------------------------------------
@@ -351,6 +368,7 @@ class PartitionWriter:
             await gate.room()
             summary.waited = gate.waited
         results = await enqueue_many(nc, self.options.queue, batch)
+        refused: list[EnqueueError] = []
         for request, result in zip(batch, results, strict=True):
             if isinstance(result, Enqueued):
                 summary.accepted += 1
@@ -358,9 +376,28 @@ class PartitionWriter:
             elif isinstance(result, TokenPublishFailed):
                 summary.accepted += 1
                 summary.unscheduled += 1
+            elif refused_for_now(result):
+                refused.append(result)
             else:
                 summary.error(f"key {request.key!r} request {request.request_id}: {type(result).__name__}: {result}")
         await progress.report(self._counts(None))
+        if refused:
+            # Not bad rows: counting them as such would let the commit record rows never stored.
+            # The task fails before its later rows (a key's rows stay in order) and runs again whole.
+            raise KeyqueueWriteRefused(
+                f"keyqueue write to {self.options.queue}/{self.options.task}, partition {self.partition}: "
+                f"{len(refused)} rows refused for now, e.g. {type(refused[0]).__name__}: {refused[0]}. "
+                "The task fails so that Spark runs it again; rows already stored are not stored twice. "
+                "If it keeps failing: start workers for the queue, raise its max_backlog_per_key, or set "
+                "maxPending to wait for room")
+
+
+def refused_for_now(error: EnqueueError) -> bool:
+    """Whether the server refused a row for a reason that passes (a full backlog, no acknowledgement,
+    the connection or JetStream down), not because of the row: running the task again stores it."""
+    if isinstance(error, BacklogFull | EnqueueTimeout):
+        return True
+    return isinstance(error.__cause__, ConnectionFailed | KeyqueueTimeout | JetStreamUnavailable)
 
 
 def _task_partition() -> tuple[int, int]:

@@ -17,13 +17,16 @@ run in that order), with request ids derived from the query, the micro-batch and
   ``idColumn``, that column's value alone (a stable row id then dedupes across micro-batches too).
 
 A retried task, or a micro-batch that Spark runs again after a restart, so publishes the same
-ids, and JetStream drops the repeats within the inbox's duplicate window. For restarts later
-than that, the driver's commit records the last committed micro-batch of the query in the KV
-bucket :data:`COMMITS_BUCKET` (key ``query.<query id>``) before Spark records it in the
-checkpoint: a task of a micro-batch at or below it writes nothing (its rows count as
-``skipped``). What no id can cover is a micro-batch cut off mid-way and run again only after the
-duplicate window has passed: raise the queue's window (``duplicateWindow`` when the sink creates
-it) above the longest outage you expect.
+ids, and JetStream drops the repeats within the inbox's duplicate window. A row the server
+refuses for now (a full per-key backlog, no acknowledgement) fails its task
+(:class:`~keyqueue_spark.sink.KeyqueueWriteRefused`), so Spark runs the task, or after a
+restart the micro-batch, again. For restarts later than the window, the driver's commit records
+the last committed micro-batch of the query in the KV bucket :data:`COMMITS_BUCKET` (key
+``query.<query id>``) before Spark records it in the checkpoint, and only once every row of the
+micro-batch is stored or counted bad within ``maxErrors``: a task of a micro-batch at or below
+it writes nothing (its rows count as ``skipped``). What no id can cover is a micro-batch cut
+off mid-way and run again only after the duplicate window has passed: raise the queue's window
+(``duplicateWindow`` when the sink creates it) above the longest outage you expect.
 """
 
 from __future__ import annotations
@@ -145,12 +148,14 @@ class KeyqueueStreamWriter(DataSourceStreamWriter):
             await nc.close()
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        # Spark calls this only once every task succeeded, so each row is stored or counted bad. More
+        # bad rows than maxErrors fail the query before the record: a restart runs the micro-batch again.
         total = WriteSummary.total(messages)
-        if total.query_id is not None:
-            asyncio.run(self._record(total.query_id, batchId))
         report_write(total, self.options, f"stream write committed micro-batch {batchId}", aborted=False,
                      batch_id=batchId)
         check_errors(total, self.options)
+        if total.query_id is not None:
+            asyncio.run(self._record(total.query_id, batchId))
 
     async def _record(self, query_id: str, batch_id: int) -> None:
         nc = await connect_to(self.options.url)

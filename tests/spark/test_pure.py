@@ -21,12 +21,21 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from keyqueue.errors import (
+    BacklogFull,
+    Disconnected,
+    EnqueueError,
+    EnqueueTimeout,
+    JetStreamError,
+    JetStreamUnavailable,
+    KeyqueueTimeout,
+)
 from keyqueue.events import EVENT_FIELD_NAMES, EVENT_FIELDS, event
 from keyqueue_spark.backfill import guess_format
 from keyqueue_spark.events import coerce_event, event_schema
 from keyqueue_spark.report import MAX_BUCKETS, pick_bucket
 from keyqueue_spark.rows import RowIdentity, derive_request_id, plain_converter
-from keyqueue_spark.sink import SinkOptions
+from keyqueue_spark.sink import SinkOptions, refused_for_now
 from keyqueue_spark.source import SequenceRange, SourceOptions, plan_partitions, split_range
 
 
@@ -142,3 +151,17 @@ def test_progress_counts_a_retried_tasks_rows_once_and_its_stored_requests_all()
     progress.record(TaskCounts(1, 0, 150, 150, 0, 1, 2.5, 120, 100, False))
     assert progress.totals() == (250, 250, 80, 1)
     assert progress.waiting() == (120, 2.5)
+
+
+def caused(cause: Exception) -> EnqueueError:
+    error = EnqueueError(f"request not stored: {cause}")
+    error.__cause__ = cause
+    return error
+
+
+def test_a_refusal_that_passes_is_told_from_one_about_the_row() -> None:
+    for passing in (BacklogFull("q", "k"), EnqueueTimeout("q", "k", "r1", 5.0), caused(Disconnected("down")),
+                    caused(KeyqueueTimeout("no ack")), caused(JetStreamUnavailable("electing"))):
+        assert refused_for_now(passing), passing
+    for about_the_row in (caused(JetStreamError("message size exceeds maximum allowed")), EnqueueError("?")):
+        assert not refused_for_now(about_the_row), about_the_row

@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 
+from keyqueue import QueueConfig
+from keyqueue.ext import JetStreamApi, Topology
 from keyqueue.server.embedded import EmbeddedServer
+from keyqueue_spark.streams import connect_to
 from tests.spark.helpers import message_count, run, stream_messages
 
 ROWS, KEYS, PARTITIONS = 20_000, 2_000, 4
@@ -71,3 +74,24 @@ def test_bad_rows_are_reported_not_dropped(spark: Any, server: EmbeddedServer, t
     assert "more than maxErrors=0 rows were bad" in str(failed.value)
     strict = json.loads((tmp_path / "strict.json").read_text())
     assert (strict["accepted"], strict["errors"]) == (2, 3)  # the good rows are stored even so
+
+
+async def capped_queue(url: str, max_backlog_per_key: int) -> None:
+    nc = await connect_to(url)
+    try:
+        await Topology(JetStreamApi(nc), QueueConfig("backfill", max_backlog_per_key=max_backlog_per_key)).ensure()
+    finally:
+        await nc.close()
+
+
+def test_rows_a_full_backlog_refuses_fail_the_write_whatever_max_errors_allows(
+        spark: Any, server: EmbeddedServer, tmp_path: Path) -> None:
+    run(capped_queue(server.url, 2))  # nobody runs the queue: a key's third row finds its backlog full
+    frame = spark.createDataFrame([("doc-1", n) for n in range(5)], "doc string, n long").coalesce(1)
+
+    # Not bad rows (nothing is wrong with them): the write fails, it does not go on without them.
+    with pytest.raises(Exception, match="rows refused for now") as failed:
+        write(frame, server.url, tmp_path / "refused.json", maxErrors="-1")
+    assert "BacklogFull" in str(failed.value) and "max_backlog_per_key" in str(failed.value)
+    assert json.loads((tmp_path / "refused.json").read_text())["aborted"] is True  # Spark aborted it, no commit
+    assert run(message_count(server.url, "KQ_backfill_INBOX")) == 2

@@ -1,4 +1,5 @@
-"""The streaming sink: each row stored once across a driver killed mid-batch and a restart past the window."""
+"""The streaming sink: each row stored once across a driver killed mid-batch, rows refused for a while,
+and a restart past the window."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import Any
 import nats
 import pytest
 
+from keyqueue import QueueConfig
+from keyqueue.ext import JetStreamApi, Topology
 from keyqueue.server.embedded import EmbeddedServer
 from keyqueue_spark.stream_sink import last_committed
 from keyqueue_spark.streams import connect_to
@@ -140,3 +143,50 @@ async def committed_batch(url: str, query_id: str) -> int | None:
         return await last_committed(nc, query_id)
     finally:
         await nc.close()
+
+
+BACKLOG_CAP = 4
+"""The target queue's per-key backlog cap in the refusal test: the hot key's rows pass it at once."""
+
+
+async def target_queue(url: str, *, max_backlog_per_key: int, create: bool) -> None:
+    """Create the target queue with a per-key backlog cap, or change the cap of the one there is."""
+    nc = await connect_to(url)
+    try:
+        topology = Topology(JetStreamApi(nc), QueueConfig(TARGET_QUEUE, max_backlog_per_key=max_backlog_per_key))
+        if create:
+            await topology.ensure()
+        else:
+            await topology.configure(max_backlog_per_key=max_backlog_per_key)
+    finally:
+        await nc.close()
+
+
+def test_rows_refused_by_a_full_backlog_fail_the_micro_batch_and_are_stored_once_after_a_restart(
+        spark: Any, server: EmbeddedServer, tmp_path: Path) -> None:
+    events = history(SOURCE_QUEUE, requests=40)
+    run(publish_history(server.url, SOURCE_QUEUE, events))
+    expected = keyed_events(events)
+    checkpoint = str(tmp_path / "checkpoint")
+    # Nobody serves the target queue: past BACKLOG_CAP rows of a key the server refuses the rest (BacklogFull).
+    run(target_queue(server.url, max_backlog_per_key=BACKLOG_CAP, create=True))
+    assert sum(e["key"] == "key-3" for e in expected.values()) > BACKLOG_CAP  # the hot key
+
+    query = start(spark, server.url, checkpoint)
+    try:
+        with pytest.raises(Exception, match="BacklogFull"):
+            query.processAllAvailable()
+    finally:
+        query.stop()
+    stored = run(message_count(server.url, f"KQ_{TARGET_QUEUE}_INBOX"))
+    assert 0 < stored < len(expected)  # the refused rows are not stored
+
+    # Room again (as when workers drain the key); the query restarts from its checkpoint and runs the
+    # failed micro-batch again: the refused rows are stored, those stored before are not stored twice.
+    run(target_queue(server.url, max_backlog_per_key=0, create=False))
+    query = start(spark, server.url, checkpoint)
+    try:
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    assert_each_event_once_in_order(server.url, expected)

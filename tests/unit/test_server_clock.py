@@ -1,0 +1,48 @@
+"""``ServerClock``: the server's time from the stamps it puts on stored messages, never this host's wall clock."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from keyqueue.jetstream.server_clock import ServerClock
+
+T0 = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
+
+
+class Monotonic:
+    def __init__(self) -> None:
+        self.value = 1000.0
+
+    def __call__(self) -> float:
+        return self.value
+
+
+def test_it_runs_on_from_the_stamp_by_the_monotonic_clock() -> None:
+    mono = Monotonic()
+    clock = ServerClock(mono)
+    clock.saw(T0)
+    mono.value += 7.5
+    assert clock.now() == T0 + dt.timedelta(seconds=7.5)
+
+
+def test_the_freshest_stamp_wins_and_an_older_one_never_winds_it_back() -> None:
+    mono = Monotonic()
+    clock = ServerClock(mono)
+    clock.saw(T0)  # a redelivery, stored long before: the clock lags the server by that much
+    assert clock.now() == T0
+    clock.saw(T0 + dt.timedelta(seconds=6))  # stored just now: closer to the server's time
+    assert clock.now() == T0 + dt.timedelta(seconds=6)
+    mono.value += 2
+    clock.saw(T0 + dt.timedelta(seconds=1))
+    assert clock.now() == T0 + dt.timedelta(seconds=8)
+
+
+def test_before_any_stamp_the_servers_time_is_unknown() -> None:
+    clock = ServerClock(Monotonic())
+    clock.saw(None)
+    clock.saw(dt.datetime(2026, 11, 27))  # naive: no zone, no server time
+    assert not clock.known
+    with pytest.raises(LookupError, match="no server timestamp"):
+        clock.now()
