@@ -21,10 +21,18 @@ injectors for the chosen classes (:data:`CLASSES`, any mix):
 - ``stepdown``: the leader of a queue stream or of the token consumer steps down;
 - ``clock``: each worker's wall clock runs 10-60 s ahead or behind (drawn per worker).
 
+The workload's handler shapes (``handlers``, :mod:`keyqueue.chaos.handlers`): each request runs
+in an ``async def``, a ``def`` in a thread or a ``def`` in a process-pool child, drawn per
+request among those chosen; one request every ``stall_every`` seconds holds the GIL or blocks its
+loop for 1.5x the lease; with ``bad-input``, bad requests are mixed in. Each worker process's RSS
+is sampled after ``rss_warmup`` seconds and once every request has completed
+(:class:`~keyqueue.chaos.fleet.RssWatch`), and printed; ``rss_limit`` makes it part of ``ok``.
+
 :mod:`keyqueue.chaos.injectors` says exactly what each fault does. The run ends after
 ``duration`` seconds or ``max_faults`` faults, whichever comes first; then every fault is
 reverted, producers stop, and the soak waits for every request to complete before it checks the
 log (:func:`keyqueue.chaos.checker.check`, safety and liveness) and the fenced store's history.
+Workers that die meanwhile (a kill, the loop watchdog) are started again until then.
 """
 
 from __future__ import annotations
@@ -281,8 +289,7 @@ async def soak(options: SoakOptions) -> SoakResult:
     offsets = ({name: rng.choice((-1, 1)) * round(rng.uniform(*options.clock_offsets), 1) for name in names}
                if "clock" in options.classes else {})
     fleet: Fleet | None = None
-    settled = asyncio.Event()
-    """Set once every request has completed (or the soak failed): the supervisor and RSS watch stop."""
+    settled = asyncio.Event()  # every request completed (or the soak failed): supervisor and RSS watch stop
     try:
         for group in groups.values():
             for proxy in group.proxies:
