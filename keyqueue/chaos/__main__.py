@@ -44,10 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--handlers", default="async",
                    help=f"handler shapes of the workload, comma-separated, any mix of {', '.join(HANDLERS)}; or "
                         "all (default: async). Each request takes one of async/thread/process; one request every "
-                        "--stall-every seconds stalls its worker in a gil or blocking handler; bad-input mixes in "
-                        "requests the workers must dead-letter")
+                        "--stall-every seconds stalls its worker in a gil or blocking handler, or runs 1.5x the "
+                        "lease longer in a thread or process; bad-input mixes in requests the workers must "
+                        "dead-letter")
     p.add_argument("--stall-every", type=float, default=8.0,
-                   help="seconds between two requests flagged to stall (gil, blocking) (default 8)")
+                   help="seconds between two requests flagged to stall (gil, blocking) or to be slow (thread, "
+                        "process), in turn (default 8)")
     p.add_argument("--bad-every", type=float, default=2.0,
                    help="seconds between two bad requests (bad-input) (default 2)")
     p.add_argument("--rss-warmup", type=float, default=10.0,

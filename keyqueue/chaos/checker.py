@@ -258,7 +258,11 @@ def check(records: Iterable[Record], expected: Mapping[str, Sequence[str]], *,
     """The verdict on a run log, given each key's request tags in enqueue order. Liveness is
     measured too; with ``bounds`` a strand or hand-off past them fails the verdict."""
     ordered = sorted(records, key=lambda r: float(r["t"]))
-    runs = build_runs(ordered)
+    bodies = _bodies(ordered)
+    runs = sorted(_with_bodies(_runs(ordered), bodies), key=lambda run: run.start)
+    busy: dict[str, list[Interval]] = defaultdict(list)
+    for b in bodies:
+        busy[b.key].append((b.start, b.end))
     overlaps, fenced = _overlaps(runs, _pauses(ordered), handover_after, _renewal_faults(ordered))
     bad_inputs = _bad_inputs(ordered)
     bad_tags = {(b.key, b.tag) for b in bad_inputs}
@@ -287,7 +291,7 @@ def check(records: Iterable[Record], expected: Mapping[str, Sequence[str]], *,
         writes_refused=sum(r.get("accepted") is False for r in writes),
         writes_unknown=sum(not isinstance(r.get("accepted"), bool) for r in writes),
         stale_accepted=tuple(stale),
-        liveness=measure_liveness(ordered, bounds),
+        liveness=measure_liveness(ordered, bounds, busy),
         shapes={shape: (n, shape_overlaps[shape]) for shape, n in shape_runs.items()},
         bad_inputs=tuple(bad_inputs),
     )
@@ -300,6 +304,11 @@ def build_runs(records: Iterable[Record]) -> list[Run]:
     """Every run in the log, open ones ended by the module's rule and extended by their bodies,
     in order of their start."""
     ordered = sorted(records, key=lambda r: float(r["t"]))
+    return sorted(_with_bodies(_runs(ordered), _bodies(ordered)), key=lambda run: run.start)
+
+
+def _runs(ordered: Sequence[Record]) -> list[Run]:
+    """The runs of ``start`` / ``end`` records (in ``t`` order), open ones ended by the module's rule."""
     end_of_log = float(ordered[-1]["t"]) if ordered else 0.0
     open_: dict[str, dict[tuple[str, str], list[tuple[float, str]]]] = defaultdict(lambda: defaultdict(list))
     runs: list[Run] = []
@@ -322,7 +331,7 @@ def build_runs(records: Iterable[Record]) -> list[Run]:
             end_open(w, t)
     for w in list(open_):
         end_open(w, end_of_log)
-    return sorted(_with_bodies(runs, _bodies(ordered)), key=lambda run: run.start)
+    return runs
 
 
 @dataclass(frozen=True, slots=True)

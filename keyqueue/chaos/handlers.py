@@ -14,8 +14,9 @@ own way; the soak's workload runs every shape it is given (``--handlers``, :data
     bad-input requests the worker must refuse (:data:`BAD_INPUTS`), mixed in by the producer
 
 A request's body is JSON ``{"tag": ..., "sleep": seconds, "shape": ...}``, with ``"block":
-seconds`` on a request flagged to stall (``gil``, ``blocking``): only the request's first run in
-the whole fleet stalls (claimed with a marker file beside the log), so the key makes progress.
+seconds`` on a request flagged to stall (``gil``, ``blocking``) or to be slow (``thread``,
+``process``: its body sleeps that much longer): only the request's first run in the whole fleet
+does (claimed with a marker file beside the log), so the key makes progress.
 
 The sync shapes log their own ``enter`` and ``leave`` records from inside the thread or child
 (with its ``pid``; ``"child": true`` from a pool child), and the worker logs ``reaped`` once the
@@ -39,8 +40,8 @@ from keyqueue.errors import MalformedBody, UnknownMessageType, UnsupportedVersio
 from keyqueue.wire import headers as H
 from keyqueue.wire.envelope import peek
 
-__all__ = ["BAD_INPUTS", "HANDLERS", "RUNNING", "SHAPES", "STALLING", "WORK_TYPE", "RunLog", "app", "bad_request",
-           "hold_gil", "read_work", "sync_fields", "sync_work", "work_headers"]
+__all__ = ["BAD_INPUTS", "HANDLERS", "RUNNING", "SHAPES", "SLOW", "STALLING", "WORK_TYPE", "RunLog", "app",
+           "bad_request", "hold_gil", "read_work", "sync_fields", "sync_work", "work_headers"]
 
 SHAPES: Final = ("async", "thread", "process", "gil", "blocking")
 """Handler shapes; ``async`` is the shape of a request when no running shape is chosen."""
@@ -48,6 +49,9 @@ RUNNING: Final = ("async", "thread", "process")
 """Shapes every request may take (drawn per request)."""
 STALLING: Final = ("gil", "blocking")
 """Shapes only flagged requests take: their first run stalls the worker for 1.5x the lease."""
+SLOW: Final = ("thread", "process")
+"""Running shapes that flagged requests take too: their first run's body sleeps 1.5x the lease more
+(the session renews meanwhile; a fault that costs the lease meets a body that cannot be cut off)."""
 HANDLERS: Final = (*SHAPES, "bad-input")
 """What ``--handlers`` accepts (``all``: every one)."""
 BAD_INPUTS: Final = ("malformed-body", "unknown-type", "bad-version", "long-inbox")
@@ -151,7 +155,9 @@ def hold_gil(seconds: float) -> None:
     ctypes.PyDLL(None).usleep(ctypes.c_uint(int(seconds * 1_000_000)))
 
 
-def sync_fields(log: str, w: str, key: str, work: Mapping[str, Any], shape: str, hold: float) -> dict[str, Any]:
-    """The arguments of :func:`sync_work` for one run."""
-    return {"log": log, "w": w, "key": key, "tag": str(work["tag"]), "shape": shape,
-            "sleep": float(work.get("sleep", 0.0)), "hold": hold}
+def sync_fields(log: str, w: str, key: str, work: Mapping[str, Any], shape: str, stall: float) -> dict[str, Any]:
+    """The arguments of :func:`sync_work` for one run; ``stall``: seconds this run holds the GIL
+    (``gil``) or sleeps longer (``thread``, ``process``)."""
+    sleep = float(work.get("sleep", 0.0)) + (stall if shape in SLOW else 0.0)
+    return {"log": log, "w": w, "key": key, "tag": str(work["tag"]), "shape": shape, "sleep": sleep,
+            "hold": stall if shape == "gil" else 0.0}

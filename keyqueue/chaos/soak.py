@@ -24,9 +24,10 @@ injectors for the chosen classes (:data:`CLASSES`, any mix):
 The workload's handler shapes (``handlers``, :mod:`keyqueue.chaos.handlers`): each request runs
 in an ``async def``, a ``def`` in a thread or a ``def`` in a process-pool child, drawn per
 request among those chosen; one request every ``stall_every`` seconds holds the GIL or blocks its
-loop for 1.5x the lease; with ``bad-input``, bad requests are mixed in. Each worker process's RSS
-is sampled after ``rss_warmup`` seconds and once every request has completed
-(:class:`~keyqueue.chaos.fleet.RssWatch`), and printed; ``rss_limit`` makes it part of ``ok``.
+loop for 1.5x the lease, or runs that much longer in a thread or child; with ``bad-input``, bad
+requests are mixed in. Each worker process's RSS is sampled after ``rss_warmup`` seconds and once
+every request has completed (:class:`~keyqueue.chaos.fleet.RssWatch`), and printed;
+``rss_limit`` makes it part of ``ok``.
 
 :mod:`keyqueue.chaos.injectors` says exactly what each fault does. The run ends after
 ``duration`` seconds or ``max_faults`` faults, whichever comes first; then every fault is
@@ -51,7 +52,7 @@ from pathlib import Path
 from keyqueue.chaos.checker import LivenessBounds, Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore, FenceSnapshot
 from keyqueue.chaos.fleet import Faults, Fleet, LogTail, RssSample, RssWatch, WorkerSpec
-from keyqueue.chaos.handlers import BAD_INPUTS, HANDLERS, RUNNING, STALLING, bad_request, work_headers
+from keyqueue.chaos.handlers import BAD_INPUTS, HANDLERS, RUNNING, SLOW, STALLING, bad_request, work_headers
 from keyqueue.chaos.injectors import NODE_FAULT_CLASSES, node_faults, process_faults, server_faults
 from keyqueue.chaos.proxy import DEFAULT_FAULTS, Faultable, FaultProxy, FaultScript, InjectedFault, ProxyGroup
 from keyqueue.errors import ConnectionFailed, EnqueueError, JetStreamUnavailable, KeyqueueTimeout, TokenPublishFailed
@@ -97,7 +98,8 @@ class SoakOptions:
     """Handler shapes and ``bad-input`` (:data:`keyqueue.chaos.handlers.HANDLERS`): each request
     takes one of the running shapes chosen (``async`` if none is), flagged ones a stalling shape."""
     stall_every: float = 8.0
-    """With ``gil`` or ``blocking``: seconds between two requests flagged to stall (1.5x the lease)."""
+    """Seconds between two requests flagged to stall (``gil``, ``blocking``: 1.5x the lease) or to be
+    slow (``thread``, ``process``: a body 1.5x the lease longer), each chosen shape in turn."""
     bad_every: float = 2.0
     """With ``bad-input``: seconds between two bad requests (their kinds in turn)."""
     pool_size: int = 4
@@ -164,10 +166,10 @@ class _Producer:
     """Enqueues requests at ``rate`` until ``ending``, each retried with its id until stored.
 
     Each request takes a running shape of ``options.handlers`` (drawn per request); one every
-    ``stall_every`` seconds is flagged to stall in a stalling shape (and one per ``block-loop``
-    fault to block its loop); with ``bad-input``, a bad request is mixed in every ``bad_every``
-    seconds on a random key, logged as ``bad_input`` rather than ``stored`` (it is expected in the
-    dead-letter queue, never run in order)."""
+    ``stall_every`` seconds is flagged to stall in a stalling shape or to be slow in a sync one
+    (and one per ``block-loop`` fault to block its loop); with ``bad-input``, a bad request is
+    mixed in every ``bad_every`` seconds on a random key, logged as ``bad_input`` rather than
+    ``stored`` (it is expected in the dead-letter queue, never run in order)."""
 
     def __init__(self, publisher: Publisher, options: SoakOptions, rng: random.Random, fleet: Fleet) -> None:
         self.publisher, self.options, self.rng, self.fleet = publisher, options, rng, fleet
@@ -178,7 +180,7 @@ class _Producer:
         self._tags: dict[str, str] = {}
         self._bad: dict[str, str] = {}
         self._shapes = [shape for shape in RUNNING if shape in options.handlers] or ["async"]
-        self._stalls = [shape for shape in STALLING if shape in options.handlers]
+        self._stalls = [shape for shape in (*STALLING, *SLOW) if shape in options.handlers]
         self._shape_rng = random.Random(options.seed + 7)
 
     def flag_block(self, seconds: float) -> None:

@@ -9,8 +9,9 @@ dead-lettered at once with the reason, as keyqueue's task processor does): a JSO
 processor logs ``start``, runs the work in its handler shape (:mod:`keyqueue.chaos.handlers`: on
 the loop, in a thread, in a child of the process pool ``--pool-size``), waiting ``sleep`` seconds
 (with ``block``: first stalls that long, by blocking the event loop with ``time.sleep`` or holding
-the GIL in a thread, logging ``blocked`` / ``unblocked`` records; only the first run of the
-request in the whole fleet stalls, claimed with a marker file beside the log), checks its lease, writes the
+the GIL in a thread, logging ``blocked`` / ``unblocked`` records, or, in a thread or child, sleeps
+that much longer; only the first run of the request in the whole fleet does, claimed with a marker
+file beside the log), checks its lease, writes the
 tag to the :class:`~keyqueue.chaos.fenced.FencedStore` under the session's fencing token (logging
 the ``write`` and whether it was accepted), and logs ``end`` (``"ok": false`` when it did not
 finish). A refused write means this holder is a former one: the run ends with ``LeaseLost`` and
@@ -149,8 +150,7 @@ class FencedWriter(BaseProcessor):
                     self.log.write("unblocked", key=request.key, tag=tag)
                 await asyncio.sleep(float(work.get("sleep", 0.0)))
             else:
-                hold = stall if shape == "gil" else 0.0
-                fields = sync_fields(self.log.path, self.log.worker, request.key, work, shape, hold)
+                fields = sync_fields(self.log.path, self.log.worker, request.key, work, shape, stall)
                 if shape == "process":
                     await self._in_child(ctx, request, fields)
                 else:

@@ -550,3 +550,19 @@ def test_a_bad_request_never_dead_lettered_fails_the_run() -> None:
     assert not verdict.ok
     assert [b.tag for b in verdict.unsettled] == ["k-bad-0", "k-bad-1"]
     assert "unsettled bad input k: k-bad-0 (bad-version, request 7-k-bad-0)" in verdict.summary()
+
+
+def test_a_hand_off_counts_from_the_end_of_a_sync_body_running_at_the_fault() -> None:
+    # w1's thread runs a from 1.1 to 5.0 (a slow sync task) when its connection is reset at 2; b can
+    # only start once a is done: the hand-off is measured from 5.0, not 2.0.
+    def log(next_start: float) -> list[dict[str, Any]]:
+        return [ready("w1", 0.0), event("acquired", "w1", 1.0, "k"), rec("start", "w1", 1.1, "k", "a", shape="thread"),
+                *body("w1", "k", "a", 1.1, 5.0, pid=10), rec("end", "w1", 5.0, "k", "a"), stored(1.5, "k", "b"),
+                fault(2.0, "net-reset", "w1", 1), fault_end(2.0, 1), *run("w1", "k", "b", next_start, next_start + 0.1),
+                event("released", "w1", next_start + 0.2, "k")]
+
+    verdict = check(log(5.5), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert verdict.ok, verdict.summary()
+    assert verdict.liveness is not None and [h.seconds for h in verdict.liveness.handoffs] == [0.5]
+    late = check(log(7.5), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert late.liveness is not None and [(h.seconds, h.alone) for h in late.liveness.late_handoffs] == [(2.5, True)]
