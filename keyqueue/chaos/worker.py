@@ -1,7 +1,7 @@
 """A worker process for chaos runs: a real ``QueueWorker`` whose processor logs every run.
 
     python -m keyqueue.chaos.worker URL[,URL...] QUEUE LOGFILE --name w1 [--ack-wait S] [--concurrency N]
-        [--clock-offset S]
+        [--clock-offset S] [--pool-size N]
 
 Each request is read as :func:`keyqueue.chaos.handlers.read_work` says (one it cannot read is
 dead-lettered at once with the reason, as keyqueue's task processor does): a JSON body
