@@ -8,6 +8,7 @@
     liveness              strands (a request waiting for nobody) and hand-offs (a fault's keys moving), bounded
     clock                 a worker process whose wall clock is tens of seconds off (the run log stays true)
     fleet, injectors      the soak's worker processes and its fault injectors (process, server, cluster nodes)
+    handlers              the handler shapes a worker runs (async, thread, process pool, GIL, blocking) and bad input
 
 A soak wires them together: each worker process connects through its own ``FaultProxy``, its
 processor writes every run through a ``FencedStore`` and logs ``start`` / ``write`` / ``end``

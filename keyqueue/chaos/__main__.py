@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+from keyqueue.chaos.handlers import HANDLERS
 from keyqueue.chaos.liveness import LivenessBounds
 from keyqueue.chaos.soak import CLASSES, CLUSTER_CLASSES, DEFAULT_CLASSES, SoakOptions, soak
 
@@ -40,6 +41,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="after a fault shorter than the lease, its keys progress within this (default 2 s)")
     p.add_argument("--lease-slack", type=float, default=1.0,
                    help="after a lost holder's lease (whole seconds), its keys move within this (default 1 s)")
+    p.add_argument("--handlers", default="async",
+                   help=f"handler shapes of the workload, comma-separated, any mix of {', '.join(HANDLERS)}; or "
+                        "all (default: async). Each request takes one of async/thread/process; one request every "
+                        "--stall-every seconds stalls its worker in a gil or blocking handler, or runs 1.5x the "
+                        "lease longer in a thread or process; bad-input mixes in requests the workers must "
+                        "dead-letter")
+    p.add_argument("--stall-every", type=float, default=8.0,
+                   help="seconds between two requests flagged to stall (gil, blocking) or to be slow (thread, "
+                        "process), in turn (default 8)")
+    p.add_argument("--bad-every", type=float, default=2.0,
+                   help="seconds between two bad requests (bad-input) (default 2)")
+    p.add_argument("--rss-warmup", type=float, default=10.0,
+                   help="seconds a worker process runs before its warm-up RSS sample (default 10)")
+    p.add_argument("--rss-limit", type=float, default=None,
+                   help="fail the soak if a worker's RSS after the last fault is more than this fraction above "
+                        "its warm-up RSS (e.g. 0.10); default: print the comparison only")
     p.add_argument("--workdir", type=Path, default=Path("chaos-run"),
                    help="where the run log, worker stderr and the server's store go (default ./chaos-run)")
     args = p.parse_args(argv)
@@ -51,13 +68,22 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(classes) - set(CLASSES)
     if unknown:
         p.error(f"unknown fault class(es): {', '.join(sorted(unknown))}; choose from {', '.join(CLASSES)} or all")
+    handlers = tuple(h.strip() for h in args.handlers.split(",") if h.strip())
+    if handlers == ("all",):
+        handlers = HANDLERS
+    unknown = set(handlers) - set(HANDLERS)
+    if unknown or not handlers:
+        p.error(f"unknown handler(s): {', '.join(sorted(unknown)) or 'none given'}; choose from "
+                f"{', '.join(HANDLERS)} or all")
     if args.nodes == 1 and set(CLUSTER_CLASSES) & set(classes):
         p.error(f"{', '.join(sorted(set(CLUSTER_CLASSES) & set(classes)))} need a cluster: leave out --nodes 1")
     bounds = LivenessBounds(lease=args.ack_wait, strand=args.strand_bound, resume=args.resume_bound,
                             slack=args.lease_slack)
     options = SoakOptions(seed=args.seed, duration=args.duration, max_faults=args.faults, classes=classes,
                           nodes=args.nodes, workers=args.workers, keys=args.keys, rate=args.rate,
-                          ack_wait=args.ack_wait, bounds=bounds, workdir=args.workdir)
+                          ack_wait=args.ack_wait, bounds=bounds, workdir=args.workdir, handlers=handlers,
+                          stall_every=args.stall_every, bad_every=args.bad_every, rss_warmup=args.rss_warmup,
+                          rss_limit=args.rss_limit)
     # SIGTERM ends the soak like Ctrl-C: its worker processes and servers are stopped, not orphaned.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     result = asyncio.run(soak(options))

@@ -12,6 +12,13 @@ line, ``t`` is wall-clock ``time.time()``)::
     {"w": "w1", "kind": "exited", "t": ...}                           soak: w1's process died (any cause)
     {"w": "w1", "kind": "paused", "t": ...}                           soak: w1 was SIGSTOPped
     {"w": "w1", "kind": "resumed", "t": ...}                          soak: w1 is about to get SIGCONT
+    {"w": "w1", "kind": "enter", "t": ..., "key": "k", "tag": "k-3", "pid": 41, "child": false}
+                                    a sync handler's body began, in a thread (or, "child": true, a pool child)
+    {"w": "w1", "kind": "leave", "t": ..., "key": "k", "tag": "k-3", "pid": 41}    ... and ended, logged by itself
+    {"w": "w1", "kind": "reaped", "t": ..., "key": "k", "tag": "k-3"}   w1's pool answered or killed and joined
+                                                                        the child running it
+    {"w": "producer", "kind": "bad_input", "t": ..., "key": "k", "tag": "k-bad-0", "request_id": "7-k-bad-0",
+     "bad": "malformed-body"}                                         a bad request was stored
 
 Other kinds are ignored here; liveness (strands and hand-offs) reads more of them, and its rules
 are :mod:`keyqueue.chaos.liveness`'s docstring. The soak writes ``paused`` after sending SIGSTOP and ``resumed`` before
@@ -28,8 +35,23 @@ reuses a name while the old process lives), else at the end of the log (the last
 its other records say nothing about this run. Processors should log ``end`` in a ``finally``
 (``"ok": false`` on failure or cancellation) so that only a dead process leaves a run open.
 
+*Bodies.* A sync handler (a ``def`` in a thread or a pool child) logs ``enter`` and ``leave``
+from inside the thread or child, so its run is measured by the handler's own clock, not the
+session's. A body is identified by ``(w, pid, key, tag)``; an ``enter`` opens one, the next
+``leave`` of the same identity closes the earliest open one, and a child's body (``"child":
+true``) is closed by its worker's next ``reaped`` of ``(key, tag)`` as well, whichever comes
+first (the pool has its answer, or has killed and joined it). A body never closed ended when the
+process that ran it died: a thread with its worker (the worker's first ``killed``, ``exited``,
+``exit`` or new ``ready`` after the body began), a child, which a dead worker's child does not
+outlive (its parent-death signal; a child that does outlive it runs on and logs its own ``leave``,
+which then counts), at the same moment; else at the end of the log. A run's end is the later of
+its own end and the end of every body of its ``(w, key, tag)`` that began within it: a thread
+or child that outlives its session's ``end`` extends the run. A run takes its ``shape`` from its
+``start`` record (``async`` if none).
+
 *Pauses.* A ``paused`` record stops its worker until its next ``resumed``, ``killed``,
-``exited``, ``exit``, or the end of the log. A run's *active time* is its ``[start, end]`` minus its worker's pauses.
+``exited``, ``exit``, or the end of the log. A run's *active time* is its ``[start, end]`` minus its worker's pauses,
+plus its pool children's bodies whole (a SIGSTOP of the worker does not stop its children).
 
 *Overlaps.* Two runs X, Y of one key, X starting first, *intersect* when Y starts before X ends.
 An intersection is *fenced* (a zombie, reported but not a failure) when X's worker was paused
@@ -42,9 +64,17 @@ after resuming (its ``end`` says ``"ok": false``, or never came): a holder whose
 before the pause (the server was down) loses its hold sooner than ``handover_after``, and gave
 its work up. Every other intersection is an *overlap* and fails the run: Y acquired the key while
 X's process was running, or too soon after it stopped and X then went on as if it held it.
-``handover_after`` should be the shortest time in which a stopped holder can lose a key
+Neither excuse applies when a pool child's body of X still ran when Y started: the child was not
+stopped. ``handover_after`` should be the shortest time in which a stopped holder can lose a key
 (``ack_wait`` minus the keepalive interval); the default 0 excuses every handover after a pause
 began, so a short pause that should not have cost the hold is only caught with a real value.
+
+*Bad input.* Each ``bad_input`` request must be settled: dead-lettered with a reason (an
+``event`` record ``dead_lettered`` with its ``request_id`` and a non-empty ``reason``), or, for a
+``long-inbox`` request (whose body is good), done (a ``succeeded`` event: the worker ran it and
+could not reply, which it records rather than sends). One never settled is *unsettled* and fails
+the run (it was lost, or its key blocked). Bad requests never count for completions, order or
+``unexpected``; their runs count for overlaps like any other.
 
 *Completions and order.* An ``end`` not marked ``"ok": false`` completes its ``(key, tag)``. Per
 key, each request's *first* completion must come in enqueue order (the ``expected`` list); an
@@ -65,14 +95,14 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from keyqueue.chaos.liveness import SERVER_SIDE, Liveness, LivenessBounds, measure_liveness
 
-__all__ = ["Liveness", "LivenessBounds", "OrderViolation", "Overlap", "Run", "StaleWrite", "Verdict", "build_runs",
-           "check", "read_log"]
+__all__ = ["BadInput", "Liveness", "LivenessBounds", "OrderViolation", "Overlap", "Run", "StaleWrite", "Verdict",
+           "build_runs", "check", "read_log"]
 
 Record = Mapping[str, Any]
 Interval = tuple[float, float]
@@ -93,6 +123,10 @@ class Run:
     open: bool = False
     completed: bool = True
     """False when its end says ``"ok": false`` or was never logged: the run did not finish its work."""
+    shape: str = "async"
+    """The handler shape its ``start`` names (:mod:`keyqueue.chaos.handlers`)."""
+    children: tuple[tuple[float, float], ...] = ()
+    """The bodies of pool children that ran it (never paused with the worker)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +160,18 @@ class StaleWrite:
     w: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class BadInput:
+    """A bad request the producer stored, and how it was settled (``""``: never)."""
+
+    key: str
+    tag: str
+    request_id: str
+    bad: str
+    settled: str = ""
+    reason: str = ""
+
+
 @dataclass(frozen=True)
 class Verdict:
     """Everything the checker found; ``ok`` when nothing that breaks the promises was."""
@@ -146,13 +192,21 @@ class Verdict:
     stale_accepted: tuple[StaleWrite, ...]
     liveness: Liveness | None = None
     """Strands and hand-offs (:mod:`keyqueue.chaos.liveness`); they fail the run only with bounds."""
+    shapes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Per handler shape: (runs, overlaps whose first run had that shape)."""
+    bad_inputs: tuple[BadInput, ...] = ()
+
+    @property
+    def unsettled(self) -> tuple[BadInput, ...]:
+        """Bad requests neither dead-lettered with a reason nor (a long inbox) done."""
+        return tuple(b for b in self.bad_inputs if not b.settled)
 
     @property
     def ok(self) -> bool:
-        """No overlap, order violation, lost or unexpected request, accepted stale write, or
-        strand or hand-off past its bound."""
+        """No overlap, order violation, lost or unexpected request, unsettled bad request,
+        accepted stale write, or strand or hand-off past its bound."""
         return not (self.overlaps or self.order_violations or self.lost or self.unexpected
-                    or self.stale_accepted) and (self.liveness is None or self.liveness.ok)
+                    or self.stale_accepted or self.unsettled) and (self.liveness is None or self.liveness.ok)
 
     def summary(self) -> str:
         """A one-screen report: the counts, then the first few of each problem."""
@@ -165,12 +219,24 @@ class Verdict:
             f"writes accepted {self.writes_accepted}, refused {self.writes_refused}, unknown {self.writes_unknown}, "
             f"accepted stale {len(self.stale_accepted)}",
         ]
+        if set(self.shapes) - {"async"}:
+            shapes = sorted(self.shapes.items())
+            lines.append("handler shapes: " + ", ".join(
+                f"{shape} {runs} runs ({overlaps} overlaps)" for shape, (runs, overlaps) in shapes))
+        if self.bad_inputs:
+            kinds = Counter(b.bad for b in self.bad_inputs)
+            outcomes = Counter(b.settled or "unsettled" for b in self.bad_inputs)
+            lines.append(f"bad input: {len(self.bad_inputs)} ("
+                         + ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())) + "); "
+                         + ", ".join(f"{outcome} {n}" for outcome, n in sorted(outcomes.items())))
         for o in self.overlaps[:_SHOWN]:
             lines.append(f"  overlap {o.key}: {_show(o.first)} and {_show(o.second)}, both running {o.active:.3f}s")
         for v in self.order_violations[:_SHOWN]:
             lines.append(f"  order {v.key}: {v.tag} completed after {v.after}, enqueued before it")
         lines.extend(f"  lost {key}: {tag}" for key, tag in self.lost[:_SHOWN])
         lines.extend(f"  unexpected {key}: {tag}" for key, tag in self.unexpected[:_SHOWN])
+        lines.extend(f"  unsettled bad input {b.key}: {b.tag} ({b.bad}, request {b.request_id})"
+                     for b in self.unsettled[:_SHOWN])
         for s in self.stale_accepted[:_SHOWN]:
             lines.append(f"  stale write {s.key} ({s.source}): fencing {list(s.fencing)} accepted after "
                          f"{list(s.highest)} {s.w} {s.tag}".rstrip())
@@ -192,9 +258,17 @@ def check(records: Iterable[Record], expected: Mapping[str, Sequence[str]], *,
     """The verdict on a run log, given each key's request tags in enqueue order. Liveness is
     measured too; with ``bounds`` a strand or hand-off past them fails the verdict."""
     ordered = sorted(records, key=lambda r: float(r["t"]))
-    runs = build_runs(ordered)
+    bodies = _bodies(ordered)
+    runs = sorted(_with_bodies(_runs(ordered), bodies), key=lambda run: run.start)
+    busy: dict[str, list[Interval]] = defaultdict(list)
+    for b in bodies:
+        busy[b.key].append((b.start, b.end))
     overlaps, fenced = _overlaps(runs, _pauses(ordered), handover_after, _renewal_faults(ordered))
-    completions = _completions(ordered)
+    bad_inputs = _bad_inputs(ordered)
+    bad_tags = {(b.key, b.tag) for b in bad_inputs}
+    completions = _completions(ordered, bad_tags)
+    shape_runs = Counter(run.shape for run in runs)
+    shape_overlaps = Counter(o.first.shape for o in overlaps)
     writes = [r for r in ordered if r.get("kind") == "write"]
     stale = _stale_in_log(writes)
     if store_history is not None:
@@ -217,7 +291,9 @@ def check(records: Iterable[Record], expected: Mapping[str, Sequence[str]], *,
         writes_refused=sum(r.get("accepted") is False for r in writes),
         writes_unknown=sum(not isinstance(r.get("accepted"), bool) for r in writes),
         stale_accepted=tuple(stale),
-        liveness=measure_liveness(ordered, bounds),
+        liveness=measure_liveness(ordered, bounds, busy),
+        shapes={shape: (n, shape_overlaps[shape]) for shape, n in shape_runs.items()},
+        bad_inputs=tuple(bad_inputs),
     )
 
 
@@ -225,29 +301,103 @@ def check(records: Iterable[Record], expected: Mapping[str, Sequence[str]], *,
 
 
 def build_runs(records: Iterable[Record]) -> list[Run]:
-    """Every run in the log, open ones ended by the module's rule, in order of their start."""
+    """Every run in the log, open ones ended by the module's rule and extended by their bodies,
+    in order of their start."""
     ordered = sorted(records, key=lambda r: float(r["t"]))
+    return sorted(_with_bodies(_runs(ordered), _bodies(ordered)), key=lambda run: run.start)
+
+
+def _runs(ordered: Sequence[Record]) -> list[Run]:
+    """The runs of ``start`` / ``end`` records (in ``t`` order), open ones ended by the module's rule."""
     end_of_log = float(ordered[-1]["t"]) if ordered else 0.0
-    open_: dict[str, dict[tuple[str, str], list[float]]] = defaultdict(lambda: defaultdict(list))
+    open_: dict[str, dict[tuple[str, str], list[tuple[float, str]]]] = defaultdict(lambda: defaultdict(list))
     runs: list[Run] = []
 
     def end_open(w: str, t: float) -> None:
         for (key, tag), starts in open_.pop(w, {}).items():
-            runs.extend(Run(w, key, tag, start, t, open=True, completed=False) for start in starts)
+            runs.extend(Run(w, key, tag, start, t, open=True, completed=False, shape=shape) for start, shape in starts)
 
     for r in ordered:
         kind, w, t = r.get("kind"), str(r.get("w")), float(r["t"])
         if kind == "start":
-            open_[w][(r["key"], r["tag"])].append(t)
+            open_[w][(r["key"], r["tag"])].append((t, str(r.get("shape", "async"))))
         elif kind == "end":
             starts = open_[w].get((r["key"], r["tag"]))
             if starts:
-                runs.append(Run(w, r["key"], r["tag"], starts.pop(0), t, completed=r.get("ok", True) is not False))
+                start, shape = starts.pop(0)
+                runs.append(Run(w, r["key"], r["tag"], start, t, completed=r.get("ok", True) is not False,
+                                shape=shape))
         elif kind in ("killed", "exited", "exit", "ready"):
             end_open(w, t)
     for w in list(open_):
         end_open(w, end_of_log)
-    return sorted(runs, key=lambda run: run.start)
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class _Body:
+    w: str
+    key: str
+    tag: str
+    start: float
+    end: float
+    child: bool
+
+
+def _bodies(ordered: Sequence[Record]) -> list[_Body]:
+    """Every sync handler body in the log, ended by the module's rule."""
+    end_of_log = float(ordered[-1]["t"]) if ordered else 0.0
+    # Per (w, pid, key, tag): the open bodies, each [start, child, when its worker died or None].
+    open_: dict[tuple[str, object, str, str], list[list[Any]]] = defaultdict(list)
+    bodies: list[_Body] = []
+
+    def close(ident: tuple[str, object, str, str], body: list[Any], t: float) -> None:
+        open_[ident].remove(body)
+        bodies.append(_Body(ident[0], ident[2], ident[3], body[0], t, body[1]))
+
+    for r in ordered:
+        kind, w, t = r.get("kind"), str(r.get("w")), float(r["t"])
+        if kind == "enter":
+            open_[(w, r.get("pid"), r["key"], r["tag"])].append([t, bool(r.get("child")), None])
+        elif kind == "leave":
+            ident = (w, r.get("pid"), r["key"], r["tag"])
+            if open_.get(ident):
+                close(ident, open_[ident][0], t)
+        elif kind == "reaped":
+            found = next(((ident, body) for ident, opened in open_.items() for body in opened
+                          if ident[0] == w and ident[2:] == (r["key"], r["tag"]) and body[1] and body[2] is None),
+                         None)
+            if found is not None:
+                close(*found, t)
+        elif kind in ("killed", "exited", "exit", "ready"):
+            for ident, opened in list(open_.items()):
+                if ident[0] != w:
+                    continue
+                for body in list(opened):
+                    if not body[1]:
+                        close(ident, body, t)  # a thread dies with its process
+                    elif body[2] is None:
+                        body[2] = t  # a child ends with it too, unless it logs its own leave later
+    for ident, opened in list(open_.items()):
+        for body in list(opened):
+            close(ident, body, end_of_log if body[2] is None else body[2])
+    return bodies
+
+
+def _with_bodies(runs: Sequence[Run], bodies: Sequence[_Body]) -> list[Run]:
+    """Each run, ending no sooner than the bodies of its ``(w, key, tag)`` that began within it."""
+    by_run: dict[tuple[str, str, str], list[_Body]] = defaultdict(list)
+    for body in bodies:
+        by_run[(body.w, body.key, body.tag)].append(body)
+    extended: list[Run] = []
+    for run in runs:
+        mine = [b for b in by_run.get((run.w, run.key, run.tag), ()) if run.start <= b.start <= run.end]
+        if not mine:
+            extended.append(run)
+            continue
+        extended.append(replace(run, end=max(run.end, *(b.end for b in mine)),
+                                children=tuple((b.start, b.end) for b in mine if b.child)))
+    return extended
 
 
 def _pauses(ordered: Sequence[Record]) -> dict[str, list[Interval]]:
@@ -281,8 +431,9 @@ def _overlaps(runs: Sequence[Run], pauses: Mapping[str, Sequence[Interval]], han
                     break
                 shared = _length(_intersect(_active(x, pauses.get(x.w, ())), _active(y, pauses.get(y.w, ()))))
                 found = Overlap(key, x, y, shared)
-                if _handed_over(x, y, pauses.get(x.w, ()), handover_after) or _gave_up(
-                        x, y, shared, pauses.get(x.w, ()), renewal_faults.get(x.w, ())):
+                child_ran_on = any(c1 > y.start for _, c1 in x.children)
+                if not child_ran_on and (_handed_over(x, y, pauses.get(x.w, ()), handover_after) or _gave_up(
+                        x, y, shared, pauses.get(x.w, ()), renewal_faults.get(x.w, ()))):
                     fenced.append(found)
                 else:
                     overlaps.append(found)
@@ -327,6 +478,26 @@ def _renewal_faults(ordered: Sequence[Record]) -> dict[str, list[float]]:
 
 
 def _active(run: Run, pauses: Sequence[Interval]) -> list[Interval]:
+    spans = _unpaused(run, pauses)
+    for c0, c1 in run.children:  # a child is not stopped with its worker
+        spans = [*_subtract(spans, (c0, c1)), (c0, c1)]
+    return sorted(spans)
+
+
+def _subtract(spans: Sequence[Interval], cut: Interval) -> list[Interval]:
+    out: list[Interval] = []
+    for s0, s1 in spans:
+        if s1 <= cut[0] or s0 >= cut[1]:
+            out.append((s0, s1))
+            continue
+        if s0 < cut[0]:
+            out.append((s0, cut[0]))
+        if s1 > cut[1]:
+            out.append((cut[1], s1))
+    return out
+
+
+def _unpaused(run: Run, pauses: Sequence[Interval]) -> list[Interval]:
     spans: list[Interval] = []
     cursor = run.start
     for p0, p1 in sorted(pauses):
@@ -351,12 +522,35 @@ def _length(spans: Iterable[Interval]) -> float:
 # --- completions, order, fencing ---------------------------------------------------------------
 
 
-def _completions(ordered: Iterable[Record]) -> dict[str, list[str]]:
+def _completions(ordered: Iterable[Record], bad: set[tuple[str, str]]) -> dict[str, list[str]]:
     done: dict[str, list[str]] = defaultdict(list)
     for r in ordered:
-        if r.get("kind") == "end" and r.get("ok", True) is not False:
+        if r.get("kind") == "end" and r.get("ok", True) is not False and (r["key"], r["tag"]) not in bad:
             done[r["key"]].append(r["tag"])
     return done
+
+
+def _bad_inputs(ordered: Sequence[Record]) -> list[BadInput]:
+    """Each stored bad request, with how it was settled (see the module's rule)."""
+    stored = [r for r in ordered if r.get("kind") == "bad_input"]
+    if not stored:
+        return []
+    settled: dict[str, tuple[str, str]] = {}
+    for r in ordered:
+        if r.get("kind") != "event" or r.get("request_id") in settled:
+            continue
+        if r.get("event") == "dead_lettered" and r.get("reason"):
+            settled[str(r["request_id"])] = ("dead-lettered", str(r["reason"]))
+        elif r.get("event") == "succeeded":
+            settled[str(r["request_id"])] = ("done", "")
+    found = []
+    for r in stored:
+        rid, bad = str(r["request_id"]), str(r.get("bad", ""))
+        how, reason = settled.get(rid, ("", ""))
+        if how == "done" and bad != "long-inbox":
+            how = ""  # a request the worker must refuse was run: not settled as it should be
+        found.append(BadInput(str(r["key"]), str(r["tag"]), rid, bad, how, reason))
+    return found
 
 
 def _order_violations(firsts: Mapping[str, Sequence[str]],

@@ -4,7 +4,10 @@
 its URLs (its proxies), its clock offset and the soak's settings; writes the soak's own records
 (``fault``, ``fault_end``, ``paused``, ``killed``, ...) into the same log; and watches every
 process from a thread, so that a process that dies for any reason (a kill, a crash, a watchdog)
-leaves an ``exited`` record within milliseconds of its death, not when somebody next looks.
+leaves an ``exited`` record within milliseconds of its death, not when somebody next looks
+(with its status: ``-9`` for a SIGKILL, whoever sent it, ``75`` for the loop watchdog; the
+supervisor starts a new process under the name). :class:`RssWatch` samples each worker process's
+resident memory after its warm-up and at the end of the soak.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Faults", "Fleet", "LogTail", "WorkerSpec"]
+__all__ = ["Faults", "Fleet", "LogTail", "RssSample", "RssWatch", "WorkerSpec", "rss_bytes"]
 
 
 class LogTail:
@@ -56,6 +59,8 @@ class WorkerSpec:
     ack_wait: float
     concurrency: int
     replicas: int
+    pool_size: int = 0
+    """Children of each worker's process pool (for ``process``-shape requests; 0: no pool)."""
 
 
 class Fleet:
@@ -75,6 +80,8 @@ class Fleet:
         self._closing = False
         self._tail = LogTail(log_path)
         self._ready: set[tuple[str, object]] = set()
+        self.started: dict[int, float] = {}
+        """Each worker process's pid -> when it was started (``time.monotonic()``)."""
 
     def note(self, w: str, kind: str, **fields: object) -> None:
         """Append one record; safe from the watcher threads (one ``write`` per line)."""
@@ -93,10 +100,12 @@ class Fleet:
             [sys.executable, "-m", "keyqueue.chaos.worker", self.urls[name], s.queue, str(self.log_path),
              "--name", name, "--ack-wait", str(s.ack_wait), "--concurrency", str(s.concurrency),
              "--replicas", str(s.replicas), "--clock-offset", str(self.clock_offsets.get(name, 0.0)),
+             "--pool-size", str(s.pool_size),
              *itertools.chain.from_iterable((flag, str(value)) for flag, value in stall.items())],
             stdout=subprocess.DEVNULL, stderr=stderr)
         stderr.close()
         self.procs[name] = proc
+        self.started[proc.pid] = time.monotonic()
         threading.Thread(target=self._watch, args=(name, proc), daemon=True, name=f"watch-{name}").start()
 
     def _watch(self, name: str, proc: subprocess.Popen[bytes]) -> None:
@@ -152,6 +161,15 @@ class Fleet:
     def alive(self, name: str) -> bool:
         return self.procs[name].poll() is None
 
+    def rss(self, name: str) -> tuple[int, int] | None:
+        """``(pid, resident bytes)`` of ``name``'s process now (its pool children not counted);
+        None if it is not running."""
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            return None
+        resident = rss_bytes(proc.pid)
+        return None if resident is None else (proc.pid, resident)
+
     async def supervise(self, ending: asyncio.Event) -> None:
         """Start again every worker that exited while no fault injector was handling it (one
         that could not start while its server was electing leaders, say), until ``ending``."""
@@ -172,6 +190,81 @@ class Fleet:
                     os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
         os.close(self.fd)
+
+
+def rss_bytes(pid: int) -> int | None:
+    """The resident set size of process ``pid`` (``VmRSS`` in ``/proc/PID/status``); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class RssSample:
+    """A worker process's memory after its warm-up and after the soak's last fault."""
+
+    name: str
+    pid: int
+    warm: int | None
+    """Bytes ``warmup`` seconds after the process started; None if it was not up that long."""
+    last: int | None
+    """Bytes once every request completed after the last fault; None if the process had died."""
+
+    @property
+    def growth(self) -> float | None:
+        """``last / warm - 1`` (0.05 is 5% more), when both are known."""
+        return None if not self.warm or self.last is None else self.last / self.warm - 1
+
+    def show(self, limit: float) -> str:
+        def mib(n: int | None) -> str:
+            return "-" if n is None else f"{n / 2**20:.1f} MiB"
+        growth = self.growth
+        judged = ("not compared" if growth is None else
+                  f"{growth:+.1%}, {'within' if growth <= limit else 'OVER'} {limit:.0%}")
+        return f"  rss {self.name} (pid {self.pid}): {mib(self.warm)} after warm-up, {mib(self.last)} after the " \
+               f"last fault ({judged})"
+
+
+class RssWatch:
+    """Samples each worker process's RSS once it has run ``warmup`` seconds, and at the end (:meth:`final`).
+
+    A process restarted by a fault is compared with its own warm-up sample, not its predecessor's."""
+
+    def __init__(self, fleet: Fleet, warmup: float) -> None:
+        self.fleet = fleet
+        self.warmup = warmup
+        self.warm: dict[int, int] = {}
+
+    def sample(self) -> None:
+        """Take the warm-up sample of every process that has just passed its warm-up."""
+        now = time.monotonic()
+        for name in self.fleet.names():
+            proc = self.fleet.procs.get(name)
+            if proc is None or proc.pid in self.warm or now - self.fleet.started.get(proc.pid, now) < self.warmup:
+                continue
+            taken = self.fleet.rss(name)
+            if taken is not None:
+                self.warm[taken[0]] = taken[1]
+
+    async def run(self, ending: asyncio.Event) -> None:
+        while not ending.is_set():
+            self.sample()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ending.wait(), 0.5)
+
+    def final(self) -> list[RssSample]:
+        """Each worker's current process: its warm-up sample and its RSS now."""
+        samples = []
+        for name in self.fleet.names():
+            pid = self.fleet.procs[name].pid
+            now = self.fleet.rss(name)
+            samples.append(RssSample(name, pid, self.warm.get(pid), None if now is None else now[1]))
+        return samples
 
 
 class Faults:

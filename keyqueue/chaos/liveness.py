@@ -65,8 +65,10 @@ fails the run.
 *Hand-offs.* For each fault on worker ``w`` (or on every worker) beginning at ``f0``: each key
 that ``w`` held at ``f0`` and that had a request stored before ``f0`` and not started by then
 (the latest such request) *moved* at the first ``start`` of any of its requests after ``f0``, on
-any worker; its hand-off is that time less ``f0`` (never: the end of the log). The bound of a
-fault ending at ``f1``:
+any worker; its hand-off is that time less ``f0`` (never: the end of the log), or less the end of
+a sync handler's body of the key (a thread or a child, :mod:`keyqueue.chaos.checker`) that ran at
+``f0``, if later: nothing cuts such a body short, so its key moves after it; time it ran is the
+handler's (a body on a lost lease ends with its process). The bound of a fault ending at ``f1``:
 
 - ``kill-9``: ``f0 + moved_after_loss`` (the lease, then a waiter's acquisition);
 - a fault that takes a replicated group's leader away with no hand-over (``leader-kill-9-*``,
@@ -473,8 +475,11 @@ class _KeyHolds:
 # --- the measures --------------------------------------------------------------------------------
 
 
-def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = None) -> Liveness:
-    """Strands and hand-offs of a run log (module docstring); ``bounds`` None: report, never fail."""
+def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = None,
+                     busy: Mapping[str, Sequence[Interval]] | None = None) -> Liveness:
+    """Strands and hand-offs of a run log (module docstring); ``bounds`` None: report, never fail.
+    ``busy``: per key, when a sync handler's body of it ran (a thread or child, from its ``enter``
+    to its real end: :mod:`keyqueue.chaos.checker`'s bodies)."""
     ordered = sorted(records, key=lambda r: float(r["t"]))
     end_of_log = float(ordered[-1]["t"]) if ordered else 0.0
     lease_after = bounds.moved_after_loss if bounds is not None else 0.0
@@ -560,7 +565,7 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
         strands.append(Strand(key, tag, seconds, t_stored, started, longest))
     strands.sort(key=lambda s: -s.seconds)
 
-    handoffs = _handoffs(faults, holds_by_key, stored, first_start, starts, bounds, end_of_log)
+    handoffs = _handoffs(faults, holds_by_key, stored, first_start, starts, bounds, end_of_log, busy or {})
     by_kind: dict[str, list[float]] = defaultdict(list)
     for handoff in handoffs:
         by_kind[handoff.fault].append(handoff.seconds if handoff.seconds is not None
@@ -591,7 +596,7 @@ def _tokens_with_the_unavailable(ordered: Sequence[Record], stopped_by: Mapping[
 def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
               stored: Mapping[tuple[str, str], float], first_start: Mapping[tuple[str, str], float],
               starts: Mapping[str, Sequence[float]], bounds: LivenessBounds | None,
-              end_of_log: float) -> list[Handoff]:
+              end_of_log: float, busy: Mapping[str, Sequence[Interval]]) -> list[Handoff]:
     latest_stored: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for (key, tag), t in stored.items():
         latest_stored[key].append((t, tag))
@@ -615,8 +620,9 @@ def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
                 continue
             key_starts = starts.get(key, [])
             j = bisect.bisect_right(key_starts, f.start)
-            moved = key_starts[j] - f.start if j < len(key_starts) else None
-            until = f.start + moved if moved is not None else end_of_log
+            begin = max([f.start, *(b1 for b0, b1 in busy.get(key, ()) if b0 <= f.start < b1)])
+            moved = max(0.0, key_starts[j] - begin) if j < len(key_starts) else None
+            until = key_starts[j] if j < len(key_starts) else end_of_log
             others = bisect.bisect_right(fault_starts, until) - bisect.bisect_right(fault_starts, f.start)
             found.append(Handoff(f.kind, f.fault_id, f.target or "*", key, f.start, f.end, moved,
                                  _bound(f, bounds), alone=others == 0))

@@ -21,16 +21,26 @@ injectors for the chosen classes (:data:`CLASSES`, any mix):
 - ``stepdown``: the leader of a queue stream or of the token consumer steps down;
 - ``clock``: each worker's wall clock runs 10-60 s ahead or behind (drawn per worker).
 
+The workload's handler shapes (``handlers``, :mod:`keyqueue.chaos.handlers`): each request runs
+in an ``async def``, a ``def`` in a thread or a ``def`` in a process-pool child, drawn per
+request among those chosen; one request every ``stall_every`` seconds holds the GIL or blocks its
+loop for 1.5x the lease, or runs that much longer in a thread or child; with ``bad-input``, bad
+requests are mixed in. Each worker process's RSS is sampled after ``rss_warmup`` seconds and once
+every request has completed (:class:`~keyqueue.chaos.fleet.RssWatch`), and printed;
+``rss_limit`` makes it part of ``ok``.
+
 :mod:`keyqueue.chaos.injectors` says exactly what each fault does. The run ends after
 ``duration`` seconds or ``max_faults`` faults, whichever comes first; then every fault is
 reverted, producers stop, and the soak waits for every request to complete before it checks the
 log (:func:`keyqueue.chaos.checker.check`, safety and liveness) and the fenced store's history.
+Workers that die meanwhile (a kill, the loop watchdog) are started again until then.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import random
 import time
@@ -41,7 +51,8 @@ from pathlib import Path
 
 from keyqueue.chaos.checker import LivenessBounds, Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore, FenceSnapshot
-from keyqueue.chaos.fleet import Faults, Fleet, LogTail, WorkerSpec
+from keyqueue.chaos.fleet import Faults, Fleet, LogTail, RssSample, RssWatch, WorkerSpec
+from keyqueue.chaos.handlers import BAD_INPUTS, HANDLERS, RUNNING, SLOW, STALLING, bad_request, work_headers
 from keyqueue.chaos.injectors import NODE_FAULT_CLASSES, node_faults, process_faults, server_faults
 from keyqueue.chaos.proxy import DEFAULT_FAULTS, Faultable, FaultProxy, FaultScript, InjectedFault, ProxyGroup
 from keyqueue.errors import ConnectionFailed, EnqueueError, JetStreamUnavailable, KeyqueueTimeout, TokenPublishFailed
@@ -58,6 +69,9 @@ CLASSES = ("network", "process", "server", "cluster", "partition", "stepdown", "
 DEFAULT_CLASSES = ("network", "process", "server")
 CLUSTER_CLASSES = ("cluster", "partition", "stepdown")
 """Classes that need a cluster: choosing one runs the soak on 3 nodes with R3 streams."""
+RSS_LIMIT = 0.10
+"""How much a worker's RSS may grow from its warm-up to the end of the soak (printed; fails the
+soak only with ``rss_limit``)."""
 
 
 @dataclass
@@ -80,6 +94,21 @@ class SoakOptions:
     concurrency: int = 8
     clock_offsets: tuple[float, float] = (10.0, 60.0)
     """With the ``clock`` class: each worker's offset is drawn from this range, ahead or behind."""
+    handlers: tuple[str, ...] = ("async",)
+    """Handler shapes and ``bad-input`` (:data:`keyqueue.chaos.handlers.HANDLERS`): each request
+    takes one of the running shapes chosen (``async`` if none is), flagged ones a stalling shape."""
+    stall_every: float = 8.0
+    """Seconds between two requests flagged to stall (``gil``, ``blocking``: 1.5x the lease) or to be
+    slow (``thread``, ``process``: a body 1.5x the lease longer), each chosen shape in turn."""
+    bad_every: float = 2.0
+    """With ``bad-input``: seconds between two bad requests (their kinds in turn)."""
+    pool_size: int = 4
+    """With ``process``: children in each worker's process pool."""
+    rss_warmup: float = 10.0
+    """Seconds a worker process runs before its warm-up RSS sample."""
+    rss_limit: float | None = None
+    """Fail the soak if a worker's RSS after the last fault exceeds its warm-up RSS by more than
+    this fraction (0.10: 10%); None: only print the comparison."""
     bounds: LivenessBounds | None = None
     """The checker's liveness bounds; None: its defaults for ``ack_wait``."""
     settle_timeout: float = 90.0
@@ -99,10 +128,18 @@ class SoakResult:
     enqueued: int
     log_path: Path
     clock_offsets: dict[str, float] = field(default_factory=dict)
+    rss: list[RssSample] = field(default_factory=list)
+    rss_limit: float | None = None
+
+    @property
+    def rss_over(self) -> list[RssSample]:
+        """Workers whose RSS grew past the limit (none without ``rss_limit``)."""
+        limit = self.rss_limit
+        return [] if limit is None else [s for s in self.rss if s.growth is not None and s.growth > limit]
 
     @property
     def ok(self) -> bool:
-        return self.verdict.ok
+        return self.verdict.ok and not self.rss_over
 
     def summary(self) -> str:
         counts = ", ".join(f"{kind} {n}" for kind, n in sorted(self.faults.items())) or "none"
@@ -110,36 +147,82 @@ class SoakResult:
         return (f"faults injected: {sum(self.faults.values())} ({counts})\n"
                 + (f"clock offsets: {offsets}\n" if offsets else "")
                 + f"requests enqueued: {self.enqueued}; run time {self.elapsed:.0f}s; log {self.log_path}\n"
-                + self.verdict.summary())
+                + self.verdict.summary() + self._rss_summary())
+
+    def _rss_summary(self) -> str:
+        if not self.rss:
+            return ""
+        limit = self.rss_limit if self.rss_limit is not None else RSS_LIMIT
+        compared = [s.growth for s in self.rss if s.growth is not None]
+        within = sum(growth <= limit for growth in compared)
+        head = (f"\nrss: {within}/{len(compared)} compared workers within {limit:.0%} of their warm-up"
+                + (f" ({len(self.rss) - len(compared)} not compared: started too late or not running at the end)"
+                   if len(compared) < len(self.rss) else "")
+                + ("" if self.rss_limit is not None else "; printed only (--rss-limit fails the soak on it)"))
+        return "\n".join([head, *(s.show(limit) for s in self.rss)])
 
 
 class _Producer:
-    """Enqueues requests at ``rate`` until ``ending``, each retried with its id until stored."""
+    """Enqueues requests at ``rate`` until ``ending``, each retried with its id until stored.
+
+    Each request takes a running shape of ``options.handlers`` (drawn per request); one every
+    ``stall_every`` seconds is flagged to stall in a stalling shape or to be slow in a sync one
+    (and one per ``block-loop`` fault to block its loop); with ``bad-input``, a bad request is
+    mixed in every ``bad_every`` seconds on a random key, logged as ``bad_input`` rather than
+    ``stored`` (it is expected in the dead-letter queue, never run in order)."""
 
     def __init__(self, publisher: Publisher, options: SoakOptions, rng: random.Random, fleet: Fleet) -> None:
         self.publisher, self.options, self.rng, self.fleet = publisher, options, rng, fleet
         self.expected: dict[str, list[str]] = {f"k{i}": [] for i in range(options.keys)}
         self.enqueued = 0
-        self._blocks: list[float] = []
+        self.bad = 0
+        self._blocks: list[tuple[str, float]] = []
+        self._tags: dict[str, str] = {}
+        self._bad: dict[str, str] = {}
+        self._shapes = [shape for shape in RUNNING if shape in options.handlers] or ["async"]
+        self._stalls = [shape for shape in (*STALLING, *SLOW) if shape in options.handlers]
+        self._shape_rng = random.Random(options.seed + 7)
 
     def flag_block(self, seconds: float) -> None:
         """Make one of the next requests block its handler's event loop for ``seconds`` (once)."""
-        self._blocks.append(seconds)
+        self._blocks.append(("blocking", seconds))
 
     async def run(self, ending: asyncio.Event) -> int:
         options, rng = self.options, self.rng
         keys = list(self.expected)
         counter = dict.fromkeys(keys, 0)
+        stalls = itertools.cycle(self._stalls)
+        bad_kinds = itertools.cycle(BAD_INPUTS)
+        next_stall = time.monotonic() + options.stall_every / 2
+        next_bad = time.monotonic() + options.bad_every / 2
         while not ending.is_set():
             batch = []
+            if self._stalls and time.monotonic() >= next_stall:
+                next_stall += options.stall_every
+                self._blocks.append((next(stalls), options.ack_wait * 1.5))
             for key in rng.sample(keys, max(1, min(len(keys), int(options.rate / 10)))):
                 tag = f"{key}-{counter[key]}"
                 counter[key] += 1
                 work: dict[str, object] = {"tag": tag, "sleep": round(rng.uniform(0, options.work), 4)}
+                if len(self._shapes) > 1:
+                    work["shape"] = self._shape_rng.choice(self._shapes)
+                elif self._shapes != ["async"]:
+                    work["shape"] = self._shapes[0]
                 if self._blocks:
-                    work["block"] = self._blocks.pop()
+                    work["shape"], work["block"] = self._blocks.pop()
                 rid = f"{options.seed}-{tag}"
-                batch.append(OutgoingRequest(key, {"Nats-Msg-Id": rid}, json.dumps(work).encode(), rid))
+                self._tags[rid] = tag
+                batch.append(OutgoingRequest(key, work_headers(rid), json.dumps(work).encode(), rid))
+            if "bad-input" in options.handlers and time.monotonic() >= next_bad:
+                next_bad += options.bad_every
+                key = self._shape_rng.choice(keys)
+                kind = next(bad_kinds)
+                tag = f"{key}-bad-{self.bad}"
+                self.bad += 1
+                rid = f"{options.seed}-{tag}"
+                headers, body = bad_request(kind, rid, tag)
+                self._tags[rid], self._bad[rid] = tag, kind
+                batch.append(OutgoingRequest(key, headers, body, rid))
             await self._enqueue(batch)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ending.wait(), 0.1)
@@ -157,7 +240,12 @@ class _Producer:
             for request, result in zip(pending, results, strict=True):
                 # A failed token publish still stored the request (the reconciler schedules it).
                 if isinstance(result, Enqueued | TokenPublishFailed):
-                    tag = json.loads(request.body)["tag"]
+                    tag = self._tags.pop(request.request_id)
+                    bad = self._bad.pop(request.request_id, None)
+                    if bad is not None:
+                        self.fleet.note("producer", "bad_input", key=request.key, tag=tag,
+                                        request_id=request.request_id, bad=bad)
+                        continue
                     self.expected[request.key].append(tag)
                     self.fleet.note("producer", "stored", key=request.key, tag=tag)
                     self.enqueued += 1
@@ -174,6 +262,9 @@ async def soak(options: SoakOptions) -> SoakResult:
     unknown = set(options.classes) - set(CLASSES)
     if unknown:
         raise ValueError(f"unknown fault class(es) {sorted(unknown)}; choose from {', '.join(CLASSES)}")
+    unknown = set(options.handlers) - set(HANDLERS)
+    if unknown:
+        raise ValueError(f"unknown handler(s) {sorted(unknown)}; choose from {', '.join(HANDLERS)}")
     workdir = options.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     for marker in workdir.glob("blocked-*"):
@@ -200,6 +291,7 @@ async def soak(options: SoakOptions) -> SoakResult:
     offsets = ({name: rng.choice((-1, 1)) * round(rng.uniform(*options.clock_offsets), 1) for name in names}
                if "clock" in options.classes else {})
     fleet: Fleet | None = None
+    settled = asyncio.Event()  # every request completed (or the soak failed): supervisor and RSS watch stop
     try:
         for group in groups.values():
             for proxy in group.proxies:
@@ -209,7 +301,8 @@ async def soak(options: SoakOptions) -> SoakResult:
         await Topology(Publisher(nc, config.names).api, config).ensure()
         store = FencedStore(nc, replicas=replicas)
         await store.ensure()
-        fleet = Fleet(WorkerSpec(QUEUE, options.ack_wait, options.concurrency, replicas),
+        pool_size = options.pool_size if "process" in options.handlers else 0
+        fleet = Fleet(WorkerSpec(QUEUE, options.ack_wait, options.concurrency, replicas, pool_size),
                       {name: ",".join(group.urls) for name, group in groups.items()}, log_path, offsets)
         for name, offset in offsets.items():
             fleet.note(name, "clock", offset=offset)
@@ -218,6 +311,7 @@ async def soak(options: SoakOptions) -> SoakResult:
         await fleet.wait_ready(fleet.names(), timeout=60)
         say(f"chaos: {options.workers} workers, {options.keys} keys, seed {options.seed}, "
             f"{'3-node R3 cluster' if clustered else 'one server'}, classes {','.join(options.classes)}, "
+            f"handlers {','.join(options.handlers)}, "
             f"up to {options.duration:.0f}s / {options.max_faults or 'no'} fault limit")
 
         faults = Faults(fleet)
@@ -234,7 +328,12 @@ async def soak(options: SoakOptions) -> SoakResult:
 
         producer = _Producer(Publisher(nc, config.names), options, random.Random(options.seed + 2), fleet)
         producing = asyncio.create_task(producer.run(ending))
-        tasks: list[asyncio.Task[object]] = [asyncio.create_task(fleet.supervise(ending))]
+        # Until every request has completed: a worker that dies after the last fault (a stalling
+        # handler's first run, a watchdog) is started again as well.
+        supervising = asyncio.create_task(fleet.supervise(settled))
+        rss = RssWatch(fleet, options.rss_warmup)
+        sampling = asyncio.create_task(rss.run(settled))
+        tasks: list[asyncio.Task[object]] = []
         if "network" in options.classes:
             targets: list[Faultable] = [groups[name] for name in names]
             tasks.append(asyncio.create_task(script.run(targets, on_inject=injected, on_revert=reverted)))
@@ -273,13 +372,19 @@ async def soak(options: SoakOptions) -> SoakResult:
         enqueued = await producing
         say(f"chaos: faults stopped after {time.monotonic() - began:.0f}s; waiting for {enqueued} requests")
         await _settle(log_path, producer.expected, options.settle_timeout)
+        settled.set()
+        await sampling
+        await supervising
+        rss_samples = rss.final()
         snapshot = await _snapshot(store)
         verdict = check(read_log(log_path), producer.expected, store_history=snapshot.history(),
                         handover_after=options.ack_wait / 2,
                         bounds=options.bounds or LivenessBounds.for_lease(options.ack_wait))
         await nc.close()
-        return SoakResult(verdict, faults.counts, time.monotonic() - began, enqueued, log_path, offsets)
+        return SoakResult(verdict, faults.counts, time.monotonic() - began, enqueued, log_path, offsets, rss_samples,
+                          options.rss_limit)
     finally:
+        settled.set()
         if fleet is not None:
             fleet.stop_all()
         for group in groups.values():

@@ -1,13 +1,17 @@
 """A worker process for chaos runs: a real ``QueueWorker`` whose processor logs every run.
 
     python -m keyqueue.chaos.worker URL[,URL...] QUEUE LOGFILE --name w1 [--ack-wait S] [--concurrency N]
-        [--clock-offset S]
+        [--clock-offset S] [--pool-size N]
 
-Each request body is JSON ``{"tag": ..., "sleep": seconds}``, optionally with ``"block": seconds``.
-The processor logs ``start``, waits ``sleep`` seconds (with ``block``: first blocks its event loop
-that long with ``time.sleep``, the way blocking code in an ``async def`` does, logging
-``blocked`` / ``unblocked`` records; only the first run of the request in
-the whole fleet blocks, claimed with a marker file beside the log), checks its lease, writes the
+Each request is read as :func:`keyqueue.chaos.handlers.read_work` says (one it cannot read is
+dead-lettered at once with the reason, as keyqueue's task processor does): a JSON body
+``{"tag": ..., "sleep": seconds, "shape": ...}``, optionally with ``"block": seconds``. The
+processor logs ``start``, runs the work in its handler shape (:mod:`keyqueue.chaos.handlers`: on
+the loop, in a thread, in a child of the process pool ``--pool-size``), waiting ``sleep`` seconds
+(with ``block``: first stalls that long, by blocking the event loop with ``time.sleep`` or holding
+the GIL in a thread, logging ``blocked`` / ``unblocked`` records, or, in a thread or child, sleeps
+that much longer; only the first run of the request in the whole fleet does, claimed with a marker
+file beside the log), checks its lease, writes the
 tag to the :class:`~keyqueue.chaos.fenced.FencedStore` under the session's fencing token (logging
 the ``write`` and whether it was accepted), and logs ``end`` (``"ok": false`` when it did not
 finish). A refused write means this holder is a former one: the run ends with ``LeaseLost`` and
@@ -28,36 +32,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from keyqueue.chaos.clock import TRUE_TIME, skew_wall_clock
+from keyqueue.app.process_pool import ProcessPool
+from keyqueue.chaos.clock import skew_wall_clock
 from keyqueue.chaos.fenced import FencedStore
+from keyqueue.chaos.handlers import RunLog, read_work, sync_fields, sync_work
 from keyqueue.core.observer import KeyHold, NullObserver, Outcome, RequestAttempt, SessionEnd, describe
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
-from keyqueue.errors import ConnectionFailed, LeaseLost
+from keyqueue.errors import ConnectionFailed, LeaseLost, Reject
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.topology import QueueConfig
-
-
-class RunLog:
-    """Appends JSON lines to the shared run log (one ``write`` per line: O_APPEND keeps lines whole)."""
-
-    def __init__(self, path: str, worker: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.worker = worker
-
-    def write(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"w": self.worker, "kind": kind, "t": TRUE_TIME(), **fields}, default=str)
-        os.write(self.fd, (line + "\n").encode())
 
 
 class EventLog(NullObserver):
@@ -124,26 +118,43 @@ class EventLog(NullObserver):
 
 
 class FencedWriter(BaseProcessor):
-    """Logs each run and writes its tag to the fenced store under the session's fencing token."""
+    """Logs each run and writes its tag to the fenced store under the session's fencing token.
 
-    def __init__(self, log: RunLog, store: FencedStore, markers: Path) -> None:
+    The request's ``shape`` (:mod:`keyqueue.chaos.handlers`) says how its work runs: on the loop,
+    in a thread of ``executor`` or in a child of ``pool`` (None: no ``process`` requests).
+    """
+
+    def __init__(self, log: RunLog, store: FencedStore, markers: Path, executor: Executor,
+                 pool: ProcessPool | None = None) -> None:
         self.log = log
         self.store = store
         self.markers = markers
+        self.executor = executor
+        self.pool = pool
 
     async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
-        work = json.loads(request.data)
+        work = read_work(request)  # a WireError dead-letters the request, before any run
         tag = str(work["tag"])
+        shape = str(work.get("shape", "async"))
         self.log.write("start", key=request.key, tag=tag, seq=request.seq, fencing=list(ctx.fencing),
-                       attempt=ctx.attempt)
+                       attempt=ctx.attempt, shape=shape)
         ok = False
         try:
-            if work.get("block") and self._first_to_block(tag):
-                seconds = float(work["block"])
-                self.log.write("blocked", key=request.key, tag=tag, seconds=seconds)
-                time.sleep(seconds)  # noqa: ASYNC251  # blocking code in an async handler, on purpose
-                self.log.write("unblocked", key=request.key, tag=tag)
-            await asyncio.sleep(float(work.get("sleep", 0.0)))
+            stall = float(work.get("block") or 0.0)
+            if stall and not self._first_to_block(tag):
+                stall = 0.0
+            if shape in ("async", "blocking"):
+                if stall:
+                    self.log.write("blocked", key=request.key, tag=tag, seconds=stall)
+                    time.sleep(stall)  # noqa: ASYNC251  # blocking code in an async handler, on purpose
+                    self.log.write("unblocked", key=request.key, tag=tag)
+                await asyncio.sleep(float(work.get("sleep", 0.0)))
+            else:
+                fields = sync_fields(self.log.path, self.log.worker, request.key, work, shape, stall)
+                if shape == "process":
+                    await self._in_child(ctx, request, fields)
+                else:
+                    await sync_work.run(None, [], fields, self.executor)
             ctx.check_lease()
             outcome = await self.store.attempt(request.key, ctx.fencing, {"tag": tag})
             self.log.write("write", key=request.key, tag=tag, fencing=list(ctx.fencing),
@@ -155,8 +166,19 @@ class FencedWriter(BaseProcessor):
         finally:
             self.log.write("end", key=request.key, tag=tag, ok=ok)
 
+    async def _in_child(self, ctx: RequestContext, request: Request, fields: dict[str, Any]) -> None:
+        if self.pool is None:
+            raise Reject("a process-shape request reached a chaos worker without a process pool (--pool-size 0)")
+        context = {"task": sync_work.name, "queue": ctx.queue, "key": request.key,
+                   "request_id": request.request_id, "attempt": ctx.attempt, "fencing": list(ctx.fencing)}
+        try:
+            await self.pool.run(sync_work, fields, context)
+        finally:
+            # The pool has the child's answer, or has killed and joined it: its run is over.
+            self.log.write("reaped", key=request.key, tag=fields["tag"])
+
     def _first_to_block(self, tag: str) -> bool:
-        """Whether this run claims the request's one blocking run (a rerun elsewhere does not block)."""
+        """Whether this run claims the request's one stalling run (a rerun elsewhere does not stall)."""
         try:
             os.close(os.open(self.markers / f"blocked-{tag}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
@@ -188,6 +210,8 @@ async def main() -> None:
                         "then leaves a zombie the fencing token must catch, instead of ending the process")
     p.add_argument("--clock-offset", type=float, default=0.0,
                    help="run this process's wall clock this many seconds ahead (negative: behind)")
+    p.add_argument("--pool-size", type=int, default=0,
+                   help="child processes of the process pool that runs process-shape requests (0: none)")
     args = p.parse_args()
     skew_wall_clock(args.clock_offset)
     logging.basicConfig(level=logging.WARNING, format=f"{args.name} %(levelname)s %(name)s: %(message)s")
@@ -212,8 +236,10 @@ async def main() -> None:
     settings = SessionSettings(ack_wait=args.ack_wait, linger=args.linger, drain_timeout=args.drain_timeout,
                                retry=RetryPolicy(max_attempts=1000, base_delay=0.05, max_delay=0.5))
     markers = Path(args.logfile).parent
-    worker = QueueWorker(nc, config, lambda key: FencedWriter(log, store, markers), concurrency=args.concurrency,
-                         settings=settings, name=args.name, reconcile_interval=5.0,
+    executor = ThreadPoolExecutor(args.concurrency, thread_name_prefix="chaos-sync")
+    pool = ProcessPool("keyqueue.chaos.handlers:app", args.pool_size) if args.pool_size else None
+    worker = QueueWorker(nc, config, lambda key: FencedWriter(log, store, markers, executor, pool),
+                         concurrency=args.concurrency, settings=settings, name=args.name, reconcile_interval=5.0,
                          observer=EventLog(log, args.name), watchdog=args.watchdog)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, _stall, log, args.stall_under)
@@ -232,6 +258,9 @@ async def main() -> None:
     log.write("ready", pid=os.getpid(), concurrency=args.concurrency, clock_offset=args.clock_offset)
     await run
     log.write("exit", counts=worker.counts)
+    if pool is not None:
+        pool.close()
+    executor.shutdown(wait=False)
     await nc.close()
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from keyqueue.chaos.checker import LivenessBounds, read_log
+from keyqueue.chaos.handlers import BAD_INPUTS, HANDLERS, SHAPES
 from keyqueue.chaos.soak import CLASSES, SoakOptions, soak
 
 BOUNDS = LivenessBounds.for_lease(2.0, strand=4.0, resume=4.0, slack=2.0)
@@ -63,4 +64,30 @@ async def test_short_cluster_soak_mixing_every_class(tmp_path: Path) -> None:
     assert kinds & {"rolling-restart", "node-cut"} or any(k.startswith(("stepdown-", "leader-")) for k in kinds)
     assert result.verdict.liveness is not None
     assert len(result.verdict.liveness.strands) == result.verdict.requests > 100
+    assert result.ok, result.summary()
+
+
+async def test_short_soak_running_every_handler_shape_and_bad_input(tmp_path: Path) -> None:
+    # Every request takes the async, thread or process shape; one every 4 s stalls its worker for 1.5x
+    # the lease, holding the GIL in C code or blocking the loop in turn; a bad request every second.
+    options = SoakOptions(seed=3, duration=20.0, classes=("process",), handlers=HANDLERS, stall_every=4.0,
+                          bad_every=1.0, rss_warmup=5.0, workdir=tmp_path, progress=None, bounds=BOUNDS)
+    result = await soak(options)
+    print(result.summary())
+    verdict = result.verdict
+    # Every shape ran, none overlapped, and every bad request was settled (dead-lettered with its reason).
+    assert set(verdict.shapes) == set(SHAPES), verdict.shapes
+    assert all(runs > 0 and not overlaps for runs, overlaps in verdict.shapes.values()), verdict.shapes
+    assert {b.bad for b in verdict.bad_inputs} == set(BAD_INPUTS)
+    assert not verdict.unsettled
+    assert all(b.reason for b in verdict.bad_inputs if b.bad != "long-inbox")
+    assert verdict.completed == verdict.requests > 100
+    records = read_log(result.log_path)
+    # A stalled worker may be ended (the loop watchdog's exit 75, or a SIGKILL at its lease's end):
+    # the fleet starts a new process under its name, as after a kill -9 fault.
+    for died in (r for r in records if r["kind"] == "exited"):
+        assert any(r["kind"] == "ready" and r["w"] == died["w"] and r["t"] > died["t"] for r in records), died
+    # Each worker's memory after warm-up and at the end is printed.
+    assert {s.name for s in result.rss} == {"w0", "w1", "w2"}
+    assert "rss:" in result.summary()
     assert result.ok, result.summary()

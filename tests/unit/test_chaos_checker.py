@@ -436,3 +436,133 @@ def test_a_token_that_went_to_a_worker_that_could_not_act_on_it_is_no_strand() -
     # Without the tokens' stay with w2 and w3 the same wait is a strand.
     bare = [r for r in log if r.get("event") != "token"]
     assert not check(bare, {"k": ["a"]}, bounds=BOUNDS).ok
+
+
+# --- handler shapes: a sync body counts until it really ended ----------------------------------
+
+
+def shaped(w: str, key: str, tag: str, start: float, end: float, shape: str) -> list[dict[str, Any]]:
+    return [rec("start", w, start, key, tag, shape=shape), rec("end", w, end, key, tag)]
+
+
+def body(w: str, key: str, tag: str, enter: float, leave: float | None, pid: int,
+         child: bool = False) -> list[dict[str, Any]]:
+    records = [rec("enter", w, enter, key, tag, pid=pid, child=child)]
+    if leave is not None:
+        records.append(rec("leave", w, leave, key, tag, pid=pid, child=child))
+    return records
+
+
+def test_a_thread_that_outlives_its_sessions_end_extends_the_run_into_an_overlap() -> None:
+    # The session logged a's end at 2.0 (its lease lost), but the thread ran on until 4.0: b, at 3.0, overlaps.
+    log = [*shaped("w1", "k", "a", 1.0, 2.0, "thread"), *body("w1", "k", "a", 1.1, 4.0, pid=10),
+           *run("w2", "k", "b", 3.0, 5.0), *run("w2", "k", "c", 5.0, 6.0)]
+    verdict = check(log, EXPECTED)
+    [overlap] = verdict.overlaps
+    assert (overlap.first.tag, overlap.first.end, overlap.second.tag, overlap.active) == ("a", 4.0, "b", 1.0)
+    assert verdict.shapes == {"thread": (1, 1), "async": (2, 0)}
+    assert "handler shapes: async 2 runs (0 overlaps), thread 1 runs (1 overlaps)" in verdict.summary()
+
+
+def test_a_thread_body_never_left_ends_when_its_process_died() -> None:
+    log = [rec("start", "w1", 1.0, "k", "a", shape="thread"), *body("w1", "k", "a", 1.1, None, pid=10),
+           rec("killed", "w1", 2.0), *run("w2", "k", "a", 2.5, 3.0), *run("w2", "k", "b", 3.0, 4.0),
+           *run("w2", "k", "c", 4.0, 5.0), rec("ready", "w1", 6.0)]
+    verdict = check(log, EXPECTED)
+    assert verdict.ok, verdict.summary()
+    [first] = [r for r in build_runs(log) if r.w == "w1"]
+    assert (first.end, first.open, first.shape) == (2.0, True, "thread")
+
+
+def test_a_pool_child_that_outlives_its_dead_worker_counts_until_its_own_leave() -> None:
+    # w1 died at 2.0 (exit 75, say); its child ran on as an orphan and logged its leave at 5.0.
+    log = [rec("start", "w1", 1.0, "k", "a", shape="process"), *body("w1", "k", "a", 1.1, None, pid=20, child=True),
+           rec("exited", "w1", 2.0, code=75), *run("w2", "k", "a", 3.0, 3.5), rec("leave", "w1", 5.0, "k", "a", pid=20),
+           *run("w2", "k", "b", 3.5, 4.0), *run("w2", "k", "c", 4.0, 4.5)]
+    verdict = check(log, EXPECTED)
+    assert not verdict.ok
+    assert [(o.first.tag, o.first.end, o.second.tag, o.second.start) for o in verdict.overlaps] == [
+        ("a", 5.0, "a", 3.0), ("a", 5.0, "b", 3.5), ("a", 5.0, "c", 4.0)]
+    assert verdict.shapes["process"] == (1, 3)
+
+
+def test_a_pool_child_without_a_leave_ends_with_its_worker() -> None:
+    # The parent-death signal killed the child with its worker: nothing of a ran after 2.0.
+    log = [rec("start", "w1", 1.0, "k", "a", shape="process"), *body("w1", "k", "a", 1.1, None, pid=20, child=True),
+           rec("exited", "w1", 2.0, code=-9), *run("w2", "k", "a", 3.0, 3.5), *run("w2", "k", "b", 3.5, 4.0),
+           *run("w2", "k", "c", 4.0, 4.5), rec("ready", "w1", 6.0)]
+    verdict = check(log, EXPECTED)
+    assert verdict.ok, verdict.summary()
+
+
+def test_a_reaped_child_ends_when_its_worker_reaped_it() -> None:
+    # The pool killed and joined the child at 2.5 (its session was cut off): it never logged a leave.
+    log = [rec("start", "w1", 1.0, "k", "a", shape="process"), *body("w1", "k", "a", 1.1, None, pid=20, child=True),
+           rec("end", "w1", 2.0, "k", "a", ok=False), rec("reaped", "w1", 2.5, "k", "a"),
+           *run("w2", "k", "a", 3.0, 3.5), *run("w2", "k", "b", 3.5, 4.0), *run("w2", "k", "c", 4.0, 4.5)]
+    verdict = check(log, EXPECTED)
+    assert verdict.ok, verdict.summary()
+    assert [r.end for r in build_runs(log) if r.w == "w1"] == [2.5]
+    # Reaped after the next holder started: an overlap.
+    late = [*log[:3], rec("reaped", "w1", 3.2, "k", "a"), *log[4:]]
+    assert [o.second.start for o in check(late, EXPECTED).overlaps] == [3.0]
+
+
+def test_a_sigstop_of_the_worker_excuses_nothing_while_its_child_runs_on() -> None:
+    # A pause of w1 long enough to hand k over would fence a (a zombie): not while a's child still ran.
+    handed = [rec("start", "w1", 1.0, "k", "a", shape="process"), rec("paused", "w1", 1.5),
+              *run("w2", "k", "b", 4.0, 4.5), rec("resumed", "w1", 6.0), rec("end", "w1", 6.1, "k", "a", ok=False),
+              *run("w2", "k", "c", 7.0, 8.0)]
+    no_child = check(handed, EXPECTED, handover_after=1.0)
+    assert not no_child.overlaps and len(no_child.fenced_overlaps) == 1
+    child = [*handed, *body("w1", "k", "a", 1.1, 5.0, pid=20, child=True)]
+    verdict = check(child, EXPECTED, handover_after=1.0)
+    [overlap] = verdict.overlaps
+    assert (overlap.second.tag, overlap.active) == ("b", 0.5)
+    assert not verdict.fenced_overlaps
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def bad(t: float, key: str, tag: str, kind: str) -> dict[str, Any]:
+    return rec("bad_input", "producer", t, key, tag, request_id=f"7-{tag}", bad=kind)
+
+
+def test_bad_requests_dead_lettered_with_a_reason_are_settled_and_never_counted_for_order() -> None:
+    log = [*clean_log(), bad(1.2, "k", "k-bad-0", "malformed-body"), bad(1.3, "k", "k-bad-1", "long-inbox"),
+           event("dead_lettered", "w1", 2.2, "k", request_id="7-k-bad-0", reason="rejected"),
+           # the long inbox's body is good: it ran (after c, out of order: not counted) and was done
+           *run("w1", "k", "k-bad-1", 4.1, 4.2), event("succeeded", "w1", 4.3, "k", request_id="7-k-bad-1")]
+    verdict = check(log, {**EXPECTED, "j": ["x"]})
+    assert verdict.ok, verdict.summary()
+    assert [(b.bad, b.settled, b.reason) for b in verdict.bad_inputs] == [
+        ("malformed-body", "dead-lettered", "rejected"), ("long-inbox", "done", "")]
+    assert not (verdict.unexpected or verdict.order_violations or verdict.lost)
+    assert "bad input: 2 (long-inbox 1, malformed-body 1); dead-lettered 1, done 1" in verdict.summary()
+
+
+def test_a_bad_request_never_dead_lettered_fails_the_run() -> None:
+    log = [*clean_log(), bad(1.2, "k", "k-bad-0", "bad-version"), bad(1.3, "k", "k-bad-1", "unknown-type"),
+           event("dead_lettered", "w1", 2.2, "k", request_id="7-k-bad-0", reason=""),  # no reason: not settled
+           event("succeeded", "w1", 2.3, "k", request_id="7-k-bad-1")]  # run, though it must be refused
+    verdict = check(log, {**EXPECTED, "j": ["x"]})
+    assert not verdict.ok
+    assert [b.tag for b in verdict.unsettled] == ["k-bad-0", "k-bad-1"]
+    assert "unsettled bad input k: k-bad-0 (bad-version, request 7-k-bad-0)" in verdict.summary()
+
+
+def test_a_hand_off_counts_from_the_end_of_a_sync_body_running_at_the_fault() -> None:
+    # w1's thread runs a from 1.1 to 5.0 (a slow sync task) when its connection is reset at 2; b can
+    # only start once a is done: the hand-off is measured from 5.0, not 2.0.
+    def log(next_start: float) -> list[dict[str, Any]]:
+        return [ready("w1", 0.0), event("acquired", "w1", 1.0, "k"), rec("start", "w1", 1.1, "k", "a", shape="thread"),
+                *body("w1", "k", "a", 1.1, 5.0, pid=10), rec("end", "w1", 5.0, "k", "a"), stored(1.5, "k", "b"),
+                fault(2.0, "net-reset", "w1", 1), fault_end(2.0, 1), *run("w1", "k", "b", next_start, next_start + 0.1),
+                event("released", "w1", next_start + 0.2, "k")]
+
+    verdict = check(log(5.5), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert verdict.ok, verdict.summary()
+    assert verdict.liveness is not None and [h.seconds for h in verdict.liveness.handoffs] == [0.5]
+    late = check(log(7.5), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert late.liveness is not None and [(h.seconds, h.alone) for h in late.liveness.late_handoffs] == [(2.5, True)]

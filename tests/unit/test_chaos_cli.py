@@ -11,6 +11,8 @@ from keyqueue.chaos.soak import CLASSES, CLUSTER_CLASSES, SoakOptions
 @pytest.mark.parametrize(("argv", "complaint"), [
     (["--classes", "network,bogus"], "unknown fault class(es): bogus"),
     (["--classes", "partition", "--nodes", "1"], "partition need a cluster"),
+    (["--handlers", "thread,bogus"], "unknown handler(s): bogus; choose from async, thread, process, gil, "
+                                     "blocking, bad-input or all"),
 ])
 def test_bad_class_choices_are_refused_before_anything_starts(argv: list[str], complaint: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
