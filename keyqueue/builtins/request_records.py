@@ -276,7 +276,7 @@ class RecordingTaskProcessor(TaskProcessor):
         if state is None:
             state = await self.runs.get_runs(task.name, self.key)
         while True:
-            if self.watch is not None and all(r.request_id in self.watch.cancelled for r in requests):
+            if self.watch is not None and all(self.watch.is_cancelled(r.request_id) for r in requests):
                 return  # it will not run: no wait, no slot
             starts, revision = state
             delay = limit.wait(starts, self.clock())
