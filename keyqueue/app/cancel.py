@@ -202,15 +202,21 @@ class CancelWatch:
                 self.cancelled.pop(request_id, None)
 
     async def answer(self, request_id: str, state: str) -> None:
-        """Write ``state`` over a ``requested`` record of ``request_id`` (no record, or another answer: nothing)."""
+        """:meth:`write_answer`, its failure logged (the canceller then looks for the request itself)."""
+        try:
+            await self.write_answer(request_id, state)
+        except KeyqueueError as exc:
+            log.warning("could not answer the cancel of request %s (%s): %s", request_id, state, exc)
+
+    async def write_answer(self, request_id: str, state: str) -> None:
+        """Write ``state`` over a ``requested`` record of ``request_id`` (no record, or another answer:
+        nothing). Idempotent; raises what the API raises (``ConnectionFailed``, ``KeyqueueTimeout``)."""
         try:
             current = await self.records.cancel_state(request_id)
             if current is not None and current[0] == "requested":
                 await self.records.answer_cancel(request_id, state, current[1])
         except WrongLastSequence:
             pass  # answered meanwhile (another worker finished it, or it was cancelled there)
-        except KeyqueueError as exc:
-            log.warning("could not answer the cancel of request %s (%s): %s", request_id, state, exc)
 
     # --- the subscription ---
 

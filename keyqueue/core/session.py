@@ -142,6 +142,10 @@ class _Context:
         """Await ``confirm()`` before any removal of the requests handled so far (``HoldsRemoval``)."""
         self._session.owed.append(confirm)
 
+    async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
+        """A processor's own NATS step, retried within the lease as the session's are (``RetriesSteps``)."""
+        return await self._session._steady(step)
+
     async def pause(self, seconds: float) -> None:
         """Wait ``seconds`` holding the key but not a worker slot (a rate limit's wait)."""
         async with self._session.off_slot():
