@@ -189,24 +189,20 @@ class Connections:
             if self._by_loop.get(loop) is state:
                 del self._by_loop[loop]
             state.loop_end = None
-            if not loop.is_closed():  # else nothing can run on it: the socket goes with the dropped state
-                await state.close()
+            await state.close()
 
     def _drop_closed_loops(self) -> None:
         """Forget the connections of loops closed without their shutdown: nothing can run on them any
         more, and dropping them lets their sockets be freed (the server sees them go)."""
         for loop in [loop for loop in self._by_loop if loop.is_closed()]:
-            state = self._by_loop.pop(loop)
-            if state.loop_end is not None:
-                # Finished here, without its loop (its cleanup awaits nothing on a closed loop), so
-                # that collecting it later does not ask the closed loop to finalize it.
-                with contextlib.suppress(StopIteration):
-                    state.loop_end.aclose().send(None)
+            _abandon(self._by_loop.pop(loop))
             log.debug("dropped the connection of an event loop closed without shutting down its async generators")
 
     def forget_all(self) -> None:
         """Drop every loop's connection unclosed: in a forked child, they are the parent's."""
-        self._by_loop = weakref.WeakKeyDictionary()
+        states, self._by_loop = list(self._by_loop.values()), weakref.WeakKeyDictionary()
+        for state in states:
+            _abandon(state)
 
     async def close(self) -> None:
         """Drain and close the running loop's connection, if it has one."""
@@ -389,6 +385,20 @@ class NatsTransport:
         state = await self.connections.current()
         assert state.nc is not None
         return await request_status(await self.records(queue), JetStreamApi(state.nc), request_id, seq=seq, key=key)
+
+
+def _abandon(state: LoopConnection) -> None:
+    """Forget a loop's connection without closing it (its loop cannot run the close: closed, or the
+    parent's after a fork), and end its loop-end generator here, so that collecting it later does
+    not ask that loop to finalize it (its cleanup then has nothing to await)."""
+    state.nc, state.router = None, None
+    state.publishers.clear()
+    state.schedules.clear()
+    state.records.clear()
+    state.cancel_watches.clear()
+    if state.loop_end is not None:
+        with contextlib.suppress(StopIteration):
+            state.loop_end.aclose().send(None)
 
 
 async def open_connection(settings: Settings, *, name: str = "keyqueue",
