@@ -118,12 +118,16 @@ class CancelWatch:
         self._asks = await self.records.nc.subscribe(self.records.ask_wildcard, cb=self._on_ask)
         await self.refresh()
 
+    def stale(self) -> bool:
+        """Whether the connection was lost since the records were read (:meth:`refresh` reads them again)."""
+        return self._reconnect_count() != self._loaded
+
     async def refresh(self) -> None:
         """Load the stored records again if the connection was lost since they were read (records sent
         meanwhile never reached the subscription). Every caller waits for the one reload in flight,
         so no request starts on a set older than the last reconnect. Raises what the read raises
         (``ConnectionFailed``, ``KeyqueueTimeout``): the caller tries again within its lease."""
-        while self._reconnect_count() != self._loaded:
+        while self.stale():
             if self._reloading is None:
                 self._reloading = asyncio.get_running_loop().create_task(self._reload())
                 self._reloading.add_done_callback(_retrieve)

@@ -337,7 +337,8 @@ class RecordingTaskProcessor(TaskProcessor):
             return await self._handle_keeping(ctx, request)
         # Cancels written while this worker was disconnected never reached its subscription: a
         # session that outlived the outage loads them again before its next request starts.
-        await _steady(ctx, watch.refresh)
+        if watch.stale():
+            await _steady(ctx, watch.refresh)
         flag = watch.start_run(request.request_id)
         if flag is None:
             [reply] = await self._skip(ctx, [request])
@@ -366,7 +367,8 @@ class RecordingTaskProcessor(TaskProcessor):
         watch = self.watch
         if watch is None:
             return await self._batch_keeping(ctx, requests)
-        await _steady(ctx, watch.refresh)
+        if watch.stale():
+            await _steady(ctx, watch.refresh)
         expired = [i for i, r in enumerate(requests) if self._expired(r)]
         flags = [None if i in expired else watch.start_run(r.request_id) for i, r in enumerate(requests)]
         try:
