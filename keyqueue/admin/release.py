@@ -5,10 +5,14 @@ and its tokens are redelivered. When its death is known (a supervisor saw its ch
 operator saw its host go down), :func:`release_keys` hands each of its keys on at once:
 
 1. it reads the key's lease record (``kq.<queue>.lease.<key>``) and the holder it names;
-2. it refuses, unless ``force``, while that holder looks alive: its registry heartbeat
-   (``keyqueue.admin.workers``) is live, or, for a holder without one, its record was renewed
-   within a renewal interval. Both are judged by the server's clock only (the record's and the
-   heartbeat's timestamps against the server's time of the read), never the caller's;
+2. it skips, unless ``force``, a key whose holder looks alive, judged per process (the record
+   names the worker, its host and pid; one heartbeat record per worker name may be another
+   process's, one that just stopped). The holder's own heartbeat (``keyqueue.admin.workers``,
+   same name, host and pid) decides where there is one: live, or gone (stopped, or silent).
+   Without one, the record does: renewed within a renewal interval means alive. Both
+   are judged by the server's clock only (the record's and the heartbeat's timestamps against the
+   server's time of the read), never the caller's. The keys of gone holders are released all the
+   same; :class:`HolderAlive` then says which were skipped and why;
 3. it deletes that record by its sequence (a record written since by anyone else is untouched);
 4. it hands the holder's token back with a ``-NAK`` on the ack subject the record names: the
    server delivers it again at once, to a worker with a free slot, with its delivery count one up
@@ -35,14 +39,30 @@ from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.subjects import QueueNames
 
-__all__ = ["HolderAlive", "Released", "describe", "release_keys"]
+__all__ = ["HolderAlive", "Released", "Skipped", "describe", "release_keys"]
 
 NO_MESSAGE_FOUND: Final = 10057
 """JetStream's err_code for deleting a sequence that holds no message."""
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A key not released: its holder looks alive."""
+
+    key: str
+    worker: str | None
+    pid: int | None
+    why: str
+
+
 class HolderAlive(KeyqueueError):
-    """The key's holder looks alive; release it with ``force`` only if you know it is not."""
+    """Some holders look alive: their keys were skipped (``skipped``), the others released
+    (``released``). Release them with ``force`` only if you know they are gone."""
+
+    def __init__(self, message: str, skipped: list[Skipped], released: list[Released]) -> None:
+        super().__init__(message)
+        self.skipped = skipped
+        self.released = released
 
 
 @dataclass(frozen=True)
@@ -81,6 +101,18 @@ class _Record:
         return pid if isinstance(pid, int) else None
 
     @property
+    def host(self) -> str | None:
+        host = self.body.get("host")
+        return host if isinstance(host, str) and host else None
+
+    @property
+    def holder(self) -> str:
+        """``worker w1 (pid 4711 on host-a)``: the process the record names."""
+        where = " ".join(p for p in (f"pid {self.pid}" if self.pid is not None else "",
+                                     f"on {self.host}" if self.host else "") if p)
+        return f"worker {self.worker or '(unnamed)'}" + (f" ({where})" if where else "")
+
+    @property
     def ack(self) -> str | None:
         ack = self.body.get("ack")
         return ack if isinstance(ack, str) and ack.startswith("$JS.ACK.") else None
@@ -94,8 +126,9 @@ class _Record:
 async def release_keys(api: JetStreamApi, queue: str, *, key: str | None = None, worker: str | None = None,
                        pid: int | None = None, force: bool = False) -> list[Released]:
     """Release ``key``, or every key held by ``worker`` (and, if given, its process ``pid``), in
-    ``queue``; returns what was released. Raises :class:`HolderAlive` (nothing released) if a
-    holder looks alive and not ``force``; a key held by nobody is not in the result."""
+    ``queue``; returns what was released (a key held by nobody is not in it). Unless ``force``, a
+    key whose holder looks alive is skipped; if any was, :class:`HolderAlive` is raised once the
+    others are released, with both lists."""
     if (key is None) == (worker is None):
         raise KeyqueueError("release one key, or the keys of one worker: give a key or a worker, not both")
     names = QueueNames(queue)
@@ -104,12 +137,17 @@ async def release_keys(api: JetStreamApi, queue: str, *, key: str | None = None,
     if not chosen:
         return []
     alive = {} if force else await _alive(api, queue, names, chosen)
-    if alive:
-        who = ", ".join(f"{k} ({why})" for k, why in sorted(alive.items())[:5])
-        raise HolderAlive(f"the holder of {len(alive)} key(s) looks alive: {who}; stop that worker first, or "
-                          "release with --force if you know it is gone (a live holder would run beside the next one)")
     publisher = Publisher(api.nc, names, timeout=api.timeout, outage_wait=0.0)
-    return list(await asyncio.gather(*(_release(api, names, publisher, r, forced=force) for r in chosen)))
+    released = list(await asyncio.gather(*(_release(api, names, publisher, r, forced=force)
+                                           for r in chosen if r.key not in alive)))
+    if alive:
+        skipped = [Skipped(r.key, r.worker, r.pid, alive[r.key]) for r in chosen if r.key in alive]
+        who = ", ".join(f"{s.key} ({s.why})" for s in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        done = f"; released the other {len(released)}" if released else ""
+        raise HolderAlive(f"the holder of {len(skipped)} key(s) looks alive: {who}; skipped{done}. Stop that "
+                          "worker first, or release with --force if you know it is gone (a live holder would run "
+                          "beside the next one)", skipped, released)
+    return released
 
 
 async def _lease_records(api: JetStreamApi, names: QueueNames, key: str | None) -> list[_Record]:
@@ -141,15 +179,25 @@ async def _alive(api: JetStreamApi, queue: str, names: QueueNames, records: list
     alive: dict[str, str] = {}
     for record in records:
         registered = workers.get(record.worker or "")
-        if registered is not None:
+        # The heartbeat speaks for the record's holder only if it is the same process: one record per
+        # worker name is kept, and another process of that name may have written it (one that just stopped).
+        own = (registered is not None and record.pid is not None and registered.record.pid == record.pid
+               and record.host is not None and registered.record.host == record.host)
+        if own and registered is not None:
             if registered.live:
                 alive[record.key] = f"worker {record.worker}'s heartbeat is live"
-            continue
+            continue  # that very process's heartbeat says: live, or gone (stopped, or silent)
         renewed = parse_time(record.msg.timestamp)
         ttl = record.body.get("ttl")
         interval = float(ttl) / 3 + 1.0 if isinstance(ttl, int | float) and ttl > 0 else 11.0
         if renewed is not None and now - renewed.timestamp() <= interval:
-            alive[record.key] = f"its lease record was renewed {now - renewed.timestamp():.1f}s ago"
+            other = ""
+            if registered is not None and not own:
+                state = "live" if registered.live else registered.gone_because
+                other = (f"; the heartbeat of that name is another process's (pid {registered.record.pid} on "
+                         f"{registered.record.host}, {state})")
+            alive[record.key] = (f"{record.holder} renewed its lease record {now - renewed.timestamp():.1f}s "
+                                 f"ago{other}")
     return alive
 
 

@@ -5,7 +5,10 @@ The protocol (docs/decisions.md, "Cancelling a request"):
 1. The canceller subscribes to the request's cancel subject, then writes a ``requested`` record
    there (``KQ_Q_RECORDS``, ``kq.Q.cancel.<id>``; created only if there is none).
 2. Every worker of the queue follows the queue's cancel subjects (one subscription per worker and
-   queue, loaded with the records already stored when it starts). The holder of the request's key
+   queue, loaded with the records already stored when it starts, and again after each reconnect:
+   every request that starts after a reconnect waits for that one reload). It forgets an id once
+   its request finished here or its record has expired, so a long-running worker's set stays the
+   size of the cancels still to act on. The holder of the request's key
    checks, on the event loop and just before the request starts, whether it is cancelled: if so it
    never runs, the holder answers ``cancelled`` on the record, replies ``Cancelled`` to a waiting
    caller, and the session removes the request as it removes any finished one (so the key's
@@ -39,7 +42,7 @@ from typing import TYPE_CHECKING, Final, Literal
 
 from keyqueue.app.status import in_backlog, kept_status
 from keyqueue.errors import KeyqueueError, StreamNotFound, WrongLastSequence
-from keyqueue.jetstream.records import CANCEL_STATE, RequestRecords
+from keyqueue.jetstream.records import CANCEL_STATE, CANCEL_TTL, RequestRecords
 from keyqueue.jetstream.schedules import ScheduleNames
 from keyqueue.jetstream.subjects import QueueNames, request_id_token
 from keyqueue.wire import headers as H
@@ -89,35 +92,88 @@ class CancelWatch:
 
     def __init__(self, records: RequestRecords) -> None:
         self.records = records
-        self.cancelled: set[str] = set()
-        """Request ids with a cancel record (``requested`` or ``cancelled``): they must never start."""
+        self.cancelled: dict[str, float] = {}
+        """Request ids with a cancel record (``requested`` or ``cancelled``): they must never start.
+        Each maps to the loop time by which its record has expired for sure (:data:`CANCEL_TTL`
+        after this worker learned of it), in that order; ids past it are dropped, as are ids whose
+        request finished here (see :meth:`is_cancelled`)."""
         self.running: dict[str, RunFlag] = {}
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.skipped: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Cancelled ids whose request this worker skipped (the last :data:`_RECENT`): refused
+        again if the request is read again before its removal landed (a lease lost meanwhile)."""
         self._answers: set[asyncio.Task[None]] = set()
         self._sub: object | None = None
         self._asks: object | None = None
-        self._reconnects = 0
+        self._loaded = -1
+        """The connection's reconnect count when the loaded set was read (-1: never)."""
+        self._reloading: asyncio.Task[None] | None = None
+        self._changed: dict[str, bool] | None = None
+        """While a reload is in flight: the ids the subscription added (True) or withdrew (False) meanwhile."""
 
     async def start(self) -> None:
         """Follow the queue's cancel subjects, then load the records stored so far (no gap between);
         answer status questions about the requests running here (``keyqueue.app.status``)."""
         self._sub = await self.records.nc.subscribe(self.records.cancel_wildcard, cb=self._on_record)
         self._asks = await self.records.nc.subscribe(self.records.ask_wildcard, cb=self._on_ask)
-        await self.reload()
+        await self.refresh()
 
-    async def reload(self) -> None:
-        self._reconnects = self._reconnect_count()
-        self.cancelled.update(await self.records.pending_cancels())
+    def stale(self) -> bool:
+        """Whether the connection was lost since the records were read (:meth:`refresh` reads them again)."""
+        return self._reconnect_count() != self._loaded
 
     async def refresh(self) -> None:
-        """Load the stored records again if the connection was lost since (records sent meanwhile were missed)."""
-        if self._reconnect_count() != self._reconnects:
-            await self.reload()
+        """Load the stored records again if the connection was lost since they were read (records sent
+        meanwhile never reached the subscription). Every caller waits for the one reload in flight,
+        so no request starts on a set older than the last reconnect. Raises what the read raises
+        (``ConnectionFailed``, ``KeyqueueTimeout``): the caller tries again within its lease."""
+        while self.stale():
+            if self._reloading is None:
+                self._reloading = asyncio.get_running_loop().create_task(self._reload())
+                self._reloading.add_done_callback(_retrieve)
+            # Shielded: one caller's cancellation (its lease lost) must not cancel the others' reload.
+            await asyncio.shield(self._reloading)
+
+    async def _reload(self) -> None:
+        """Replace the set with the stored records (records expired or withdrawn since drop out), keeping
+        what the subscription says meanwhile (it is newer than the read)."""
+        count = self._reconnect_count()
+        self._changed = {}
+        try:
+            stored = await self.records.pending_cancels()
+            changed = self._changed
+            before, self.cancelled = self.cancelled, {}
+            for request_id in stored:
+                if request_id not in changed and request_id not in self.skipped:
+                    self._add(request_id)
+            self.cancelled.update((i, before[i]) for i, added in changed.items() if added and i in before)
+            self._loaded = count
+        finally:
+            self._changed = None
+            self._reloading = None
 
     def _reconnect_count(self) -> int:
         return int(self.records.nc.stats.get("reconnects", 0))
 
+    def is_cancelled(self, request_id: str) -> bool:
+        """Whether ``request_id`` must not start (a cancel record names it, or this worker skipped it)."""
+        return request_id in self.cancelled or request_id in self.skipped
+
+    def _add(self, request_id: str) -> None:
+        """Remember a cancelled id (at the end: the latest deadline) and drop the ids whose record has expired."""
+        now = asyncio.get_running_loop().time()
+        self.cancelled.pop(request_id, None)
+        self.cancelled[request_id] = now + CANCEL_TTL
+        while True:
+            oldest = next(iter(self.cancelled))
+            if self.cancelled[oldest] > now:
+                break
+            del self.cancelled[oldest]
+
     async def close(self) -> None:
+        if self._reloading is not None:
+            self._reloading.cancel()
+            await asyncio.gather(self._reloading, return_exceptions=True)
         for sub in (self._sub, self._asks):
             if sub is not None:
                 with contextlib.suppress(Exception):
@@ -135,27 +191,36 @@ class CancelWatch:
     def start_run(self, request_id: str) -> RunFlag | None:
         """Register ``request_id`` as starting; None if it is cancelled (then it must not run)."""
         flag = self.running[request_id] = RunFlag()
-        if request_id in self.cancelled:
+        if self.is_cancelled(request_id):
             del self.running[request_id]
+            if self.cancelled.pop(request_id, None) is not None:
+                _remember(self.skipped, request_id)
             return None
         return flag
 
     def end_run(self, request_id: str) -> None:
-        if self.running.pop(request_id, None) is not None:
-            self.recent[request_id] = None
-            if len(self.recent) > _RECENT:
-                self.recent.popitem(last=False)
+        flag = self.running.pop(request_id, None)
+        if flag is not None:
+            _remember(self.recent, request_id)
+            if flag.requested:  # answered ``running``: no reload loads it again, the set need not keep it
+                self.cancelled.pop(request_id, None)
 
     async def answer(self, request_id: str, state: str) -> None:
-        """Write ``state`` over a ``requested`` record of ``request_id`` (no record, or another answer: nothing)."""
+        """:meth:`write_answer`, its failure logged (the canceller then looks for the request itself)."""
+        try:
+            await self.write_answer(request_id, state)
+        except KeyqueueError as exc:
+            log.warning("could not answer the cancel of request %s (%s): %s", request_id, state, exc)
+
+    async def write_answer(self, request_id: str, state: str) -> None:
+        """Write ``state`` over a ``requested`` record of ``request_id`` (no record, or another answer:
+        nothing). Idempotent; raises what the API raises (``ConnectionFailed``, ``KeyqueueTimeout``)."""
         try:
             current = await self.records.cancel_state(request_id)
             if current is not None and current[0] == "requested":
                 await self.records.answer_cancel(request_id, state, current[1])
         except WrongLastSequence:
             pass  # answered meanwhile (another worker finished it, or it was cancelled there)
-        except KeyqueueError as exc:
-            log.warning("could not answer the cancel of request %s (%s): %s", request_id, state, exc)
 
     # --- the subscription ---
 
@@ -169,24 +234,45 @@ class CancelWatch:
         state = headers.get(CANCEL_STATE)
         request_id = headers.get(H.REQUEST_ID)
         if request_id and state == "withdrawn":  # the canceller found no such request: the id is usable again
-            self.cancelled.discard(request_id)
+            self.cancelled.pop(request_id, None)
+            if self._changed is not None:
+                self._changed[request_id] = False
             return
         if not request_id or state not in ("requested", "cancelled"):
             return
-        self.cancelled.add(request_id)
+        if request_id in self.skipped:
+            return  # refused here already (this is likely its own answer)
+        if state == "requested" and request_id in self.recent and request_id not in self.running:
+            self._spawn(request_id, "done")  # it finished here: nothing to refuse, the record is answered
+            return
+        self._add(request_id)
+        if self._changed is not None:
+            self._changed[request_id] = True
         if state != "requested":
             return
         flag = self.running.get(request_id)
         if flag is not None:
             flag.requested = True
             self._spawn(request_id, "running")
-        elif request_id in self.recent:
-            self._spawn(request_id, "done")
 
     def _spawn(self, request_id: str, state: str) -> None:
         task = asyncio.get_running_loop().create_task(self.answer(request_id, state))
         self._answers.add(task)
         task.add_done_callback(self._answers.discard)
+
+
+def _remember(ids: collections.OrderedDict[str, None], request_id: str) -> None:
+    """Add ``request_id`` to a bounded record of finished ids (the oldest beyond :data:`_RECENT` forgotten)."""
+    ids[request_id] = None
+    ids.move_to_end(request_id)
+    if len(ids) > _RECENT:
+        ids.popitem(last=False)
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a reload's error as seen (its waiters got it; none may be left to)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _unschedule(api: JetStreamApi, queue: str, request_id: str) -> bool:

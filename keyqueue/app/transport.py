@@ -8,15 +8,22 @@ on a private loop in a thread, ``keyqueue.app.portal``), and a nats-py connectio
 ``Connections`` keeps one per loop, made on first use. Each has one wildcard subscription that
 routes every ``call``'s reply to its waiter, and remembers the queues whose streams it has
 ensured.
+
+A loop's connection ends with the loop: ``asyncio.run`` (a script's, or a framework's loop per
+request) finalizes the loop's async generators before it closes the loop, and one of them,
+started with the connection, closes it then and drops it from the map. A loop closed without
+that step (``loop.close()`` alone) has its connection dropped the next time the app connects on
+any loop, so the socket is freed with it rather than kept for the life of the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -115,6 +122,24 @@ class LoopConnection:
     cancel_watches: dict[str, CancelWatch] = field(default_factory=dict)
     """Queues whose cancel requests a worker on this connection follows."""
     watch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    loop_end: AsyncGenerator[None, None] | None = None
+    """Suspended for as long as the loop runs; the loop's shutdown closes it, and the connection with it."""
+
+    async def close(self) -> None:
+        """Stop the cancel watches and result writers, then drain and close the connection."""
+        for watch in self.cancel_watches.values():
+            await watch.close()
+        self.cancel_watches.clear()
+        for records in self.records.values():
+            await records.close()
+        self.records.clear()
+        self.publishers.clear()
+        self.schedules.clear()
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:  # closing must not fail because the server went away first
+                pass
 
 
 class Connections:
@@ -134,7 +159,10 @@ class Connections:
         loop = asyncio.get_running_loop()
         state = self._by_loop.get(loop)
         if state is None:
+            self._drop_closed_loops()
             state = self._by_loop[loop] = LoopConnection()
+            state.loop_end = self._until_loop_ends(loop, state)
+            await anext(state.loop_end)  # now one of the loop's async generators: its shutdown closes it
         if state.nc is None or state.nc.is_closed:
             async with state.lock:
                 if state.nc is None or state.nc.is_closed:
@@ -152,23 +180,39 @@ class Connections:
                     await state.router.start()
         return state
 
+    async def _until_loop_ends(self, loop: asyncio.AbstractEventLoop, state: LoopConnection
+                               ) -> AsyncGenerator[None, None]:
+        """Wait, suspended, for the loop's shutdown (``shutdown_asyncgens``), then close its connection."""
+        try:
+            yield
+        finally:
+            if self._by_loop.get(loop) is state:
+                del self._by_loop[loop]
+            state.loop_end = None
+            await state.close()
+
+    def _drop_closed_loops(self) -> None:
+        """Forget the connections of loops closed without their shutdown: nothing can run on them any
+        more, and dropping them lets their sockets be freed (the server sees them go)."""
+        for loop in [loop for loop in self._by_loop if loop.is_closed()]:
+            _abandon(self._by_loop.pop(loop))
+            log.debug("dropped the connection of an event loop closed without shutting down its async generators")
+
     def forget_all(self) -> None:
         """Drop every loop's connection unclosed: in a forked child, they are the parent's."""
-        self._by_loop = weakref.WeakKeyDictionary()
+        states, self._by_loop = list(self._by_loop.values()), weakref.WeakKeyDictionary()
+        for state in states:
+            _abandon(state)
 
     async def close(self) -> None:
         """Drain and close the running loop's connection, if it has one."""
         state = self._by_loop.pop(asyncio.get_running_loop(), None)
-        if state is not None:
-            for watch in state.cancel_watches.values():
-                await watch.close()
-            for records in state.records.values():
-                await records.close()
-        if state is not None and state.nc is not None and not state.nc.is_closed:
-            try:
-                await state.nc.drain()
-            except Exception:  # closing must not fail because the server went away first
-                pass
+        if state is None:
+            return
+        if state.loop_end is not None:
+            await state.loop_end.aclose()  # its cleanup closes the connection
+        else:
+            await state.close()
 
 
 class NatsTransport:
@@ -341,6 +385,20 @@ class NatsTransport:
         state = await self.connections.current()
         assert state.nc is not None
         return await request_status(await self.records(queue), JetStreamApi(state.nc), request_id, seq=seq, key=key)
+
+
+def _abandon(state: LoopConnection) -> None:
+    """Forget a loop's connection without closing it (its loop cannot run the close: closed, or the
+    parent's after a fork), and end its loop-end generator here, so that collecting it later does
+    not ask that loop to finalize it (its cleanup then has nothing to await)."""
+    state.nc, state.router = None, None
+    state.publishers.clear()
+    state.schedules.clear()
+    state.records.clear()
+    state.cancel_watches.clear()
+    if state.loop_end is not None:
+        with contextlib.suppress(StopIteration):
+            state.loop_end.aclose().send(None)
 
 
 async def open_connection(settings: Settings, *, name: str = "keyqueue",

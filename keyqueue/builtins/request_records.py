@@ -16,6 +16,12 @@ each request it
   the key (and the lease, which the session renews meanwhile) so the key's later requests stay
   behind it in order, and records the run's start where the key's next holder reads it
   (``kq.Q.runs.<task>.<key>``, written by compare-and-set). Other keys run on meanwhile.
+
+Only the user's code is charged an attempt: this I/O around a run (loading cancel records,
+taking a rate-limit slot, answering a cancel) goes through the session's retries
+(``ctx.steady``, :class:`~keyqueue.core.processor.RetriesSteps`), so a lost connection or a
+request with no answer is tried again within the lease, and a lease that ends meanwhile ends the
+session as a lost lease, never as a failed attempt.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from keyqueue.app.transport import NatsTransport
 from keyqueue.builtins.processor import TaskProcessor
@@ -35,6 +41,7 @@ from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import (
     ConnectionFailed,
     Disconnected,
+    KeyqueueError,
     KeyqueueTimeout,
     LeaseLost,
     Reject,
@@ -62,6 +69,8 @@ if TYPE_CHECKING:
 __all__ = ["RecordingTaskProcessor", "RunStore"]
 
 log = logging.getLogger("keyqueue.task")
+
+T = TypeVar("T")
 
 RESULT_WRITE_PATIENCE: Final = 5.0
 """Seconds a result whose write got no answer (no stream leader yet, no reply) is written again."""
@@ -97,9 +106,9 @@ class RecordingTaskProcessor(TaskProcessor):
     async def open(self, ctx: SessionContext) -> None:
         transport = self.app.transport()
         if isinstance(transport, NatsTransport):
-            self.watch = await transport.cancel_watch(self.queue)
-            await self.watch.refresh()
-            self.records = self.watch.records
+            self.watch = watch = await _steady(ctx, functools.partial(transport.cancel_watch, self.queue))
+            await _steady(ctx, watch.refresh)
+            self.records = watch.records
             if self.runs is None:
                 self.runs = self.records
         await super().open(ctx)
@@ -251,7 +260,7 @@ class RecordingTaskProcessor(TaskProcessor):
         replies: list[BatchOutcome] = [self._skipped_reply(r, by) for r in requests]
         if by == CANCELLED_BY:
             assert self.watch is not None
-            await asyncio.gather(*(self.watch.answer(r.request_id, "cancelled") for r in requests))
+            await asyncio.gather(*(self._answer_cancelled(ctx, self.watch, r.request_id) for r in requests))
         await self._keep(ctx, requests, replies)
         event, why = (("cancelled", "cancelled before it started") if by == CANCELLED_BY else
                       ("expired", "its expires time passed before it started"))
@@ -260,6 +269,16 @@ class RecordingTaskProcessor(TaskProcessor):
             await publish_event(self.app, event, self.queue, self.key, request_id=request.request_id,
                                 task=request.headers.get(H.MESSAGE_TYPE), reason=why)
         return replies
+
+    async def _answer_cancelled(self, ctx: RequestContext, watch: CancelWatch, request_id: str) -> None:
+        """Answer ``cancelled`` on the request's cancel record, through a passing outage; a refusal is
+        logged (the canceller then looks for the request itself and finds it gone)."""
+        try:
+            await _steady(ctx, functools.partial(watch.write_answer, request_id, "cancelled"))
+        except LeaseLost:
+            raise
+        except KeyqueueError as exc:
+            log.warning("could not answer the cancel of request %s (cancelled): %s", request_id, exc)
 
     # --- rate limits ---
 
@@ -273,10 +292,11 @@ class RecordingTaskProcessor(TaskProcessor):
         if task is None or limit is None or self.runs is None:
             return
         state = self._run_logs.get(task.name)
+        runs = self.runs
         if state is None:
-            state = await self.runs.get_runs(task.name, self.key)
+            state = await _steady(ctx, functools.partial(runs.get_runs, task.name, self.key))
         while True:
-            if self.watch is not None and all(r.request_id in self.watch.cancelled for r in requests):
+            if self.watch is not None and all(self.watch.is_cancelled(r.request_id) for r in requests):
                 return  # it will not run: no wait, no slot
             starts, revision = state
             delay = limit.wait(starts, self.clock())
@@ -290,9 +310,11 @@ class RecordingTaskProcessor(TaskProcessor):
             window = [*limit.window(starts, now), now][-limit.count:]
             ctx.check_lease()
             try:
-                revision = await self.runs.put_runs(task.name, self.key, window, revision, limit.period + 1)
+                revision = await _steady(ctx, functools.partial(runs.put_runs, task.name, self.key, window, revision,
+                                                                limit.period + 1))
             except WrongLastSequence:
-                state = await self.runs.get_runs(task.name, self.key)  # another holder ran it meanwhile
+                # Another holder ran it meanwhile (or a write of ours whose reply was lost landed): read again.
+                state = await _steady(ctx, functools.partial(runs.get_runs, task.name, self.key))
                 continue
             self._run_logs[task.name] = (window, revision)
             return
@@ -315,7 +337,8 @@ class RecordingTaskProcessor(TaskProcessor):
             return await self._handle_keeping(ctx, request)
         # Cancels written while this worker was disconnected never reached its subscription: a
         # session that outlived the outage loads them again before its next request starts.
-        await watch.refresh()
+        if watch.stale():
+            await _steady(ctx, watch.refresh)
         flag = watch.start_run(request.request_id)
         if flag is None:
             [reply] = await self._skip(ctx, [request])
@@ -344,7 +367,8 @@ class RecordingTaskProcessor(TaskProcessor):
         watch = self.watch
         if watch is None:
             return await self._batch_keeping(ctx, requests)
-        await watch.refresh()
+        if watch.stale():
+            await _steady(ctx, watch.refresh)
         expired = [i for i, r in enumerate(requests) if self._expired(r)]
         flags = [None if i in expired else watch.start_run(r.request_id) for i, r in enumerate(requests)]
         try:
@@ -382,6 +406,13 @@ class RecordingTaskProcessor(TaskProcessor):
             raise
         await self._keep(ctx, requests[: len(outcomes)], outcomes)
         return outcomes
+
+
+async def _steady(ctx: SessionContext, step: Callable[[], Awaitable[T]]) -> T:
+    """``step()``, keyqueue's own idempotent NATS I/O around a run, through the session's retries
+    where the context has them (``RetriesSteps``; a test's fake context: once)."""
+    steady = getattr(ctx, "steady", None)  # a runtime protocol's isinstance is slow
+    return await (steady(step) if steady is not None else step())
 
 
 def _lease_left(ctx: RequestContext) -> float:

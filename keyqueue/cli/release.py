@@ -1,6 +1,7 @@
 """``keyqueue release``: hand on the keys of a worker that is gone, now rather than when its leases end.
 
-The work happens in ``keyqueue.admin.release``; this command formats what it released.
+The work happens in ``keyqueue.admin.release``; this command formats what it released and what
+it skipped (a holder that looks alive), and exits with status 1 if it skipped any.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import dataclasses
 
 import click
 
-from keyqueue.admin.release import describe, release_keys
+from keyqueue.admin.release import HolderAlive, Released, Skipped, describe, release_keys
 from keyqueue.cli.common import connection, require_queue, to_json, url_option
 from keyqueue.errors import ConfigError
 from keyqueue.jetstream.api import JetStreamApi
@@ -35,9 +36,11 @@ def release(queue: str, key: str | None, worker: str | None, force: bool, as_jso
     A worker that dies keeps its keys until its leases run out (the queue's ack_wait, 30 s by
     default). When you know it is gone, this hands its keys on at once: it deletes the key's
     lease record, removes the holder's token and, if requests wait, schedules the key for the
-    next free worker. It refuses while the holder's heartbeat is live (or, for a worker without
-    one, while its lease record is being renewed), judged by the server's clock; `--force`
-    overrides that. `keyqueue worker --processes N` does this by itself for a child that dies.
+    next free worker. It skips a key whose holder process looks alive (that process's heartbeat
+    is live, or it renewed the key's lease record within a renewal interval), judged by the
+    server's clock, says which and why, and exits with status 1; the other keys are released.
+    `--force` overrides that. `keyqueue worker --processes N` does this by itself for a child
+    that dies.
 
     \b
     Examples:
@@ -53,16 +56,26 @@ def release(queue: str, key: str | None, worker: str | None, force: bool, as_jso
         async with connection(url) as nc:
             api = JetStreamApi(nc)
             await require_queue(api, queue)
-            released = await release_keys(api, queue, key=key, worker=worker, force=force)
+            try:
+                released = await release_keys(api, queue, key=key, worker=worker, force=force)
+            except HolderAlive as alive:
+                show(alive.released, alive.skipped)
+                raise
+        show(released, [])
+        if not released and not as_json:
+            click.echo(f"nothing to release: worker {worker} holds no key of queue {queue}" if worker
+                       else f"nothing to release: nobody holds key {key} of queue {queue}")
+
+    def show(released: list[Released], skipped: list[Skipped]) -> None:
         if as_json:
             for item in released:
                 click.echo(to_json(dataclasses.asdict(item)))
-            return
-        if not released:
-            click.echo(f"nothing to release: worker {worker} holds no key of queue {queue}" if worker
-                       else f"nothing to release: nobody holds key {key} of queue {queue}")
+            for skip in skipped:
+                click.echo(to_json({**dataclasses.asdict(skip), "skipped": True}))
             return
         for item in released:
             click.echo(f"released {describe(item)}")
+        for skip in skipped:
+            click.echo(f"skipped {skip.key}: {skip.why}", err=True)
 
     asyncio.run(run())

@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from keyqueue.core.retry import RetryPolicy
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,20 @@ class HoldsRemoval(Protocol):
 
     def hold_removal(self, confirm: Callable[[], Awaitable[None]]) -> None:
         """Await ``confirm()`` before removing any request handled up to now."""
+
+
+@runtime_checkable
+class RetriesSteps(Protocol):
+    """A context whose session retries a processor's own NATS steps within the lease (the key
+    session's context is one; a test's fake may not be).
+
+    keyqueue's I/O before and after a run (cancel records, rate-limit slots, answers) is not the
+    user's code, so its transient failures must not cost an attempt: the step runs again after a
+    lost connection, a lost reply or no answer, as the session's own steps do, until the lease
+    ends (then ``LeaseLost``: the session ends as a lost lease, no attempt charged)."""
+
+    async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
+        """``await step()`` (idempotent), again after a transient NATS failure while the lease holds."""
 
 
 @runtime_checkable

@@ -29,6 +29,7 @@ import inspect
 import json
 import logging
 import os
+import socket
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
@@ -97,6 +98,11 @@ _RETRIED: Final = (ConnectionFailed, KeyqueueTimeout, JetStreamUnavailable)
 ``ReplyLost``), no responders, no reply in time, JetStream temporarily unavailable (10008)."""
 
 T = TypeVar("T")
+
+_HOST: Final = socket.gethostname()
+"""In each lease record with the pid: which process holds the key (``keyqueue release`` judges that process)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SessionSettings:
     """How key sessions behave; one value per worker."""
@@ -141,6 +147,10 @@ class _Context:
     def hold_removal(self, confirm: Callable[[], Awaitable[None]]) -> None:
         """Await ``confirm()`` before any removal of the requests handled so far (``HoldsRemoval``)."""
         self._session.owed.append(confirm)
+
+    async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
+        """A processor's own NATS step, retried within the lease as the session's are (``RetriesSteps``)."""
+        return await self._session._steady(step)
 
     async def pause(self, seconds: float) -> None:
         """Wait ``seconds`` holding the key but not a worker slot (a rate limit's wait)."""
@@ -226,7 +236,7 @@ class KeySession:
         """Who re-checks the key's inbox (and removes this token) once the connection allows, when
         this session could not (the worker: :meth:`~keyqueue.core.worker.QueueWorker.recheck_later`)."""
         self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
-                            holder={"worker": worker, "pid": os.getpid(), "token": token.stream_seq,
+                            holder={"worker": worker, "host": _HOST, "pid": os.getpid(), "token": token.stream_seq,
                                     "delivered": token.delivered, "ack": token.reply})
         self.lease = Lease(settings.ack_wait, token.received_at)
         self.lease.lose("the key's lease record is not acquired yet")

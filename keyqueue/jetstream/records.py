@@ -286,14 +286,17 @@ class RequestRecords:
         return stored.headers[CANCEL_STATE], stored.seq
 
     async def pending_cancels(self) -> set[str]:
-        """Request ids whose cancel record says ``requested`` or ``cancelled``: they must not start."""
+        """Request ids whose cancel record says ``requested`` or ``cancelled``: they must not start.
+
+        Read a page of records per round trip (batched direct gets; one read per record only where
+        the stream allows no direct gets): the stream keeps one message per subject, so every
+        message on the cancel subjects is a record's current state."""
+        found: set[str] = set()
         try:
-            subjects = await self.api.subjects(self.stream, self.cancel_wildcard)
+            async for page in self.api.pages(self.stream, self.cancel_wildcard):
+                found.update(stored.headers.get(H.REQUEST_ID, "") for stored in page
+                             if stored.headers.get(CANCEL_STATE) in ("requested", "cancelled"))
         except StreamNotFound:
             return set()
-        found: set[str] = set()
-        for subject in subjects:
-            stored = await self._last(subject)
-            if stored is not None and stored.headers.get(CANCEL_STATE) in ("requested", "cancelled"):
-                found.add(stored.headers.get(H.REQUEST_ID, ""))
+        found.discard("")
         return found

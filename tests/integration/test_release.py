@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -32,16 +33,19 @@ KEYQUEUE = str(Path(sys.executable).with_name("keyqueue"))
 ACK_WAIT = 30.0
 
 
-async def gone_holder(nc: Client, queue: str, key: str, worker: str) -> tuple[QueueConfig, KeyLock]:
-    """A request on ``key`` whose token was delivered to ``worker``, which wrote its lease record and died."""
+async def gone_holder(nc: Client, queue: str, key: str, worker: str, *, pid: int = 4242,
+                      host: str = "elsewhere") -> tuple[QueueConfig, KeyLock]:
+    """A request on ``key`` whose token was delivered to ``worker`` (process ``pid`` on ``host``), which
+    wrote its lease record and died."""
     config = QueueConfig(queue, ack_wait=ACK_WAIT)
     await Topology(JetStreamApi(nc), config).ensure_worker(ACK_WAIT)
-    await Publisher(nc, config.names).enqueue(OutgoingRequest(key, {"Nats-Msg-Id": "r1"}, b"x", "r1"))
+    await Publisher(nc, config.names).enqueue(OutgoingRequest(key, {"Nats-Msg-Id": f"r-{key}"}, b"x", f"r-{key}"))
     names = config.names
     msg = await nc.request(f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}",
                            b'{"batch":1,"expires":2000000000}', timeout=5, old_style=True)
     lock = KeyLock(QueueIO(nc, config), names.lease(key), ACK_WAIT,
-                   holder={"worker": worker, "pid": 4242, "token": msg.metadata.sequence.stream, "ack": msg.reply})
+                   holder={"worker": worker, "host": host, "pid": pid, "token": msg.metadata.sequence.stream,
+                           "ack": msg.reply})
     assert await lock.try_acquire()
     return config, lock
 
@@ -85,19 +89,40 @@ async def test_release_refuses_a_fresh_record_then_force_hands_the_key_on_at_onc
 
 async def test_a_live_heartbeat_refuses_and_a_stopped_one_lets_the_release_through(nc: Client) -> None:
     api = JetStreamApi(nc)
-    config, _ = await gone_holder(nc, "beat", "k2", "host:7")
+    # The holder is this very process (the heartbeat's pid and host), so its heartbeat speaks for it.
+    config, _ = await gone_holder(nc, "beat", "k2", "host:7", pid=os.getpid(), host=socket.gethostname())
     beat = Heartbeat(nc, "host:7", {"beat": 1}, used=lambda q: 1)
     await beat.write()
     try:
         await release_keys(api, "beat", worker="host:7")
         raise AssertionError("released a key whose holder's heartbeat is live")
     except HolderAlive as e:
-        assert "heartbeat is live" in str(e)
+        assert "heartbeat is live" in str(e) and e.released == [] and [s.key for s in e.skipped] == ["k2"]
     await beat.write("stopped")  # the worker said it stopped: gone, whatever its record says
     [released] = await release_keys(api, "beat", worker="host:7")
     assert (released.key, released.worker, released.waiting, released.redelivered) == ("k2", "host:7", True, True)
     assert await QueueIO(nc, config).last_record(config.names.lease("k2")) is None
     assert await release_keys(api, "beat", worker="host:7") == []  # nothing left to release
+
+
+async def test_a_stopped_process_of_the_same_name_does_not_release_a_live_holder(nc: Client,
+                                                                                 nats_url: str) -> None:
+    """One heartbeat record per worker name: the process of that name that just stopped wrote the
+    last one. Before, its ``stopped`` released every key of the name, among them those of another
+    process of that name which renewed its lease record moments ago (here: the holder of k-live)."""
+    config, _ = await gone_holder(nc, "twins", "k-gone", "twin", pid=os.getpid(), host=socket.gethostname())
+    await gone_holder(nc, "twins", "k-live", "twin", pid=4242, host=socket.gethostname())
+    beat = Heartbeat(nc, "twin", {"twins": 1}, used=lambda q: 1)
+    await beat.write("stopped")  # the process that held k-gone stopped
+
+    run = await Command.start(KEYQUEUE, "release", "twins", "--worker", "twin", env=environment(nats_url))
+    assert await run.wait() == 1, run.output
+    assert "released k-gone (held by twin pid" in run.output
+    assert "skipped k-live: worker twin (pid 4242 on" in run.output and "renewed its lease record" in run.output
+    assert "another process's" in run.output and "--force" in run.output
+    io = QueueIO(nc, config)
+    assert await io.last_record(config.names.lease("k-live")) is not None  # the live holder keeps its key
+    assert await io.last_record(config.names.lease("k-gone")) is None
 
 
 async def test_a_supervisor_releases_only_the_records_of_the_process_that_died(nc: Client) -> None:
