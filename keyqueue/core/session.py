@@ -46,6 +46,7 @@ from keyqueue.core.turns import Turns
 from keyqueue.errors import (
     ConnectionFailed,
     Disconnected,
+    InvalidSubject,
     JetStreamUnavailable,
     KeyqueueError,
     KeyqueueTimeout,
@@ -57,6 +58,7 @@ from keyqueue.errors import (
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.queue_io import QueueIO, Watch
+from keyqueue.jetstream.subjects import validate_subject
 from keyqueue.wire import headers as H
 
 log = logging.getLogger("keyqueue.session")
@@ -703,6 +705,17 @@ class KeySession:
                 return
         self._hurry(False)
         requests = [Request(self.key, m.seq, m.subject, m.headers, m.data) for m in batch]
+        for n, request in enumerate(requests):
+            try:
+                request.check_subjects()
+            except InvalidSubject as e:
+                if n == 0:  # it never runs: its reply or records could not be sent (docs/decisions.md)
+                    self.buffer[0:0] = batch[1:]
+                    await self._dead_letter([batch[0]], e, 0, reason="rejected")
+                    return
+                self.buffer[0:0] = batch[n:]  # the batch runs up to it; it is the head of the next
+                batch, requests = batch[:n], requests[:n]
+                break
         head = requests[0]
         self._in_hand = head.seq
         if self._unpurged and self._purge_timer is None:
@@ -904,7 +917,7 @@ class KeySession:
             self.cursor = msg.seq + 1
             self._in_hand = 0
             inbox = msg.headers.get(H.REPLY_INBOX)
-            if inbox:
+            if inbox and _answerable(inbox):
                 self.lease.check()
                 answer = {H.STATUS: "dead-lettered", H.REQUEST_ID: msg.headers.get(H.MSG_ID, ""),
                           H.ERROR_TYPE: type(error).__name__, H.ERROR_MESSAGE: H.header_safe(str(error)),
@@ -1029,6 +1042,16 @@ class KeySession:
     def _recheck_later(self) -> None:
         if self.recheck_later is not None:
             self.recheck_later(self.token, self.cursor)
+
+
+def _answerable(inbox: str) -> bool:
+    """Whether a reply may be published to ``inbox``: one NATS cannot carry is never answered (the
+    server would close the connection)."""
+    try:
+        validate_subject(inbox, "a reply inbox")
+    except InvalidSubject:
+        return False
+    return True
 
 
 def _message_type(headers: Mapping[str, str]) -> str:

@@ -33,6 +33,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout, ReplyLost
+from keyqueue.jetstream.subjects import check_publish_line
 
 log = logging.getLogger("keyqueue.connection")
 
@@ -216,7 +217,8 @@ async def wait_connected(nc: Client, timeout: float) -> bool:
 
 class KeyqueueClient(Client):
     """nats-py's client, reading message headers with :func:`parse_header_lines` (the same result, faster),
-    with a :class:`Link` that says when it drops and comes back.
+    with a :class:`Link` that says when it drops and comes back, and that refuses a publish whose
+    protocol line the server would not take (:func:`~keyqueue.jetstream.subjects.check_publish_line`).
 
     It overrides nats-py's private ``_parse_header_lines``, which ``_process_headers`` calls for
     every message with headers; a test fails if nats-py stops calling it.
@@ -232,6 +234,11 @@ class KeyqueueClient(Client):
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
         return parse_header_lines(raw)
+
+    async def publish(self, subject: str, payload: bytes = b"", reply: str = "",
+                      headers: dict[str, str] | None = None) -> None:
+        check_publish_line(subject, reply)  # a line too long for the server would close the connection
+        await super().publish(subject, payload, reply, headers)
 
 
 def disconnected(what: str) -> Disconnected:
