@@ -540,10 +540,10 @@ class KeySession:
                 return await step()
             except _RETRIED as e:
                 self.lease.check()
+                if self.io.closed:
+                    raise  # it never comes back
                 while not await self.io.wait_connected(self.lease.remaining()):
                     self.lease.check()  # the lease ended while the connection was down
-                    if self.io.closed:
-                        raise
                 if not isinstance(e, Disconnected | ReplyLost):  # connected, yet no answer: not at once
                     await asyncio.sleep(min(pause, max(0.0, self.lease.remaining())))
                     pause = min(longest, pause * 2)
