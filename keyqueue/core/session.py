@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
 
 from keyqueue.core.lease import Lease
-from keyqueue.core.lock import KeyLock
+from keyqueue.core.lock import RETRY_PAUSE, KeyLock
 from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
@@ -86,10 +86,6 @@ FAILED_SESSION_DELAY: Final = 1.0
 
 HAND_BACK_TIMEOUT: Final = 5.0
 """Bound, in seconds, on each step of giving a key back (settling deletes, the ack)."""
-
-RETRY_PAUSE: Final = (0.02, 1.0)
-"""First and longest pause, in seconds, before a NATS step that got no answer on a live connection
-(a replicated stream electing a leader, say) is tried again."""
 
 RENEW_AGAIN: Final = 0.05
 """Seconds before a renewal is tried again after it lost a race to the record (which is still ours)."""
