@@ -163,6 +163,7 @@ class KeySession:
         "_purge_timer",
         "_purging",
         "_renewal",
+        "_renewal_failure",
         "_renewal_timer",
         "_unpurged",
         "_waiter",
@@ -260,6 +261,9 @@ class KeySession:
         self._renewal: asyncio.Future[None] | None = None
         self._cut_by_renewal = False
         """A renewal found the lease lost and cancelled the work."""
+        self._renewal_failure: Exception | None = None
+        """Why the last renewal failed, if it did (each failure is retried and logged at debug; the
+        lease-lost warning says it: without it a lost lease reads "expired" alone)."""
 
     def _hurry(self, on: bool) -> None:
         """Whether this session is on its way to its first request: busy sessions let it go first
@@ -322,7 +326,7 @@ class KeySession:
                 self._giving_back = asyncio.ensure_future(self._give_back(Outcome.HANDED_OFF))
                 self.ending = SessionEnd(Outcome.INTERRUPTED)
             elif self.ending is None and self.acquired and not self.lease.valid():
-                self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self.lease.lost_reason or "lease lost")
+                self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self._lost_reason())
             if self._giving_back is not None:
                 # Even when cut off, a session that acked its token re-checks the inbox.
                 with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -467,7 +471,7 @@ class KeySession:
             await self._stop_renewals()
         if self._cut_by_renewal or (outcome is None and error is None):
             # A renewal found the lease lost (and cancelled the work), or the work found it lost.
-            self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self.lease.lost_reason or "lease lost")
+            self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self._lost_reason())
             return Outcome.LEASE_LOST
         if error is not None:
             # A processor or NATS failure: give the key back now, not after ack_wait, with a short
@@ -501,11 +505,13 @@ class KeySession:
             try:
                 extended = await self.lock.renew()
                 again = None if extended else RENEW_AGAIN
+                self._renewal_failure = None
                 break
             except LeaseLost:
                 break
             except Exception as e:
                 log.debug("lease renewal for %s failed: %r", self.key, e)
+                self._renewal_failure = e
                 if not isinstance(e, _RETRIED) or not self.lease.valid():
                     break
                 connected = await self.io.wait_connected(self.lease.remaining())
@@ -524,6 +530,13 @@ class KeySession:
                 await self.io.keepalive(self.token)
         if self._work_task is not None:
             self._schedule_renewal(again)
+
+    def _lost_reason(self) -> str:
+        """Why the lease was lost, with why its last renewal failed if it did."""
+        reason = self.lease.lost_reason or "lease lost"
+        if self._renewal_failure is not None:
+            reason += f"; the last renewal failed: {type(self._renewal_failure).__name__}: {self._renewal_failure}"
+        return reason
 
     async def _steady(self, step: Callable[[], Awaitable[T]]) -> T:
         """Run an idempotent NATS step of this session, and again after a lost connection, a lost
