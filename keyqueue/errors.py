@@ -9,7 +9,8 @@
     │   └── TopologyMismatch             a stream/consumer's layout differs from what this process needs
     ├── ConnectionFailed                 the NATS server could not be reached
     │   ├── Disconnected                 the connection is down right now: the message was not sent
-    │   └── ReplyLost                    the connection dropped between a request and its reply
+    │   ├── ReplyLost                    the connection dropped between a request and its reply
+    │   └── ConnectionClosed             the connection was closed for good (a protocol error, revoked credentials)
     ├── KeyqueueTimeout                  an operation took too long (also a TimeoutError)
     │   └── SyncTimeout                  a sync call (delay, call_sync, ...) did not finish within its bound
     ├── WireError                        a message that cannot be decoded or encoded
@@ -18,6 +19,7 @@
     │   ├── UnknownMessageType           X-MESSAGE-TYPE names no registered type
     │   ├── UnsupportedVersion           X-MESSAGE-VERSION is newer than supported (or not a version)
     │   ├── MalformedBody                the body does not decode, or does not fit the type
+    │   ├── InvalidSubject               a subject (a reply inbox, a request id in one) NATS cannot carry
     │   └── PayloadTooLarge              the encoded message exceeds the server's max_payload
     ├── EnqueueError                     a request could not be accepted
     │   ├── BacklogFull                  the key's per-key backlog cap is reached
@@ -60,6 +62,7 @@ __all__ = [
     "CallOnOwnKey",
     "Cancelled",
     "ConfigError",
+    "ConnectionClosed",
     "ConnectionFailed",
     "ConsumerNotFound",
     "DeadLettered",
@@ -69,6 +72,7 @@ __all__ = [
     "InvalidKey",
     "InvalidRequestId",
     "InvalidSchedule",
+    "InvalidSubject",
     "JetStreamError",
     "JetStreamUnavailable",
     "KeyAlreadyScheduled",
@@ -170,6 +174,17 @@ class ReplyLost(ConnectionFailed):
     idempotent steps, and a publish that carries a request id, once reconnected)."""
 
 
+class ConnectionClosed(ConnectionFailed):
+    """The connection to NATS was closed for good by something other than its owner: the server
+    refused it (a protocol error, revoked credentials) or reconnecting gave up. nats-py never
+    reopens a closed connection, so whatever uses it stops: ``cause`` is what nats-py last reported
+    (None if it reported nothing)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        self.cause = cause
+        super().__init__(message)
+
+
 class KeyqueueTimeout(KeyqueueError, TimeoutError):
     """An operation did not finish in time."""
 
@@ -233,6 +248,17 @@ class UnsupportedVersion(WireError):
 
 class MalformedBody(WireError):
     """The body does not decode, or its fields do not fit the declared type."""
+
+
+class InvalidSubject(WireError):
+    """A subject taken from a message (its reply inbox, a request id that becomes part of a record's
+    subject) that NATS cannot carry: empty, an empty token, whitespace, control characters or
+    wildcards, or too long for the server's protocol line (a publish to it would make the server close
+    the connection). Raised before anything is sent; ``what`` names where the subject came from."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        self.what, self.reason = what, reason
+        super().__init__(f"{what} cannot be a NATS subject: {reason}")
 
 
 class PayloadTooLarge(WireError):

@@ -8,6 +8,8 @@ import asyncio
 import base64
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -120,3 +122,14 @@ async def secured_server(folder: Path, config: str) -> AsyncIterator[int]:
     finally:
         proc.terminate()
         await proc.wait()
+
+
+def reload_config(folder: Path, port: int, config: str) -> None:
+    """Give the server started by :func:`secured_server` in ``folder`` a new ``config`` (on ``port``,
+    the one it listens on) and have it reload: clients whose credentials it no longer accepts are
+    refused at once (nats-py then closes them for good)."""
+    ports = next(folder.glob("*.ports"))
+    pid = int(ports.stem.rsplit("_", 1)[1])  # the server names the file nats-server_<pid>.ports
+    _write_config(folder, config).write_text(
+        (folder / "server.conf").read_text().replace("127.0.0.1:-1", f"127.0.0.1:{port}"))
+    os.kill(pid, signal.SIGHUP)

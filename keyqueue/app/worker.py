@@ -45,8 +45,9 @@ from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd,
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Request, RequestContext
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
-from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError
+from keyqueue.errors import ConfigError, ConnectionClosed, ConnectionFailed, KeyqueueError
 from keyqueue.jetstream.api import stored_seconds
+from keyqueue.jetstream.connect import link_of
 from keyqueue.jetstream.pull import PullOptions
 
 if TYPE_CHECKING:
@@ -145,6 +146,9 @@ class Worker:
         self.heartbeat_interval = HEARTBEAT_INTERVAL
         """Seconds between this worker's heartbeat records (``keyqueue.app.heartbeat``); 0 writes none."""
         self.heartbeat: Heartbeat | None = None
+        self.connection_lost: ConnectionClosed | None = None
+        """Set when the connection was closed for good under the worker (it then stopped at once, and
+        :meth:`stop`, or :meth:`serve`, raises it)."""
 
     def __repr__(self) -> str:
         return f"<Worker {self.name} app={self.app.name} queues={self.queues}>"
@@ -206,7 +210,7 @@ class Worker:
                                                     pull=self.pull, follow_lease=self.ack_wait is None,
                                                     watchdog=self.watchdog)
         self._unsubscribe = self.app.on_reconnect(self._reconnected)
-        self._runner = asyncio.create_task(self._run(), name=f"keyqueue-worker:{self.name}")
+        self._runner = asyncio.create_task(self._run(nc), name=f"keyqueue-worker:{self.name}")
         started = asyncio.ensure_future(asyncio.gather(*(w.started() for w in self.queue_workers.values())))
         first: list[asyncio.Future[Any]] = [self._runner, started]
         await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
@@ -247,9 +251,10 @@ class Worker:
                     raise _StoppedWhileStarting from None
                 delay = min(CONNECT_RETRY_MAX, delay * 2)
 
-    async def _run(self) -> None:
+    async def _run(self, nc: Client) -> None:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._dispatch(), name="keyqueue-events")
+            watch = group.create_task(self._stop_if_closed(nc), name="keyqueue-connection")
             if self.schedules is not None:
                 group.create_task(self.schedules.run(), name="keyqueue-schedules")
             try:
@@ -257,12 +262,14 @@ class Worker:
                     for queue, worker in self.queue_workers.items():
                         queues.create_task(worker.run(), name=f"queue:{queue}")
             finally:
+                watch.cancel()
                 self._events.put_nowait(None)  # the dispatcher delivers what is queued, then ends
                 if self.schedules is not None:
                     self.schedules.stop()
 
     async def _finish(self) -> None:
-        """Wait for the runner; a failure inside it is raised as its first keyqueue error."""
+        """Wait for the runner; a failure inside it is raised as its first keyqueue error, and a
+        connection closed for good as :class:`~keyqueue.errors.ConnectionClosed`."""
         if self._runner is None:
             return
         try:
@@ -272,6 +279,27 @@ class Worker:
             if isinstance(first, Exception):
                 raise first from None
             raise
+        if self.connection_lost is not None:
+            raise self.connection_lost
+
+    async def _stop_if_closed(self, nc: Client) -> None:
+        """A connection closed for good under the worker (the server refused it: a protocol error,
+        revoked credentials) never comes back, so nothing can be done on it: log why at ERROR and
+        stop at once (requests in hand run again elsewhere once their leases end). :meth:`serve`
+        then raises it, and ``keyqueue worker`` exits with status 1 for its supervisor to restart it."""
+        link = link_of(nc)
+        if link is None:
+            return
+        await link.until_closed()
+        if link.closed_by_owner:
+            return
+        cause = f"{type(link.cause).__name__}: {link.cause}" if link.cause is not None else "no error reported"
+        self.connection_lost = ConnectionClosed(
+            f"worker {self.name}: the connection to NATS was closed for good ({cause}); the worker stopped. "
+            "Check the server's log and this worker's credentials, then start it again (a supervisor "
+            "restarts it)", link.cause)
+        log.error("%s", self.connection_lost)
+        self.request_stop(now=True)
 
     def request_stop(self, *, now: bool = False) -> None:
         """Stop taking keys and drain (``now``: cut requests in hand off; they run again elsewhere)."""

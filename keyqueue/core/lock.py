@@ -41,14 +41,18 @@ import secrets
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from keyqueue.core.lease import Lease
-from keyqueue.errors import ConnectionFailed, KeyqueueTimeout, LeaseLost, ReplyLost, WrongLastSequence
+from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout, LeaseLost, ReplyLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 
 _UNANSWERED = (ReplyLost, KeyqueueTimeout)
 """A write was sent but its reply never came: it may or may not have been stored."""
+
+RETRY_PAUSE: Final = (0.02, 1.0)
+"""First and longest pause, in seconds, before a NATS step that got no answer on a live connection
+(a replicated stream electing a leader, say) is tried again."""
 
 
 class RecordStore(Protocol):
@@ -176,6 +180,7 @@ class KeyLock:
         out on our clock, the record is removed. Another's: our write cannot land any more. None:
         ours may still land, so the claim stays unsettled (the release looks again)."""
         patience = Lease(self.ack_wait, sent, clock=self.clock)
+        pause, longest = RETRY_PAUSE
         while True:
             try:
                 async with asyncio.timeout(max(0.001, patience.remaining())):
@@ -185,6 +190,10 @@ class KeyLock:
                 if patience.remaining() <= 0 or not await self.store.wait_connected(patience.remaining()):
                     raise KeyqueueTimeout(f"could not learn whether a write to {self.subject} was stored "
                                           "before the lease it would give ended") from e
+                if not isinstance(e, Disconnected | ReplyLost):
+                    # Connected, yet no answer (no responders: the stream has no leader yet): not at once.
+                    await asyncio.sleep(min(pause, max(0.0, patience.remaining())))
+                    pause = min(longest, pause * 2)
         if current is None:
             return False
         stored_sent = self._sent_if_mine(current)

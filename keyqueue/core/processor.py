@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, runtime_checkable
 
 from keyqueue.core.retry import RetryPolicy
+from keyqueue.errors import InvalidSubject
+from keyqueue.jetstream.subjects import MAX_REQUEST_ID_LENGTH, validate_subject
 
 T = TypeVar("T")
 
@@ -35,6 +37,18 @@ class Request:
     @property
     def reply_inbox(self) -> str | None:
         return self.headers.get("X-Reply-Inbox") or None
+
+    def check_subjects(self) -> None:
+        """Raise :class:`~keyqueue.errors.InvalidSubject` if a header that becomes a subject cannot be
+        one: the reply inbox (answered), the request id (part of its result and cancel records'
+        subjects). Checked before the request runs: a publish to such a subject would make the server
+        close the connection."""
+        if self.reply_inbox is not None:
+            validate_subject(self.reply_inbox, f"the reply inbox (X-Reply-Inbox) of request {self.request_id[:64]!r}")
+        if len(self.request_id) > MAX_REQUEST_ID_LENGTH:
+            raise InvalidSubject(f"request id {self.request_id[:64]!r}...",
+                                 f"it is {len(self.request_id)} characters long, over {MAX_REQUEST_ID_LENGTH} (it "
+                                 "becomes part of the subjects of the request's records)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,4 +77,9 @@ class Reconciler:
                     await self.reconcile()
             except KeyqueueError as e:
                 log.warning("queue %s: reconcile pass failed: %s", self.io.names.queue, e)
+            except Exception:
+                # Not an outage: a bug. It must not end the pass after it, nor the worker's key
+                # sessions (they share the worker's task group).
+                log.exception("queue %s: reconcile pass failed unexpectedly; trying again in %gs", self.io.names.queue,
+                              self.interval)
             await asyncio.sleep(self.interval)

@@ -38,7 +38,7 @@ from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
 
 from keyqueue.core.lease import Lease
-from keyqueue.core.lock import KeyLock
+from keyqueue.core.lock import RETRY_PAUSE, KeyLock
 from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
 from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
@@ -47,6 +47,7 @@ from keyqueue.core.turns import Turns
 from keyqueue.errors import (
     ConnectionFailed,
     Disconnected,
+    InvalidSubject,
     JetStreamUnavailable,
     KeyqueueError,
     KeyqueueTimeout,
@@ -58,6 +59,7 @@ from keyqueue.errors import (
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.queue_io import QueueIO, Watch
+from keyqueue.jetstream.subjects import validate_subject
 from keyqueue.wire import headers as H
 
 log = logging.getLogger("keyqueue.session")
@@ -85,10 +87,6 @@ FAILED_SESSION_DELAY: Final = 1.0
 
 HAND_BACK_TIMEOUT: Final = 5.0
 """Bound, in seconds, on each step of giving a key back (settling deletes, the ack)."""
-
-RETRY_PAUSE: Final = (0.02, 1.0)
-"""First and longest pause, in seconds, before a NATS step that got no answer on a live connection
-(a replicated stream electing a leader, say) is tried again."""
 
 RENEW_AGAIN: Final = 0.05
 """Seconds before a renewal is tried again after it lost a race to the record (which is still ours)."""
@@ -175,6 +173,7 @@ class KeySession:
         "_purge_timer",
         "_purging",
         "_renewal",
+        "_renewal_failure",
         "_renewal_timer",
         "_unpurged",
         "_waiter",
@@ -277,6 +276,9 @@ class KeySession:
         self._renewal: asyncio.Future[None] | None = None
         self._cut_by_renewal = False
         """A renewal found the lease lost and cancelled the work."""
+        self._renewal_failure: Exception | None = None
+        """Why the last renewal failed, if it did (each failure is retried and logged at debug; the
+        lease-lost warning says it: without it a lost lease reads "expired" alone)."""
 
     def _hurry(self, on: bool) -> None:
         """Whether this session is on its way to its first request: busy sessions let it go first
@@ -343,7 +345,7 @@ class KeySession:
                 self._giving_back = asyncio.ensure_future(self._give_back(Outcome.HANDED_OFF))
                 self.ending = SessionEnd(Outcome.INTERRUPTED)
             elif self.ending is None and self.acquired and not self.lease.valid():
-                self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self.lease.lost_reason or "lease lost")
+                self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self._lost_reason())
             if self._giving_back is not None:
                 # Even when cut off, a session that acked its token re-checks the inbox.
                 with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -490,7 +492,7 @@ class KeySession:
             await self._stop_renewals()
         if self._cut_by_renewal or (outcome is None and error is None):
             # A renewal found the lease lost (and cancelled the work), or the work found it lost.
-            self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self.lease.lost_reason or "lease lost")
+            self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self._lost_reason())
             return Outcome.LEASE_LOST
         if error is not None:
             # A processor or NATS failure: give the key back now, not after ack_wait, with a short
@@ -524,11 +526,13 @@ class KeySession:
             try:
                 extended = await self.lock.renew()
                 again = None if extended else RENEW_AGAIN
+                self._renewal_failure = None
                 break
             except LeaseLost:
                 break
             except Exception as e:
                 log.debug("lease renewal for %s failed: %r", self.key, e)
+                self._renewal_failure = e
                 if not isinstance(e, _RETRIED) or not self.lease.valid():
                     break
                 connected = await self.io.wait_connected(self.lease.remaining())
@@ -548,6 +552,13 @@ class KeySession:
         if self._work_task is not None:
             self._schedule_renewal(again)
 
+    def _lost_reason(self) -> str:
+        """Why the lease was lost, with why its last renewal failed if it did."""
+        reason = self.lease.lost_reason or "lease lost"
+        if self._renewal_failure is not None:
+            reason += f"; the last renewal failed: {type(self._renewal_failure).__name__}: {self._renewal_failure}"
+        return reason
+
     async def _steady(self, step: Callable[[], Awaitable[T]]) -> T:
         """Run an idempotent NATS step of this session, and again after a lost connection, a lost
         reply or no answer (a replicated stream electing a leader) for as long as the lease holds.
@@ -559,10 +570,10 @@ class KeySession:
                 return await step()
             except _RETRIED as e:
                 self.lease.check()
+                if self.io.closed:
+                    raise  # it never comes back
                 while not await self.io.wait_connected(self.lease.remaining()):
                     self.lease.check()  # the lease ended while the connection was down
-                    if self.io.closed:
-                        raise
                 if not isinstance(e, Disconnected | ReplyLost):  # connected, yet no answer: not at once
                     await asyncio.sleep(min(pause, max(0.0, self.lease.remaining())))
                     pause = min(longest, pause * 2)
@@ -734,6 +745,17 @@ class KeySession:
                 return
         self._hurry(False)
         requests = [Request(self.key, m.seq, m.subject, m.headers, m.data) for m in batch]
+        for n, request in enumerate(requests):
+            try:
+                request.check_subjects()
+            except InvalidSubject as e:
+                if n == 0:  # it never runs: its reply or records could not be sent (docs/decisions.md)
+                    self.buffer[0:0] = batch[1:]
+                    await self._dead_letter([batch[0]], e, 0, reason="rejected")
+                    return
+                self.buffer[0:0] = batch[n:]  # the batch runs up to it; it is the head of the next
+                batch, requests = batch[:n], requests[:n]
+                break
         head = requests[0]
         self._in_hand = head.seq
         if self._unpurged and self._purge_timer is None:
@@ -942,7 +964,7 @@ class KeySession:
             self.cursor = msg.seq + 1
             self._in_hand = 0
             inbox = msg.headers.get(H.REPLY_INBOX)
-            if inbox:
+            if inbox and _answerable(inbox):
                 self.lease.check()
                 answer = {H.STATUS: "dead-lettered", H.REQUEST_ID: msg.headers.get(H.MSG_ID, ""),
                           H.ERROR_TYPE: type(error).__name__, H.ERROR_MESSAGE: H.header_safe(str(error)),
@@ -1067,6 +1089,16 @@ class KeySession:
     def _recheck_later(self) -> None:
         if self.recheck_later is not None:
             self.recheck_later(self.token, self.cursor)
+
+
+def _answerable(inbox: str) -> bool:
+    """Whether a reply may be published to ``inbox``: one NATS cannot carry is never answered (the
+    server would close the connection)."""
+    try:
+        validate_subject(inbox, "a reply inbox")
+    except InvalidSubject:
+        return False
+    return True
 
 
 def _message_type(headers: Mapping[str, str]) -> str:

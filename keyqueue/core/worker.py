@@ -387,8 +387,10 @@ class QueueWorker:
                     await self.io.delete_token(token)
                     if await self.io.next_request(key, cursor) is not None:
                         await self.io.schedule(key)
-                except KeyqueueError as e:
-                    log.debug("queue %s key %s: re-check failed, trying again: %r", self.config.name, key, e)
+                except Exception as e:  # a bug too: it must not end the key sessions (one task group)
+                    log.log(logging.DEBUG if isinstance(e, KeyqueueError) else logging.ERROR,
+                            "queue %s key %s: re-check failed, trying again: %r", self.config.name, key, e,
+                            exc_info=not isinstance(e, KeyqueueError))
                     await asyncio.sleep(0.5)
                     continue
                 if self._rechecks.get(key) == (token, cursor):
@@ -450,9 +452,13 @@ class QueueWorker:
             if self.free_slots() > 0:
                 self._tokens_pending = 0  # the puller is asking for more: the next token says
                 continue
-            with contextlib.suppress(KeyqueueError):
+            try:
                 self._tokens_pending = await self.io.tokens_waiting()
                 self._make_room(self._tokens_pending - self.free_slots())
+            except KeyqueueError:
+                pass  # learnt from the next token, or the next probe
+            except Exception:
+                log.exception("queue %s: probing the tokens waiting failed unexpectedly", self.config.name)
 
 
 class _Report:

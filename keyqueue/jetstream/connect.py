@@ -33,6 +33,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout, ReplyLost
+from keyqueue.jetstream.subjects import check_publish_line
 
 log = logging.getLogger("keyqueue.connection")
 
@@ -114,15 +115,22 @@ class Link:
     (a request mux fails the requests whose replies it still awaited: they will never come).
     """
 
-    __slots__ = ("_drop_waiters", "_listeners", "_up", "closed", "drops")
+    __slots__ = ("_closed_event", "_drop_waiters", "_listeners", "_up", "cause", "closed", "closed_by_owner", "drops")
 
     def __init__(self) -> None:
         self._up: asyncio.Event | None = None
+        self._closed_event: asyncio.Event | None = None
         self._listeners: list[Callable[[], None]] = []
         self._drop_waiters: set[asyncio.Future[None]] = set()
         self.drops = 0
         """How many times the connection dropped (a request sent before a drop has no reply coming)."""
         self.closed = False
+        """Closed for good: nats-py never reopens it."""
+        self.closed_by_owner = False
+        """Closed (or drained) by the code that owns it, not by the server or by giving up reconnecting."""
+        self.cause: BaseException | None = None
+        """What nats-py last reported when the connection closed (``last_error``): why the server
+        refused it (``-ERR``: a protocol error, revoked credentials), or the last reconnect failure."""
 
     def _event(self) -> asyncio.Event:
         if self._up is None:
@@ -139,9 +147,11 @@ class Link:
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
-    def down(self, *, closed: bool = False) -> None:
+    def down(self, *, closed: bool = False, cause: BaseException | None = None) -> None:
         self.drops += 1
-        self.closed = self.closed or closed
+        if closed and not self.closed:
+            self.closed, self.cause = True, cause
+            self._closed().set()
         self._event().clear()
         for listener in list(self._listeners):
             try:
@@ -157,6 +167,17 @@ class Link:
     def up(self) -> None:
         if not self.closed:
             self._event().set()
+
+    def _closed(self) -> asyncio.Event:
+        if self._closed_event is None:
+            self._closed_event = asyncio.Event()
+            if self.closed:
+                self._closed_event.set()
+        return self._closed_event
+
+    async def until_closed(self) -> None:
+        """Return once the connection is closed for good (:attr:`cause` says why, :attr:`closed_by_owner` by whom)."""
+        await self._closed().wait()
 
     async def until_dropped(self, work: Awaitable[T], what: str) -> T:
         """Await ``work`` (a request whose reply is awaited); raise :class:`~keyqueue.errors.ReplyLost`
@@ -179,10 +200,18 @@ class Link:
         raise ReplyLost(f"the connection to NATS dropped before the reply to {what} came")
 
     async def wait_up(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for the connection; whether it is up."""
+        """Wait at most ``timeout`` seconds for the connection; whether it is up.
+
+        A closed connection never comes back: this waits the ``timeout`` out all the same, so a
+        loop that retries after a failed step yields and waits instead of spinning on the loop
+        (each step fails at once on a closed connection); whoever must stop sooner looks at
+        :attr:`closed`."""
         if self.is_up:
             return True
-        if self.closed or timeout <= 0:
+        if timeout <= 0:
+            return False
+        if self.closed:
+            await asyncio.sleep(timeout)
             return False
         try:
             async with asyncio.timeout(timeout):
@@ -202,21 +231,25 @@ def link_of(nc: Client) -> Link | None:
 
 
 async def wait_connected(nc: Client, timeout: float) -> bool:
-    """Wait at most ``timeout`` seconds for ``nc`` to be connected; whether it is (never for a closed one)."""
+    """Wait at most ``timeout`` seconds for ``nc`` to be connected; whether it is (never for a closed one,
+    which waits the ``timeout`` out: see :meth:`Link.wait_up`)."""
     link = link_of(nc)
     if link is not None:
         return await link.wait_up(timeout)
     deadline = time.monotonic() + timeout
     while not nc.is_connected:
-        if nc.is_closed or time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:
             return False
-        await asyncio.sleep(min(_POLL, max(0.0, deadline - time.monotonic())))
+        # A closed client never reconnects: the bound is waited out all the same (see Link.wait_up).
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()) if nc.is_closed else
+                            min(_POLL, max(0.0, deadline - time.monotonic())))
     return True
 
 
 class KeyqueueClient(Client):
     """nats-py's client, reading message headers with :func:`parse_header_lines` (the same result, faster),
-    with a :class:`Link` that says when it drops and comes back.
+    with a :class:`Link` that says when it drops and comes back, and that refuses a publish whose
+    protocol line the server would not take (:func:`~keyqueue.jetstream.subjects.check_publish_line`).
 
     It overrides nats-py's private ``_parse_header_lines``, which ``_process_headers`` calls for
     every message with headers; a test fails if nats-py stops calling it.
@@ -232,6 +265,19 @@ class KeyqueueClient(Client):
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
         return parse_header_lines(raw)
+
+    async def close(self) -> None:
+        self.link.closed_by_owner = True
+        await super().close()
+
+    async def drain(self) -> None:
+        self.link.closed_by_owner = True
+        await super().drain()
+
+    async def publish(self, subject: str, payload: bytes = b"", reply: str = "",
+                      headers: dict[str, str] | None = None) -> None:
+        check_publish_line(subject, reply)  # a line too long for the server would close the connection
+        await super().publish(subject, payload, reply, headers)
 
 
 def disconnected(what: str) -> Disconnected:
@@ -365,7 +411,7 @@ async def connect(target: str | ConnectOptions, *, name: str = "keyqueue",
     async def on_disconnect() -> None:
         # nats-py calls this before its first reconnect attempt (and on close, after flushing).
         dropped = discard_unsent(nc)
-        nc.link.down(closed=nc.is_closed)
+        nc.link.down(closed=nc.is_closed, cause=nc.last_error)
         if not nc.is_closed:
             log.warning("NATS connection %s: lost, reconnecting; publishes fail with Disconnected until it is "
                         "back%s", options["name"],

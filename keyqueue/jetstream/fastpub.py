@@ -16,6 +16,7 @@ from nats.aio.client import Client
 from nats.protocol import command as prot_command
 
 from keyqueue.errors import ConfigError
+from keyqueue.jetstream.subjects import check_publish_line
 
 _HEADER_NAME: Final = re.compile(r"^[!-9;-~]+$")
 
@@ -52,6 +53,7 @@ async def publish_block(nc: Client, subject: str, payload: bytes, block: bytes, 
     """``nc.publish(subject, payload, reply=reply, headers=headers)`` with ``block`` (what
     :func:`header_block` built for ``headers``) as the header block: nats-py builds one line by line
     for every publish, half the cost of a request's publish."""
+    check_publish_line(subject, reply)
     send = getattr(nc, "_send_command", None)
     if send is None or not nc.is_connected or len(payload) > nc.max_payload:
         await nc.publish(subject, payload, reply=reply, headers=dict(headers))
@@ -66,6 +68,7 @@ async def publish_block(nc: Client, subject: str, payload: bytes, block: bytes, 
 
 async def publish_static(nc: Client, subject: str, payload: bytes, headers: StaticHeaders) -> None:
     """Publish like ``nc.publish(subject, payload, headers=...)`` with a pre-encoded header block."""
+    check_publish_line(subject)
     send = getattr(nc, "_send_command", None)
     if send is None or not nc.is_connected or len(payload) > nc.max_payload:
         await nc.publish(subject, payload, headers=headers.headers)

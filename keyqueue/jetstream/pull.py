@@ -79,7 +79,8 @@ def chunk_size(capacity: int) -> int:
 
 
 def no_responders_backoff(streak: int) -> float:
-    """Seconds to wait before pulling again after ``streak`` 503s in a row (doubling, capped)."""
+    """Seconds to wait before pulling again after ``streak`` refused pulls in a row (503, 409, an
+    unknown status; doubling, capped)."""
     return min(NO_RESPONDERS_BACKOFF_MAX, 0.05 * 2.0 ** min(streak, 6))
 
 
@@ -195,8 +196,9 @@ class TokenPuller:
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}"
         self.statuses: dict[str, int] = {}
         """Counts of status codes seen, for tests and ``inspect``."""
-        self._no_responders = 0
-        """503s in a row (reset by any delivery or heartbeat)."""
+        self._refused = 0
+        """Pulls refused in a row: 503, 409 or a status this puller does not know (reset by any delivery
+        or heartbeat)."""
         self._no_responders_logged = -2 * NO_RESPONDERS_LOG_INTERVAL
         self._retry_at = 0.0
         """No pull before this time (on ``clock``): set while the consumer answers 503."""
@@ -329,7 +331,7 @@ class TokenPuller:
         headers = msg.headers or {}
         status = headers.get(STATUS)
         if not status:
-            self._no_responders = 0
+            self._refused = 0
             self.state.delivered(now)
             if self.state.pending < self._chunk:
                 self._wake.set()  # a chunk was used up: request the next one
@@ -345,14 +347,17 @@ class TokenPuller:
             return
         self.statuses[status] = self.statuses.get(status, 0) + 1
         if status == "100":  # idle heartbeat
-            self._no_responders = 0
+            self._refused = 0
             self.state.last_activity = now
             return
         count = headers.get(PENDING_MESSAGES)
         if status in ("404", "408"):
             self.state.given_back(int(count) if count else None, now)
         elif status == "409":
+            # The consumer refused the pull (its limits, a leadership change, ...): sent again at
+            # once, it would most likely be refused again, a round trip after round trip.
             self.state.given_back(int(count) if count else None, now)
+            self._back_off(now)
             log.debug("queue %s: pull ended: 409 %s", self.names.queue, headers.get(DESCRIPTION, ""))
         elif status == "423":  # our pin id is no longer the pinned one
             self.state.given_back(int(count) if count else None, now)
@@ -364,8 +369,7 @@ class TokenPuller:
             # No responders: the consumer has no leader right now (an election after its leader
             # died). Pulling again at once would spin; back off until it answers again.
             self.state.given_back(None, now)
-            self._no_responders += 1
-            self._retry_at = now + no_responders_backoff(self._no_responders)
+            self._back_off(now)
             if now - self._no_responders_logged >= NO_RESPONDERS_LOG_INTERVAL:
                 self._no_responders_logged = now
                 log.warning("queue %s: the token consumer does not answer pulls (503 no responders: no leader "
@@ -374,4 +378,10 @@ class TokenPuller:
             log.warning("queue %s: unexpected pull status %s %s", self.names.queue, status,
                         headers.get(DESCRIPTION, ""))
             self.state.given_back(None, now)
+            self._back_off(now)
         self._wake.set()
+
+    def _back_off(self, now: float) -> None:
+        """No pull until a pause that grows with each refusal in a row (the run loop waits for it)."""
+        self._refused += 1
+        self._retry_at = now + no_responders_backoff(self._refused)

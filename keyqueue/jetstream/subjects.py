@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from keyqueue.errors import ConfigError, InvalidKey, InvalidRequestId
+from keyqueue.errors import ConfigError, InvalidKey, InvalidRequestId, InvalidSubject
 
 MAX_KEY_LENGTH: Final = 256
 """Longest key accepted, in bytes of UTF-8 (subjects travel in every message's protocol line)."""
@@ -17,6 +17,20 @@ CONSUMER_NAME: Final = "workers"
 
 MAX_REQUEST_ID_LENGTH: Final = 256
 """Longest request id accepted, in characters (it travels as ``Nats-Msg-Id`` on every copy of a request)."""
+
+MAX_CONTROL_LINE: Final = 4096
+"""nats-server's default ``max_control_line``, in bytes: a ``PUB``/``HPUB`` line (verb, subject,
+reply subject, sizes) longer than this makes the server answer ``-ERR`` and close the connection,
+and nats-py then closes the client for good (it does not reconnect after a protocol error)."""
+
+PUB_LINE_OVERHEAD: Final = 64
+"""Bytes of a publish line besides its subject and reply subject: ``HPUB``, three spaces, two
+sizes of up to 20 digits, CRLF (rounded up)."""
+
+MAX_SUBJECT_LENGTH: Final = 3840
+"""Longest subject taken from a message that keyqueue publishes to (a reply inbox), in bytes of
+UTF-8: the server's control line less room for the rest of the publish line (its verb, sizes and
+a reply subject of up to 192 bytes)."""
 
 _QUEUE_NAME: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _REQUEST_ID: Final = re.compile(r"^[\x21-\x7e]+$")
@@ -79,6 +93,52 @@ def validate_request_id(request_id: str) -> str:
             "so it must be printable ASCII without spaces or control characters"
         )
     return request_id
+
+
+def validate_subject(subject: str, what: str) -> str:
+    """Return ``subject`` if keyqueue may publish to it, else raise :class:`~keyqueue.errors.InvalidSubject`.
+
+    For subjects read from the wire (a request's ``X-Reply-Inbox``): at most
+    :data:`MAX_SUBJECT_LENGTH` bytes, tokens not empty, no whitespace, control characters or
+    wildcards. ``what`` says where it came from, for the error (``"the reply inbox of request X"``).
+    """
+    if not isinstance(subject, str) or not subject:
+        raise InvalidSubject(what, "it is empty")
+    size = len(subject.encode("utf-8", "surrogatepass"))
+    if size > MAX_SUBJECT_LENGTH:
+        raise InvalidSubject(what, f"it is {size} bytes long, over the {MAX_SUBJECT_LENGTH} a subject may be (a "
+                                   "publish line longer than the server's max_control_line closes the connection)")
+    for token in subject.split("."):
+        if not token:
+            raise InvalidSubject(what, f"{_shown(subject)} has an empty token (leading, trailing or doubled '.')")
+        bad = _FORBIDDEN_IN_TOKEN.search(token)
+        if bad:
+            raise InvalidSubject(what, f"{_shown(subject)} contains {bad.group()!r} (no whitespace, control "
+                                       "characters or wildcards)")
+    return subject
+
+
+def check_publish_line(subject: str, reply: str = "") -> None:
+    """Raise :class:`~keyqueue.errors.InvalidSubject` if a publish to ``subject`` (with ``reply``)
+    would exceed the server's :data:`MAX_CONTROL_LINE`, which would close the connection for good.
+
+    Every publish of a keyqueue connection passes here (``KeyqueueClient.publish`` and the
+    pre-encoded publishes): whatever a bug or a message slips past :func:`validate_subject`
+    fails alone, and the connection never sees it. nats-py itself refuses whitespace.
+    """
+    if len(subject) + len(reply) <= (MAX_CONTROL_LINE - PUB_LINE_OVERHEAD) // 4:
+        return  # even four bytes of UTF-8 per character fit: the common case, without encoding
+    size = len(subject.encode("utf-8", "surrogatepass")) + len(reply.encode("utf-8", "surrogatepass"))
+    if size + PUB_LINE_OVERHEAD > MAX_CONTROL_LINE:
+        raise InvalidSubject(f"a publish to {_shown(subject)}",
+                             f"its subject and reply subject take {size} bytes, over the server's max_control_line "
+                             f"({MAX_CONTROL_LINE} bytes, less {PUB_LINE_OVERHEAD} for the rest of the line): the "
+                             "server would close the connection; nothing was sent")
+
+
+def _shown(subject: str, limit: int = 64) -> str:
+    """``subject`` for an error message: quoted, cut to ``limit`` characters."""
+    return repr(subject if len(subject) <= limit else subject[:limit] + "...")
 
 
 def request_id_token(request_id: str) -> str:

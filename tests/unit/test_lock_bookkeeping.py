@@ -7,7 +7,7 @@ import json
 import pytest
 
 from keyqueue.core.lock import KeyLock
-from keyqueue.errors import LeaseLost, WrongLastSequence
+from keyqueue.errors import ConnectionFailed, KeyqueueTimeout, LeaseLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 
 
@@ -84,3 +84,33 @@ async def test_a_renewal_that_finds_another_holders_record_loses_the_lease() -> 
     with pytest.raises(LeaseLost):
         await lock.renew()
     assert not lock.held
+
+
+class Unanswered(Store):
+    """A lease stream whose writes go unanswered and whose reads get "no responders" (a stream
+    electing its leader) on a live connection; counts the reads."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.reads = 0
+
+    async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
+                              timeout: float | None = None) -> int:
+        raise KeyqueueTimeout("no reply to the write")
+
+    async def last_record(self, subject: str) -> StoredMsg | None:
+        self.reads += 1
+        raise ConnectionFailed(f"nobody answered a read (no responders on {subject})")
+
+    async def wait_connected(self, timeout: float) -> bool:
+        return True  # connected all along: only the stream does not answer
+
+
+async def test_a_claim_whose_reads_get_no_responders_looks_again_after_a_growing_pause() -> None:
+    store = Unanswered(Clock())
+    lock = KeyLock(store, "kq.q.lease.k", 1.0)  # the real clock: a second of patience
+    with pytest.raises(KeyqueueTimeout, match="could not learn whether a write"):
+        await lock.try_acquire()
+    # Pauses of 0.02 s doubling to 1 s fit a handful of reads in the second; at once, thousands.
+    assert 1 < store.reads <= 8
+    assert lock.unsettled  # the release looks for a record of this claim
