@@ -4,7 +4,9 @@ A Django or Flask view, a gunicorn or uWSGI worker, a script: none runs an event
 nats-py connection lives on one. ``Portal`` runs a private event loop in a daemon thread; a sync
 call hands it a coroutine and waits for the result, **never without a bound**: past it the
 coroutine is cancelled and the call raises ``SyncTimeout`` (a ``KeyqueueTimeout``, so also a
-``TimeoutError``) saying what did not finish.
+``TimeoutError``) saying what did not finish. Whatever the coroutine itself raises, a timeout of its
+own included (``call``'s ``KeyqueueTimeout``, ``EnqueueTimeout``), reaches the caller unchanged:
+the sync form raises exactly what the async form raises.
 
 **Fork safety.** A process forked from one that used the portal (gunicorn ``--preload``, uWSGI
 without ``lazy-apps``, ``multiprocessing`` with the fork start method) inherits the portal object
@@ -59,13 +61,18 @@ class Portal:
         return self.pid == os.getpid() and self.thread.is_alive() and not self.loop.is_closed()
 
     def run(self, coro: Coroutine[Any, Any, T], bound: float, what: str) -> T:
-        """``coro``'s result, waiting at most ``bound`` seconds (then ``SyncTimeout``, the coroutine cancelled)."""
+        """``coro``'s result or its exception, waiting at most ``bound`` seconds (then ``SyncTimeout``, the
+        coroutine cancelled)."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(bound)
-        except concurrent.futures.TimeoutError:
+        # Wait, then tell the portal's silence from the coroutine's own error: on Python 3.11+
+        # ``concurrent.futures.TimeoutError`` is the builtin ``TimeoutError``, the base of keyqueue's
+        # own timeouts, so catching it around ``result()`` would turn the coroutine's
+        # ``KeyqueueTimeout`` ("the request is stored and will still run") into a ``SyncTimeout``.
+        done, _ = concurrent.futures.wait([future], timeout=bound)
+        if not done:
             future.cancel()
-            raise SyncTimeout(what, bound) from None
+            raise SyncTimeout(what, bound)
+        return future.result()
 
     def close(self) -> None:
         if self.loop.is_closed() or self.pid != os.getpid():
