@@ -147,7 +147,7 @@ class App:
         registered after the built-in and entry-point plugins; ``autoload_plugins=False`` skips
         the entry points (default: unless ``KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD`` is set).
         ``result_ttl``: seconds the results of tasks without a ``result_ttl`` of their own are kept
-        (None: only tasks that ask keep theirs).
+        (None: only tasks that ask keep theirs; a task opts out with ``result_ttl=0``).
         """
         validate_queue_name(name)
         if result_ttl is not None and not result_ttl >= 1:
@@ -214,7 +214,8 @@ class App:
         at version N > 1 declares ``upgrades={1: v1_to_v2, ..., N-1: ...}`` for older requests.
         ``max_batch`` caps the requests one run takes; ``merge`` folds them for ``merge``.
         ``result_ttl``: seconds each request's result (or final error) is kept, for
-        ``receipt.result()`` / ``App.result`` (default: the app's ``result_ttl``; None keeps none).
+        ``receipt.result()`` / ``App.result`` (None: the app's ``result_ttl``; 0: none kept, whatever
+        the app's default).
         ``rate_limit``: ``"N/s"``, ``"N/m"`` or ``"N/h"``, at most N runs per key per second, minute
         or hour across the fleet (a key's later requests wait, in order; other keys do not).
         """
@@ -368,7 +369,7 @@ class App:
         return NatsTransport(self._connections, self.queue_config, self._keeps_result)
 
     def _keeps_result(self, request: TaskRequest) -> bool:
-        return request.task is not None and (request.task.result_ttl is not None or self.result_ttl is not None)
+        return request.task is not None and request.task.kept_for(self.result_ttl) is not None
 
     def set_transport(self, transport: Transport | None) -> Transport | None:
         """Send requests through ``transport`` (``None``: NATS again); returns the one it replaces.

@@ -28,7 +28,7 @@ __all__ = ["fetch_result"]
 
 
 def _keeps(app: App, task: AnyTask) -> bool:
-    return task.spec.result_ttl is not None or app.result_ttl is not None
+    return task.spec.kept_for(app.result_ttl) is not None
 
 
 async def fetch_result(app: App, request_id: str, *, queue: str | None, timeout: float, task: str | None) -> Any:
@@ -38,9 +38,11 @@ async def fetch_result(app: App, request_id: str, *, queue: str | None, timeout:
     if task:
         declared = known.get(task)
         if declared is not None and not _keeps(app, declared):
-            raise ResultNotKept(
-                f"task {task} keeps no results, so request {request_id} has none to read: declare it with "
-                "result_ttl=SECONDS (or give the app a default result_ttl)", request_id, queue or declared.queue)
+            how = ("it is declared with result_ttl=0, which opts out of the app's default: give it "
+                   "result_ttl=SECONDS" if declared.spec.result_ttl == 0 else
+                   "declare it with result_ttl=SECONDS (or give the app a default result_ttl)")
+            raise ResultNotKept(f"task {task} keeps no results, so request {request_id} has none to read: {how}",
+                                request_id, queue or declared.queue)
     queues = app.lookup_queues(queue, task)
     if not task:
         keeping = []

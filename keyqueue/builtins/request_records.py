@@ -116,9 +116,8 @@ class RecordingTaskProcessor(TaskProcessor):
     # --- results ---
 
     def result_ttl(self, task: AnyTask | None) -> float | None:
-        """Seconds ``task``'s results are kept (its own ``result_ttl``, else the app's), or None."""
-        ttl = task.spec.result_ttl if task is not None else None
-        return ttl if ttl is not None else self.app.result_ttl
+        """Seconds ``task``'s results are kept (its own ``result_ttl``, else the app's), or None (0 keeps none)."""
+        return task.spec.kept_for(self.app.result_ttl) if task is not None else self.app.result_ttl
 
     def encodes_result(self, task: AnyTask, request: Request) -> bool:
         return request.reply_inbox is not None or self.result_ttl(task) is not None

@@ -148,14 +148,24 @@ class TaskSpec:
     """Most requests one run takes (``batch``, ``latest``, ``merge``)."""
     merge: Merge | None = None
     result_ttl: float | None = None
-    """Seconds each request's result (or error) is kept, found by request id (None: the app's default)."""
+    """Seconds each request's result (or error) is kept, found by request id (None: the app's default;
+    0: none kept, whatever the app's default)."""
     rate_limit: RateLimit | None = None
     """At most this many runs per key per period, across the fleet (``rate_limit="10/m"``)."""
 
+    def kept_for(self, default: float | None) -> float | None:
+        """Seconds this task's results are kept, given the app's ``default``; None: none are kept.
+
+        Its own ``result_ttl`` wins; ``result_ttl=0`` opts out of the app's default.
+        """
+        ttl = self.result_ttl if self.result_ttl is not None else default
+        return ttl or None
+
     def __post_init__(self) -> None:
         validate_queue_name(self.queue)
-        if self.result_ttl is not None and not self.result_ttl >= 1:
-            raise ConfigError(f"task {self.name}: result_ttl must be at least 1 second, got {self.result_ttl}")
+        if self.result_ttl is not None and not (self.result_ttl == 0 or self.result_ttl >= 1):
+            raise ConfigError(f"task {self.name}: result_ttl must be at least 1 second, or 0 to keep no results "
+                              f"(None: the app's default), got {self.result_ttl}")
         if not self.name or any(c.isspace() or ord(c) < 32 for c in self.name):
             raise ConfigError(f"task name {self.name!r} must be non-empty text without spaces")
         if self.policy not in POLICIES:
