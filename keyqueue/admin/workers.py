@@ -10,12 +10,11 @@ both read the registry through :func:`queue_workers`.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
 from keyqueue.admin.inspection import parse_time
-from keyqueue.app.heartbeat import STALE_AFTER, WorkerRecord, record_subject_prefix
+from keyqueue.app.heartbeat import STALE_AFTER, WorkerRecord, read_records
 from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
@@ -58,24 +57,12 @@ async def queue_workers(api: JetStreamApi, queue: str, *, now: float | None = No
     """The workers of ``queue`` with a heartbeat record: live ones first, then by name. Liveness is
     judged by the server's clock alone (``now`` defaults to :func:`server_time`)."""
     names = QueueNames(queue)
-    try:
-        subjects = await api.subjects(names.lease_stream, record_subject_prefix(queue) + "*")
-    except StreamNotFound:
-        return []
-    messages = await asyncio.gather(*(api.get_msg(names.lease_stream, last_by_subject=subject, direct=False)
-                                      for subject in subjects))
+    records = await read_records(api, queue)
     now = await server_time(api, names.lease_stream) if now is None else now
     found: list[WorkerState] = []
-    for msg in messages:
-        if msg is None or (record := WorkerRecord.decode(msg.data)) is None:
-            continue
-        received = _timestamp(msg.timestamp) or record.heartbeat
+    for record, stored in records:
+        received = stored or record.heartbeat
         # Judged by the server's clock on both sides, so no reader's or worker's skewed clock counts.
         fresh = now - received <= STALE_AFTER * max(record.interval, 1.0)
         found.append(WorkerState(record, received, live=fresh and record.state != "stopped"))
     return sorted(found, key=lambda w: (not w.live, w.name))
-
-
-def _timestamp(text: str) -> float | None:
-    moment = parse_time(text)
-    return None if moment is None else moment.timestamp()

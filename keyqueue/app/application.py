@@ -578,6 +578,11 @@ class App:
         return self.run_sync(lambda: self.status(request_id, queue=queue, seq=seq, key=key),
                              what=f"the status of request {request_id}")
 
+    def purge_sync(self, queue: str | None = None, *, key: str | None = None, task: str | None = None) -> int:
+        """``purge`` for code without a running event loop."""
+        return self.run_sync(lambda: self.purge(queue, key=key, task=task),
+                             what=f"purging queue {queue or task or self.name}")
+
     # --- the connection ---
 
     async def url(self) -> str:

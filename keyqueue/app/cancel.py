@@ -17,8 +17,12 @@ The protocol (docs/decisions.md, "Cancelling a request"):
    finished lately.
 3. A delayed request not yet due has its schedule removed by the canceller (it is in no key's
    order yet): ``cancelled``.
-4. The canceller waits a little for that answer. Without one, the request is not running on any
-   live worker: if the caller knows its inbox sequence (a receipt does) it looks there: still
+4. The canceller waits for that answer, and asks the live workers at once (``kq.Q.ask.<id>``,
+   ``RequestRecords.ask_workers``): each takes the cancel in as if its record had arrived (the
+   request never starts there) and answers ``running``, ``done``, ``cancelled`` (its holder skipped
+   it) or ``idle``. Once every live worker (as the heartbeat records count them) said ``idle``, or
+   none listens, or :data:`CANCEL_ANSWER_WAIT` has passed, the request is not running on any live
+   worker: if the caller knows its inbox sequence (a receipt does) it looks there: still
    stored means ``pending`` (it will be removed before it starts), gone means ``done``. Without the
    sequence it looks for the request by id (``keyqueue.app.status``): the pending record a
    producer writes for a task that keeps results, a kept result, or the key's backlog when the
@@ -38,11 +42,12 @@ import asyncio
 import collections
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
+from keyqueue.app.heartbeat import answering_workers
 from keyqueue.app.status import in_backlog, kept_status
 from keyqueue.errors import KeyqueueError, StreamNotFound, WrongLastSequence
-from keyqueue.jetstream.records import CANCEL_STATE, CANCEL_TTL, RequestRecords
+from keyqueue.jetstream.records import ASK, ASK_CANCEL, ASK_STATUS, CANCEL_STATE, CANCEL_TTL, IDLE, RequestRecords
 from keyqueue.jetstream.schedules import ScheduleNames
 from keyqueue.jetstream.subjects import QueueNames, request_id_token
 from keyqueue.wire import headers as H
@@ -63,7 +68,8 @@ started; not interrupted, ``ctx.cancel_requested`` is true), ``done`` (it had fi
 (no request with this id was found: nothing was cancelled, and the id stays usable)."""
 
 CANCEL_ANSWER_WAIT: Final = 1.0
-"""Seconds ``cancel`` waits for a worker's answer before looking at the inbox itself."""
+"""Seconds at most ``cancel`` waits for the workers' answers before looking at the inbox itself (a
+bound: it looks as soon as every live worker has answered)."""
 
 _CLOSE_WAIT: Final = 5.0
 """Seconds ``CancelWatch.close`` lets answers in flight finish."""
@@ -225,9 +231,42 @@ class CancelWatch:
     # --- the subscription ---
 
     async def _on_ask(self, msg: Msg) -> None:
-        if (msg.headers or {}).get(H.REQUEST_ID) in self.running and msg.reply:
-            with contextlib.suppress(Exception):
-                await msg.respond(b"running")
+        """Answer a question about a request (``RequestRecords.ask_workers``): ``running`` if it runs
+        here; to every other asker that says what it asks (``X-KQ-Ask``), ``idle`` too, so the asker
+        need not wait for workers that have nothing to say. A cancel's question counts as its
+        record: answered here, the request never starts here (both run on this event loop)."""
+        headers = msg.headers or {}
+        request_id = headers.get(H.REQUEST_ID)
+        if not request_id or not msg.reply:
+            return
+        asked = headers.get(ASK)
+        if asked == ASK_CANCEL:
+            answer = self._cancel_asked(request_id)
+        elif request_id in self.running:
+            answer = "running"
+        elif asked == ASK_STATUS:
+            answer = IDLE
+        else:
+            return  # an older asker waits only for the worker running it
+        with contextlib.suppress(Exception):
+            await msg.respond(answer.encode())
+
+    def _cancel_asked(self, request_id: str) -> str:
+        """What this worker says to a cancel's question, having acted on it as on a ``requested`` record."""
+        if request_id in self.skipped:
+            return "cancelled"  # its key's holder here skipped it (its answer is on the record)
+        flag = self.running.get(request_id)
+        if flag is not None:
+            if not flag.requested:
+                flag.requested = True
+                self._spawn(request_id, "running")
+            return "running"
+        if request_id in self.recent:
+            return "done"  # finished here; the record's answer is written when its record arrives
+        self._add(request_id)
+        if self._changed is not None:
+            self._changed[request_id] = True
+        return IDLE
 
     async def _on_record(self, msg: Msg) -> None:
         headers = msg.headers or {}
@@ -308,11 +347,21 @@ async def request_cancel(records: RequestRecords, api: JetStreamApi, inbox_strea
             with contextlib.suppress(WrongLastSequence):
                 await records.answer_cancel(request_id, "cancelled", seq_of_record)
             return "cancelled"
+        # The holder's answer on the record, or the live workers' answers to a question: whichever
+        # comes first. When every live worker said it does not run the request, each has taken the
+        # cancel in (it will not start it), so the look-up below answers without waiting out ``wait``.
+        asked = asyncio.ensure_future(records.ask_workers(request_id, wait, await answering_workers(api, records.queue),
+                                                          cancel=True))
+        first: list[asyncio.Future[Any]] = [answered, asked]
         try:
-            async with asyncio.timeout(wait):
-                return await answered
-        except TimeoutError:
-            pass
+            await asyncio.wait(first, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            asked.cancel()
+            said = (await asyncio.gather(asked, return_exceptions=True))[0]
+        if answered.done():
+            return answered.result()
+        if said in ("cancelled", "running", "done"):
+            return cast("CancelState", said)
         if seq is not None:
             stored = await api.get_msg(inbox_stream, seq=seq, direct=records.replicas == 1)
             if stored is not None and stored.headers.get(H.MSG_ID) == request_id:

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Final
 
-from keyqueue.jetstream.api import parse_pub_ack
+from keyqueue.errors import StreamNotFound
+from keyqueue.jetstream.api import JetStreamApi, parse_pub_ack, stored_seconds
 from keyqueue.jetstream.subjects import QueueNames
 
 if TYPE_CHECKING:
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
 
     from keyqueue.core.worker import QueueWorker
 
-__all__ = ["INTERVAL", "RECORD_TTL", "STALE_AFTER", "Heartbeat", "WorkerRecord", "queue_role", "record_subject",
-           "record_subject_prefix"]
+__all__ = ["INTERVAL", "RECORD_TTL", "STALE_AFTER", "Heartbeat", "WorkerRecord", "answering_workers", "queue_role",
+           "read_records", "record_subject", "record_subject_prefix"]
 
 log = logging.getLogger("keyqueue.worker")
 
@@ -117,6 +118,34 @@ class WorkerRecord:
 
 
 _FIELDS: Final = frozenset(f for f in WorkerRecord.__dataclass_fields__ if f != "extra")
+
+
+async def read_records(api: JetStreamApi, queue: str) -> list[tuple[WorkerRecord, float | None]]:
+    """Each worker's last heartbeat record on ``queue``, with when the server stored it (Unix seconds,
+    the server's clock; None if unreadable). Empty for a queue without a lease stream."""
+    names = QueueNames(queue)
+    try:
+        subjects = await api.subjects(names.lease_stream, record_subject_prefix(queue) + "*")
+    except StreamNotFound:
+        return []
+    messages = await asyncio.gather(*(api.get_msg(names.lease_stream, last_by_subject=subject, direct=False)
+                                      for subject in subjects))
+    return [(record, stored_seconds(msg.timestamp)) for msg in messages
+            if msg is not None and (record := WorkerRecord.decode(msg.data)) is not None]
+
+
+async def answering_workers(api: JetStreamApi, queue: str) -> int:
+    """How many workers of ``queue`` can answer a question about a request now, as their records say.
+
+    Those that have not stopped and whose last record is no more than ``STALE_AFTER`` of their
+    intervals older than the newest record (the server's clock alone): a worker that died falls
+    that far behind its live peers. A record of unknown time counts. Counting one that cannot
+    answer costs the asker its wait; leaving out one that can would end the question early.
+    """
+    records = [(r, at) for r, at in await read_records(api, queue) if r.state != "stopped"]
+    newest = max((at for _, at in records if at is not None), default=None)
+    return sum(1 for r, at in records
+               if at is None or newest is None or newest - at <= STALE_AFTER * max(r.interval, 1.0))
 
 
 def queue_role(worker: QueueWorker) -> dict[str, Any]:

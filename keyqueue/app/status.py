@@ -18,7 +18,10 @@ Where each answer comes from, in this order:
    task that keeps results says the request is stored.
 2. Its cancel record (``cancelled``, or ``requested``: it will not start).
 3. Its schedule (``kq.Q.at.<id>``): scheduled.
-4. A question to the live workers (``kq.Q.ask.<id>``, core NATS): the one running it answers.
+4. A question to the live workers (``kq.Q.ask.<id>``, core NATS): the one running it answers
+   ``running``, every other one ``idle``, so the answer is known as soon as every live worker (as
+   the heartbeat records count them, ``keyqueue.app.heartbeat``) has answered, or at once when no
+   worker listens; :data:`ASK_WAIT` bounds it (a worker listed live that died).
 5. The inbox, when the caller knows where to look: the receipt's ``seq`` (still stored means
    pending, gone means done), or the request's ``key`` (its backlog is read for the id).
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Final, Literal
 
+from keyqueue.app.heartbeat import answering_workers
 from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.records import PENDING
 from keyqueue.jetstream.schedules import ScheduleNames
@@ -52,7 +56,8 @@ RequestStatus = Literal["unknown", "pending", "scheduled", "running", "done", "f
 STATUSES: Final = ("unknown", "pending", "scheduled", "running", "done", "failed", "cancelled", "expired")
 
 ASK_WAIT: Final = 0.25
-"""Seconds the live workers have to say they run a request."""
+"""Seconds the live workers have to answer whether they run a request. A bound, not a wait: the
+question ends when every live worker has answered (``RequestRecords.ask_workers``)."""
 
 _KEY_SCAN_LIMIT: Final = 10_000
 """Most requests of a key read while looking for an id."""
@@ -92,7 +97,7 @@ async def request_status(records: RequestRecords, api: JetStreamApi, request_id:
         if await api.get_msg(schedules.stream, last_by_subject=schedules.at_prefix + request_id_token(request_id),
                              direct=False) is not None:
             return "cancelled" if cancel is not None and cancel[0] == "requested" else "scheduled"
-    if await records.ask_running(request_id, ask_wait):
+    if await records.ask_workers(request_id, ask_wait, await answering_workers(api, records.queue)) == "running":
         return "running"
     if cancel is not None and cancel[0] == "running":
         return "done"  # it was running when the cancel came, and no worker runs it now

@@ -42,7 +42,16 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
-__all__ = ["CANCEL_STATE", "CANCEL_TTL", "EXPIRED_MARKER_TTL", "PENDING", "RequestRecords"]
+__all__ = ["ASK", "ASK_CANCEL", "ASK_STATUS", "CANCEL_STATE", "CANCEL_TTL", "EXPIRED_MARKER_TTL", "IDLE", "PENDING",
+           "RequestRecords"]
+
+ASK: Final = "X-KQ-Ask"
+"""Header of a question to the workers (``ask_workers``): ``status`` or ``cancel``. A question
+without it (an older asker) is answered only by the worker running the request."""
+ASK_STATUS: Final = "status"
+ASK_CANCEL: Final = "cancel"
+IDLE: Final = "idle"
+"""A worker's answer to a question about a request it does not run."""
 
 CAS_TRIES: Final = 10
 """Tries of a compare-and-set on a record that others write too, reading again after each lost race."""
@@ -100,13 +109,43 @@ class RequestRecords:
     def ask_wildcard(self) -> str:
         return f"kq.{self.queue}.ask.>"
 
-    async def ask_running(self, request_id: str, wait: float) -> bool:
-        """Whether a live worker says it runs ``request_id`` (within ``wait`` seconds)."""
+    async def ask_workers(self, request_id: str, wait: float, expected: int, *, cancel: bool = False) -> str | None:
+        """What the live workers say of ``request_id``: ``running`` (one runs it), for a cancel also
+        ``done`` / ``cancelled`` (one finished or skipped it), else None (none runs it).
+
+        Every worker answers (``idle`` when it does not run it), so the question ends as soon as
+        the answer is known: at the first answer other than ``idle``, once ``expected`` workers (the
+        live ones the caller counted) said ``idle``, at once when no worker listens (the server's
+        no-responders status), else after ``wait`` seconds (a worker listed live that died, one of
+        a version that answers only when it runs the request). ``cancel``: the question is a
+        cancel's, so each worker first treats the request as cancelled (it will not start it).
+        """
+        answers: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def on_answer(msg: Msg) -> None:
+            answers.put_nowait(msg)
+
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, cb=on_answer)
         try:
-            await self.nc.request(self.ask_subject(request_id), b"", timeout=wait, headers={H.REQUEST_ID: request_id})
-        except Exception:  # no responders, no answer: nobody runs it
-            return False
-        return True
+            await self.nc.publish(self.ask_subject(request_id), b"", reply=inbox,
+                                  headers={H.REQUEST_ID: request_id, ASK: ASK_CANCEL if cancel else ASK_STATUS})
+            idle = 0
+            async with asyncio.timeout(wait):
+                while True:
+                    msg = await answers.get()
+                    if (msg.headers or {}).get("Status") == "503":
+                        return None  # no worker listens
+                    answer = msg.data.decode(errors="replace")
+                    if answer != IDLE:
+                        return answer
+                    idle += 1
+                    if expected and idle >= expected:
+                        return None
+        except TimeoutError:
+            return None
+        finally:
+            await sub.unsubscribe()
 
     def config(self) -> dict[str, Any]:
         return {

@@ -1,4 +1,5 @@
-"""Tasks: ``@app.task`` / ``@keyqueue.task``, and ``enqueue`` / ``call`` / ``delay`` / ``enqueue_many``.
+"""Tasks: ``@app.task`` / ``@keyqueue.task``, and ``enqueue`` / ``call`` / ``delay`` / ``enqueue_many``
+(``call_sync`` / ``enqueue_many_sync``: the sync forms).
 
 ``Task[F]`` is generic over the function ``F`` it wraps: its methods are typed by ``F``'s
 parameters (less the optional context) and result, so mypy checks
@@ -455,6 +456,12 @@ class _TaskBase:
     def _delay(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
         return self.app.run_sync(lambda: self._enqueue(opts, args, kwargs), what=f"{self.spec.name}.delay()")
 
+    def _enqueue_many_sync(self, items: Iterable[Any], as_mapping: bool, delay: Delay | None = None,
+                           opts: CallOptions | None = None) -> list[Receipt]:
+        listed = list(items)  # read in the caller's thread, not on the portal's loop
+        return self.app.run_sync(lambda: self._enqueue_many(listed, as_mapping, delay, opts),
+                                 what=f"{self.spec.name}.enqueue_many_sync()")
+
     def _call_sync(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         timeout = opts.timeout if opts.timeout is not None else DEFAULT_CALL_TIMEOUT
         return self.app.run_sync(lambda: self._call(opts, args, kwargs), bound=timeout + SYNC_BOUND,
@@ -606,6 +613,10 @@ class Task(_TaskBase, Generic[F]):
         """
         return await self._enqueue_many(items, as_mapping=True)
 
+    def enqueue_many_sync(self, items: Iterable[Mapping[str, Any]]) -> list[Receipt]:
+        """``enqueue_many`` for code without a running event loop (as ``delay`` is ``enqueue``'s)."""
+        return self._enqueue_many_sync(items, as_mapping=True)
+
 
 class TaskCall(Generic[F]):
     """A task with per-call options (``Task.options(...)``)."""
@@ -673,6 +684,12 @@ class TaskCall(Generic[F]):
         _no_request_id(self.call_options)
         return await self.task._enqueue_many(items, as_mapping=True, delay=self.call_options.delay,
                                              opts=self.call_options)
+
+    def enqueue_many_sync(self, items: Iterable[Mapping[str, Any]]) -> list[Receipt]:
+        """``Task.enqueue_many_sync`` with these options' delay (each request gets its own id)."""
+        _no_request_id(self.call_options)
+        return self.task._enqueue_many_sync(items, as_mapping=True, delay=self.call_options.delay,
+                                            opts=self.call_options)
 
 
 class BatchTask(_TaskBase, Generic[T, R]):
@@ -770,6 +787,10 @@ class BatchTask(_TaskBase, Generic[T, R]):
         """Store one request per item, pipelined (see ``Task.enqueue_many``)."""
         return await self._enqueue_many(items, as_mapping=False)
 
+    def enqueue_many_sync(self, items: Iterable[T]) -> list[Receipt]:
+        """``enqueue_many`` for code without a running event loop."""
+        return self._enqueue_many_sync(items, as_mapping=False)
+
 
 class BatchTaskCall(Generic[T, R]):
     """A batch task with per-call options (``BatchTask.options(...)``)."""
@@ -800,6 +821,12 @@ class BatchTaskCall(Generic[T, R]):
         _no_request_id(self.call_options)
         return await self.task._enqueue_many(items, as_mapping=False, delay=self.call_options.delay,
                                              opts=self.call_options)
+
+    def enqueue_many_sync(self, items: Iterable[T]) -> list[Receipt]:
+        """``BatchTask.enqueue_many_sync`` with these options' delay (each request gets its own id)."""
+        _no_request_id(self.call_options)
+        return self.task._enqueue_many_sync(items, as_mapping=False, delay=self.call_options.delay,
+                                            opts=self.call_options)
 
 
 def _options(task: _TaskBase, request_id: str | None, timeout: float | None, countdown: float | None,
