@@ -23,11 +23,12 @@ import asyncio
 import dataclasses
 import datetime
 import logging
+import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, cast, overload
 
 from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, CancelState
 from keyqueue.app.portal import SYNC_BOUND, SyncRunner, require_sync_caller
@@ -124,6 +125,21 @@ def task(*, queue: str, key: KeySpec, policy: Policy = "serial", name: str | Non
                    timeout=timeout, version=version, upgrades=upgrades, max_batch=max_batch, merge=merge,
                    register=_DEFAULTS.add_shared, dispatcher=default_app, result_ttl=result_ttl,
                    rate_limit=rate_limit, soft_timeout=soft_timeout, retry_on=retry_on)
+
+
+OLD_CANCEL_ORDER_REMOVED_IN: Final = "0.3.0"
+"""The version that drops ``App.cancel(queue, request_id)`` (deprecated: ``App.cancel(request_id, queue=...)``)."""
+
+
+def _old_cancel_order(first: str, rest: tuple[str, ...], queue: str | None) -> tuple[str, str]:
+    """``(request_id, queue)`` of a call in the old order ``cancel(queue, request_id)``, with its warning."""
+    if len(rest) != 1 or queue is not None:
+        raise TypeError("App.cancel takes the request id and, by keyword, queue=, seq= and key=: "
+                        "App.cancel(request_id, queue=...)")
+    request_id = rest[0]
+    warnings.warn(f"App.cancel(queue, request_id) is deprecated and goes in keyqueue {OLD_CANCEL_ORDER_REMOVED_IN}: "
+                  f"write app.cancel({request_id!r}, queue={first!r})", DeprecationWarning, stacklevel=3)
+    return request_id, first
 
 
 # --- the app -------------------------------------------------------------------------------------
@@ -504,7 +520,7 @@ class App:
 
         return await fetch_result(self, request_id, queue=queue, timeout=timeout, task=task)
 
-    async def cancel(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+    async def cancel(self, request_id: str, *deprecated: str, queue: str | None = None, seq: int | None = None,
                      key: str | None = None) -> CancelState:
         """Cancel request ``request_id`` unless it has started; what became of it.
 
@@ -515,7 +531,12 @@ class App:
         Without ``queue`` the app's queues are searched (``status``). A pending request is found by
         its id alone when its task keeps results; otherwise give ``seq`` (the receipt's inbox
         sequence) or ``key``. See docs/decisions.md.
+
+        Deprecated: the first versions' order, ``cancel(queue, request_id)``, still works and warns
+        (``DeprecationWarning``) with the new spelling, until :data:`OLD_CANCEL_ORDER_REMOVED_IN`.
         """
+        if deprecated:
+            request_id, queue = _old_cancel_order(request_id, deprecated, queue)
         validate_request_id(request_id)
         if key is not None:
             validate_key(key)
