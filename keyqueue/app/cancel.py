@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
@@ -350,8 +351,8 @@ async def request_cancel(records: RequestRecords, api: JetStreamApi, inbox_strea
         # The holder's answer on the record, or the live workers' answers to a question: whichever
         # comes first. When every live worker said it does not run the request, each has taken the
         # cancel in (it will not start it), so the look-up below answers without waiting out ``wait``.
-        asked = asyncio.ensure_future(records.ask_workers(request_id, wait, await answering_workers(api, records.queue),
-                                                          cancel=True))
+        live = functools.partial(answering_workers, api, records.queue)
+        asked = asyncio.ensure_future(records.ask_workers(request_id, wait, live, cancel=True))
         first: list[asyncio.Future[Any]] = [answered, asked]
         try:
             await asyncio.wait(first, timeout=wait, return_when=asyncio.FIRST_COMPLETED)

@@ -34,6 +34,7 @@ message id, and writing one for every request would cost every producer a write)
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Final, Literal
 
 from keyqueue.app.heartbeat import answering_workers
@@ -97,7 +98,8 @@ async def request_status(records: RequestRecords, api: JetStreamApi, request_id:
         if await api.get_msg(schedules.stream, last_by_subject=schedules.at_prefix + request_id_token(request_id),
                              direct=False) is not None:
             return "cancelled" if cancel is not None and cancel[0] == "requested" else "scheduled"
-    if await records.ask_workers(request_id, ask_wait, await answering_workers(api, records.queue)) == "running":
+    live = functools.partial(answering_workers, api, records.queue)
+    if await records.ask_workers(request_id, ask_wait, live) == "running":
         return "running"
     if cancel is not None and cancel[0] == "running":
         return "done"  # it was running when the cancel came, and no worker runs it now

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final
 
@@ -109,15 +109,17 @@ class RequestRecords:
     def ask_wildcard(self) -> str:
         return f"kq.{self.queue}.ask.>"
 
-    async def ask_workers(self, request_id: str, wait: float, expected: int, *, cancel: bool = False) -> str | None:
+    async def ask_workers(self, request_id: str, wait: float, count: Callable[[], Awaitable[int]], *,
+                          cancel: bool = False) -> str | None:
         """What the live workers say of ``request_id``: ``running`` (one runs it), for a cancel also
         ``done`` / ``cancelled`` (one finished or skipped it), else None (none runs it).
 
         Every worker answers (``idle`` when it does not run it), so the question ends as soon as
-        the answer is known: at the first answer other than ``idle``, once ``expected`` workers (the
-        live ones the caller counted) said ``idle``, at once when no worker listens (the server's
-        no-responders status), else after ``wait`` seconds (a worker listed live that died, one of
-        a version that answers only when it runs the request). ``cancel``: the question is a
+        the answer is known: at the first answer other than ``idle``, once as many workers said
+        ``idle`` as ``count()`` says are live (read while the question is out; a count that fails
+        or says 0 is no count), at once when no worker listens (the server's no-responders
+        status), else after ``wait`` seconds (a worker counted live that died, one of a version
+        that answers only when it runs the request, no count). ``cancel``: the question is a
         cancel's, so each worker first treats the request as cancelled (it will not start it).
         """
         answers: asyncio.Queue[Msg] = asyncio.Queue()
@@ -127,24 +129,39 @@ class RequestRecords:
 
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, cb=on_answer)
+        counting: asyncio.Future[int] | None = None
+        getting: asyncio.Future[Msg] | None = None
         try:
             await self.nc.publish(self.ask_subject(request_id), b"", reply=inbox,
                                   headers={H.REQUEST_ID: request_id, ASK: ASK_CANCEL if cancel else ASK_STATUS})
-            idle = 0
+            counting = asyncio.ensure_future(count())
+            expected, idle = 0, 0
             async with asyncio.timeout(wait):
                 while True:
-                    msg = await answers.get()
+                    if counting is not None and counting.done():
+                        expected = counting.result() if counting.exception() is None else 0
+                        counting = None
+                    if expected and idle >= expected:
+                        return None
+                    getting = getting or asyncio.ensure_future(answers.get())
+                    await asyncio.wait([f for f in (getting, counting) if f is not None],
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if not getting.done():
+                        continue  # the count came first
+                    msg, getting = getting.result(), None
                     if (msg.headers or {}).get("Status") == "503":
                         return None  # no worker listens
                     answer = msg.data.decode(errors="replace")
                     if answer != IDLE:
                         return answer
                     idle += 1
-                    if expected and idle >= expected:
-                        return None
         except TimeoutError:
             return None
         finally:
+            for future in (counting, getting):
+                if future is not None:
+                    future.cancel()
+            await asyncio.gather(*(f for f in (counting, getting) if f is not None), return_exceptions=True)
             await sub.unsubscribe()
 
     def config(self) -> dict[str, Any]:
