@@ -70,7 +70,10 @@ stopped. ``handover_after`` should be the shortest time in which a stopped holde
 began, so a short pause that should not have cost the hold is only caught with a real value.
 
 *Bad input.* Each ``bad_input`` request must be settled: dead-lettered with a reason (an
-``event`` record ``dead_lettered`` with its ``request_id`` and a non-empty ``reason``), or, for a
+``event`` record ``dead_lettered`` with its ``request_id`` and a non-empty ``reason``, or a
+``dlq`` record the soak wrote after the run for each copy stored in the queue's dead-letter
+stream: a worker that dead-lettered a request and died before it logged so leaves only the
+stored copy), or, for a
 ``long-inbox`` request (whose body is good), done (a ``succeeded`` event: the worker ran it and
 could not reply, which it records rather than sends). One never settled is *unsettled* and fails
 the run (it was lost, or its key blocked). Bad requests never count for completions, order or
@@ -537,6 +540,9 @@ def _bad_inputs(ordered: Sequence[Record]) -> list[BadInput]:
         return []
     settled: dict[str, tuple[str, str]] = {}
     for r in ordered:
+        if r.get("kind") == "dlq" and r.get("reason") and r.get("request_id") not in settled:
+            settled[str(r["request_id"])] = ("dead-lettered", str(r["reason"]))
+            continue
         if r.get("kind") != "event" or r.get("request_id") in settled:
             continue
         if r.get("event") == "dead_lettered" and r.get("reason"):

@@ -49,13 +49,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from keyqueue.admin.dead_letters import dead_letters
 from keyqueue.chaos.checker import LivenessBounds, Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore, FenceSnapshot
 from keyqueue.chaos.fleet import Faults, Fleet, LogTail, RssSample, RssWatch, WorkerSpec
 from keyqueue.chaos.handlers import BAD_INPUTS, HANDLERS, RUNNING, SLOW, STALLING, bad_request, work_headers
 from keyqueue.chaos.injectors import NODE_FAULT_CLASSES, node_faults, process_faults, server_faults
 from keyqueue.chaos.proxy import DEFAULT_FAULTS, Faultable, FaultProxy, FaultScript, InjectedFault, ProxyGroup
-from keyqueue.errors import ConnectionFailed, EnqueueError, JetStreamUnavailable, KeyqueueTimeout, TokenPublishFailed
+from keyqueue.errors import (
+    ConnectionFailed,
+    EnqueueError,
+    JetStreamUnavailable,
+    KeyqueueError,
+    KeyqueueTimeout,
+    TokenPublishFailed,
+)
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
@@ -372,6 +380,7 @@ async def soak(options: SoakOptions) -> SoakResult:
         enqueued = await producing
         say(f"chaos: faults stopped after {time.monotonic() - began:.0f}s; waiting for {enqueued} requests")
         await _settle(log_path, producer.expected, options.settle_timeout)
+        await _note_dead_letters(fleet, JetStreamApi(nc))
         settled.set()
         await sampling
         await supervising
@@ -394,6 +403,18 @@ async def soak(options: SoakOptions) -> SoakResult:
             await server.aclose()
         if cluster is not None:
             await cluster.aclose()
+
+
+async def _note_dead_letters(fleet: Fleet, api: JetStreamApi) -> None:
+    """Log each request stored in the queue's dead-letter stream (``dlq`` records): what the checker
+    counts a bad request settled by when the worker that dead-lettered it died before logging it."""
+    try:
+        letters = await dead_letters(api, QUEUE)
+    except KeyqueueError as e:  # the checker then judges by the workers' events alone
+        fleet.note("soak", "dlq_unread", error=repr(e))
+        return
+    for letter in letters:
+        fleet.note("soak", "dlq", key=letter.key, request_id=letter.request_id, reason=letter.reason)
 
 
 async def _settle(log_path: Path, expected: dict[str, list[str]], timeout: float) -> None:

@@ -552,6 +552,18 @@ def test_a_bad_request_never_dead_lettered_fails_the_run() -> None:
     assert "unsettled bad input k: k-bad-0 (bad-version, request 7-k-bad-0)" in verdict.summary()
 
 
+def test_a_bad_request_whose_only_trace_is_its_stored_dead_letter_copy_is_settled() -> None:
+    # The worker dead-lettered k-bad-0 (its copy is in the DLQ stream, read by the soak after the
+    # run) and died before it logged so; k-bad-1 is in neither the log nor the stream.
+    log = [*clean_log(), bad(1.2, "k", "k-bad-0", "bad-version"), bad(1.3, "k", "k-bad-1", "unknown-type"),
+           event("started", "w1", 2.0, "k", request_id="7-k-bad-0"),
+           rec("dlq", "soak", 9.0, "k", request_id="7-k-bad-0", reason="rejected")]
+    verdict = check(log, {**EXPECTED, "j": ["x"]})
+    assert [(b.tag, b.settled, b.reason) for b in verdict.bad_inputs] == [
+        ("k-bad-0", "dead-lettered", "rejected"), ("k-bad-1", "", "")]
+    assert [b.tag for b in verdict.unsettled] == ["k-bad-1"]
+
+
 def test_a_hand_off_counts_from_the_end_of_a_sync_body_running_at_the_fault() -> None:
     # w1's thread runs a from 1.1 to 5.0 (a slow sync task) when its connection is reset at 2; b can
     # only start once a is done: the hand-off is measured from 5.0, not 2.0.
