@@ -187,7 +187,7 @@ async def test_graceful_shutdown_hands_keys_over(nc: Client, fleet: Fleet) -> No
     leaving = fleet.start("leaving", "--ack-wait", "30", "--drain-timeout", "5")
     await fleet.wait_ready("leaving")
     for i in range(4):
-        await pub.enqueue(work(f"k{i}", f"k{i}-long", sleep=1.0))
+        await pub.enqueue(work(f"k{i}", f"k{i}-long", sleep=3.0))  # outlasts starting "staying" on a loaded machine
         await pub.enqueue(work(f"k{i}", f"k{i}-next"))
     await fleet.wait_for(lambda log: sum(1 for r in log if r["kind"] == "start") == 4)
     fleet.start("staying", "--ack-wait", "30")
