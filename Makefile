@@ -41,8 +41,9 @@ CHAOS_ARGS ?= --seed 7 --faults 500 --duration 1200
 chaos: $(STAMP)
 	$(PY) -m keyqueue.chaos $(CHAOS_ARGS)
 
-# The cluster soak (docs/chaos.md): 1,000 faults of every class at once on a 3-node R3 cluster.
-CHAOS_CLUSTER_ARGS ?= --seed 7 --faults 1000 --classes all --duration 3600 --workdir chaos-cluster-run
+# The cluster soak (docs/chaos.md): 1,000 faults of every class at once on a 3-node R3 cluster, with every
+# handler shape users write (async, thread, process pool, GIL-holding, loop-blocking) and bad input.
+CHAOS_CLUSTER_ARGS ?= --seed 7 --faults 1000 --classes all --handlers all --rss-limit 0.10 --duration 3600 --workdir chaos-cluster-run
 
 chaos-cluster: $(STAMP)
 	$(PY) -m keyqueue.chaos $(CHAOS_CLUSTER_ARGS)
