@@ -206,8 +206,9 @@ async def main() -> None:
     p.add_argument("--stall-over", type=float, default=3.0)
     p.add_argument("--replicas", type=int, default=1, help="3 on a cluster (the soak's cluster class)")
     p.add_argument("--no-watchdog", dest="watchdog", action="store_false",
-                   help="run without the loop watchdog (keyqueue worker runs with it): a stall past the lease "
-                        "then leaves a zombie the fencing token must catch, instead of ending the process")
+                   help="run without the loop watchdog and the lease alarm (keyqueue worker runs with both): a "
+                        "stall or a stop past the lease then leaves a zombie the fencing token must catch, instead "
+                        "of ending the process")
     p.add_argument("--clock-offset", type=float, default=0.0,
                    help="run this process's wall clock this many seconds ahead (negative: behind)")
     p.add_argument("--pool-size", type=int, default=0,

@@ -229,11 +229,11 @@ class KeySession:
         self.slots = slots
         """The worker's slots: a session waiting out a backoff or a rate limit gives its own back (core/slots.py)."""
         self.recheck_later = recheck_later
+        """Who re-checks the key's inbox (and removes this token) once the connection allows, when
+        this session could not (the worker: :meth:`~keyqueue.core.worker.QueueWorker.recheck_later`)."""
         self.on_running = on_running
         """Told when the session's work (which runs the processor, so the user's code) begins and when
         it has ended (the worker arms its lease alarm by it: core/alarm.py)."""
-        """Who re-checks the key's inbox (and removes this token) once the connection allows, when
-        this session could not (the worker: :meth:`~keyqueue.core.worker.QueueWorker.recheck_later`)."""
         self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
                             holder={"worker": worker, "host": _HOST, "pid": os.getpid(), "token": token.stream_seq,
                                     "delivered": token.delivered, "ack": token.reply})

@@ -399,11 +399,9 @@ class QueueWorker:
     def _held_leases(self) -> list[HeldLease]:
         """The keys held under a valid lease, and those whose run goes on after their lease was lost
         (read by the watchdog's thread)."""
-        running = list(self._running)
         sessions = {id(s): s for s in list(self._held.values()) if s.acquired and s.lease.lost_reason is None}
-        sessions.update((id(s), s) for s in running)
-        going = {id(s) for s in running}
-        return [HeldLease(s.key, s.lease.deadline, s._in_hand, running=id(s) in going) for s in sessions.values()]
+        sessions.update((id(s), s) for s in list(self._running))
+        return [HeldLease(s.key, s.lease.deadline, s._in_hand, running=s.running) for s in sessions.values()]
 
     # --- the lease alarm (core/alarm.py) -------------------------------------------------------------
 
