@@ -159,6 +159,11 @@ async def diagnose_key(api: JetStreamApi, queue: str, key: str, *, now: float | 
         queue_workers(api, queue, now=checked),
         latest_events(api, queue, key),
     )
+    if head_msg is not None and H.is_release_marker(head_msg.headers):
+        # A former holder's release marker (it lives a second, before any request): not a request.
+        backlog = {subject: count - 1 for subject, count in backlog.items()}
+        head_msg = await api.get_msg(names.inbox_stream, seq=head_msg.seq + 1, next_by_subject=names.inbox(key),
+                                     direct=False)
     token_state: TokenState = "none" if token is None else "held" if token.seq <= delivered else "scheduled"
     holder = holder_of(record) if record is not None else None
     holder_worker = next((w for w in workers if holder is not None and w.name == holder.worker), None)

@@ -7,8 +7,9 @@
                                        │  handle ─► ok: delete, reply ─┐
                                        │         └► fail: backoff, retry in place, or DLQ
                                        └──────────────────────────────┘
-    quiescent ─► processor.idle() ─► settle deletes ─► remove record + ack ─► re-check inbox
-                                                                         ─► re-publish token?
+    quiescent ─► processor.idle() ─► ack ─► release marker ─► remove record
+                                                  └ refused (a request arrived): settle deletes,
+                                                    remove record, re-check inbox, re-publish token
 
 The token only says the key has work; the lease record (core/lock.py) says who may do it. A
 lost lease ends the session at once: no ack, no nak, no delete, no reply. Renewals run beside
@@ -171,6 +172,7 @@ class KeySession:
         "_hurrying",
         "_in_hand",
         "_purge_timer",
+        "_purged_through",
         "_purging",
         "_renewal",
         "_renewal_failure",
@@ -191,6 +193,7 @@ class KeySession:
         "key",
         "lease",
         "lock",
+        "marker_seq",
         "more",
         "observer",
         "on_running",
@@ -241,6 +244,11 @@ class KeySession:
         self.lease.lose("the key's lease record is not acquired yet")
         self.cursor = 1
         """The inbox sequence to read the next request from."""
+        self.marker_seq = 0
+        """The inbox sequence of the release marker read on the key's subject, if any: a former
+        holder's (it lives a second, before every request of the key); read past, never handled."""
+        self._purged_through = 0
+        """The last inbox sequence a removal sent so far covers (confirmed or not)."""
         self.processed = 0
         self.republished = False
         self.buffer: list[StoredMsg] = []
@@ -422,7 +430,7 @@ class KeySession:
                 if first_read is not None:
                     with contextlib.suppress(Exception):  # read again in the session
                         msgs, self.more = await self._first_read_result(first_read)
-                        self.buffer.extend(msgs)
+                        self.buffer.extend(self._requests(msgs))
                 return True
             if first_read is not None:
                 first_read.cancel()
@@ -642,6 +650,10 @@ class KeySession:
                     continue
                 # A key waiting for requests keeps no replies: drop the deletes confirmed by now
                 # (the read just above was answered after them); the release settles the rest.
+                # Requests done and left for a release marker are removed now if the wait may be
+                # long; a short one (the default linger) leaves them to the marker.
+                if self._unpurged and self.settings.linger > ARRIVAL_GRACE:
+                    await self._purge()
                 self.deletes = [d for d in self.deletes if not self.io.confirmed(d)]
                 if not await self._await_arrival(watch):
                     break
@@ -708,15 +720,23 @@ class KeySession:
         """
         want = max(1, getattr(processor, "batch_size", 0))
         while len(self.buffer) < want:
-            start = self.buffer[-1].seq + 1 if self.buffer else self.cursor
+            start = self.buffer[-1].seq + 1 if self.buffer else max(self.cursor, self.marker_seq + 1)
             read = functools.partial(self.io.read, self.key, start, max(want - len(self.buffer), READ_AHEAD))
             msgs, self.more = await self._steady(read)
-            self.buffer.extend(msgs)
+            self.buffer.extend(self._requests(msgs))
             if not self.more:
                 break
         batch = self.buffer[:want]
         del self.buffer[:want]
         return batch
+
+    def _requests(self, msgs: list[StoredMsg]) -> list[StoredMsg]:
+        """The requests among messages read from the key's subject: a release marker (which can
+        only come first) is noted, so that reads go past it and the release knows it is there."""
+        if msgs and H.is_release_marker(msgs[0].headers):
+            self.marker_seq = max(self.marker_seq, msgs[0].seq)
+            return msgs[1:]
+        return msgs
 
     # --- processing with retries -----------------------------------------------------------------
 
@@ -850,7 +870,9 @@ class KeySession:
             # after fast ones does not keep them stored). Every removal is confirmed before the
             # token is acked.
             self._unpurged += 1
-            if self._unpurged >= PURGE_EVERY or not self.buffer:
+            # With release markers, the last requests done before the key is given back are
+            # removed by the marker (one write), not by a purge of their own.
+            if self._unpurged >= PURGE_EVERY or (not self.buffer and not self.io.release_markers):
                 await self._purge_after_beside()
                 await self._purge()
                 if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
@@ -859,6 +881,7 @@ class KeySession:
             await self._purge_after_beside()
             await self._settle_owed()
             await self._steady(functools.partial(self.io.purge_through, self.key, through))
+            self._purged_through = max(self._purged_through, through)
         self._in_hand = 0
         self.processed += len(batch)
         for request, reply in zip(requests, replies, strict=False):
@@ -885,6 +908,7 @@ class KeySession:
         try:
             await self._settle_owed()
             self.deletes.append(await self._steady(functools.partial(self.io.purge_soon, self.key, through)))
+            self._purged_through = max(self._purged_through, through)
         except BaseException:
             self._unpurged += done  # still stored: the settle sends it again
             raise
@@ -939,6 +963,7 @@ class KeySession:
             # again, in one purge, once connected (a purge is safe to repeat).
             if self.cursor > 1:
                 await self._steady(functools.partial(self.io.purge_through, self.key, self.cursor - 1))
+                self._purged_through = max(self._purged_through, self.cursor - 1)
 
     async def _dead_letter(self, batch: list[StoredMsg], error: BaseException, attempts: int, *,
                            reason: str) -> None:
@@ -1019,36 +1044,103 @@ class KeySession:
         token may be gone with a request left is handed to the worker to re-check."""
         if not self.lease.valid():
             return  # another worker may own the key now: nothing more is sent for it
+        if outcome == Outcome.RELEASED and self.io.release_markers:
+            await self._give_back_quiet()
+            return
+        if outcome not in (Outcome.FAILED, Outcome.HANDED_OFF):
+            await self._give_back_slow(token_gone=False)
+            return
+        if not await self._settled():
+            return
+        # The key may still have work that only its processor knows of (an owed DVU): the token goes
+        # back as it is, for another worker at once (a drain) or after a short delay (a failure, so
+        # that it cannot spin).
+        await self._forgive_head()
+        delay = FAILED_SESSION_DELAY if outcome == Outcome.FAILED else 0.0
+        await asyncio.gather(self._steady(self.lock.release),
+                             self._steady(functools.partial(self.io.nak, self.token, delay)),
+                             return_exceptions=True)
+
+    async def _settled(self) -> bool:
+        """Settle the removals before the key is given back; False if the lease ended meanwhile
+        (nothing more may be sent). An unconfirmed removal may land or not: a request not removed
+        runs again (at least once)."""
         try:
             await self._settle_deletes()
         except LeaseLost:
-            return
+            return False
         except Exception as e:
-            # Unconfirmed deletes may land or not: a request not deleted runs again (at least once).
             log.warning("queue %s key %s: %d delete(s) unconfirmed at release: %r", self.io.names.queue,
                         self.key, len(self.deletes), e)
-        if not self.lease.valid():
+        return self.lease.valid()
+
+    async def _give_back_quiet(self) -> None:
+        """Give back a key with nothing left to do: the token removed, then one write, the key's
+        release marker (:meth:`~keyqueue.jetstream.queue_io.QueueIO.mark_released`), which removes
+        the requests handled and is refused exactly when a request arrived after the last one this
+        session read; then the lease record. The marker replaces the purge and the re-check: a
+        request stored before it makes it fail (then the key is re-checked and scheduled, the slow
+        way), and one stored after it finds no token in the way of its own (ours is gone first).
+        The lease record goes last: the next holder must not read the requests handled here."""
+        try:
+            await self._steady(functools.partial(self.io.release_token, self.token, HAND_BACK_TIMEOUT))
+        except Exception as e:
+            log.debug("queue %s key %s: releasing the token: %r", self.io.names.queue, self.key, e)
+            await self._give_back_slow(token_gone=False)
             return
-        if outcome in (Outcome.FAILED, Outcome.HANDED_OFF):
-            # The key may still have work that only its processor knows of (an owed DVU): the
-            # token goes back as it is, for another worker at once (a drain) or after a short
-            # delay (a failure, so that it cannot spin).
-            await self._forgive_head()
-            delay = FAILED_SESSION_DELAY if outcome == Outcome.FAILED else 0.0
-            await asyncio.gather(self._steady(self.lock.release),
-                                 self._steady(functools.partial(self.io.nak, self.token, delay)),
-                                 return_exceptions=True)
+        marked = False
+        try:
+            last = await self._last_stored()
+            if self.lease.valid():
+                marked = await self.io.mark_released(self.key, last, timeout=min(HAND_BACK_TIMEOUT,
+                                                                                  self.lease.remaining()))
+        except Exception as e:  # the marker's fate unknown, or a removal unconfirmed: the slow way
+            log.debug("queue %s key %s: release marker: %r", self.io.names.queue, self.key, e)
+        if not marked:
+            await self._give_back_slow(token_gone=True)
             return
-        released, gone = await asyncio.gather(
-            self._steady(self.lock.release),
-            self._steady(functools.partial(self.io.release_token, self.token, HAND_BACK_TIMEOUT)),
-            return_exceptions=True)
-        for what, result in (("lease record", released), ("token", gone)):
+        # The purges still in flight cover requests the marker removed too: their replies do not matter.
+        for sent in self.deletes:
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.deletes = []
+        try:
+            await self._steady(self.lock.release)
+        except Exception as e:  # the record's TTL frees the key
+            log.debug("queue %s key %s: releasing the lease record: %r", self.io.names.queue, self.key, e)
+
+    async def _last_stored(self) -> int:
+        """The inbox sequence of the last message on the key's subject, if no request arrived after
+        those read (0: none): the release marker's compare-and-set. Waits for the processor's owed
+        writes first (the marker removes the requests they belong to)."""
+        await self._purge_after_beside()
+        await self._settle_owed()
+        if self._purge_timer is not None:
+            self._purge_timer.cancel()
+            self._purge_timer = None
+        if self._unpurged:
+            return self.cursor - 1  # done and still stored: the last message (a marker lies before it)
+        last_read = max(self.cursor - 1, self.marker_seq)
+        if last_read and self._purged_through >= last_read:
+            # Everything read is removed, or on its way: once confirmed, the subject holds nothing known.
+            await self._settle_deletes()
+            return 0
+        return last_read
+
+    async def _give_back_slow(self, *, token_gone: bool) -> None:
+        """The rest of a give-back without a release marker: removals settled, the lease record
+        removed, the token released (unless gone already), then the inbox re-checked."""
+        if not await self._settled():
+            if token_gone:
+                self._recheck_later()  # a request may have arrived with our token in its way
+            return
+        steps = [self._steady(self.lock.release)]
+        if not token_gone:
+            steps.append(self._steady(functools.partial(self.io.release_token, self.token, HAND_BACK_TIMEOUT)))
+        results = await asyncio.gather(*steps, return_exceptions=True)
+        for what, result in zip(("lease record", "token"), results, strict=False):
             if isinstance(result, BaseException):
                 log.debug("queue %s key %s: releasing the %s: %r", self.io.names.queue, self.key, what, result)
-        if isinstance(gone, BaseException):
-            # The token may still be stored (then it comes back), or our ack may have removed it
-            # unconfirmed: the worker removes it for sure and re-checks once it can.
+        if len(results) > 1 and isinstance(results[1], BaseException):
             self._recheck_later()
             return
         await self._recheck()

@@ -299,9 +299,10 @@ class QueueWorker:
         began = time.monotonic()
         while True:
             try:
-                lease = await Topology(JetStreamApi(self.nc), self.config).ensure_worker(
-                    None if self.follow_lease else self.settings.ack_wait)
+                topology = Topology(JetStreamApi(self.nc), self.config)
+                lease = await topology.ensure_worker(None if self.follow_lease else self.settings.ack_wait)
                 self._use_lease(lease)
+                self.io.release_markers = await topology.allow_release_markers()
                 return
             except (KeyqueueTimeout, ConnectionFailed) as e:
                 # "No responders" that lasts is a server without JetStream, not an election.
@@ -385,7 +386,7 @@ class QueueWorker:
                 key, (token, cursor) = next(iter(self._rechecks.items()))
                 try:
                     await self.io.delete_token(token)
-                    if await self.io.next_request(key, cursor) is not None:
+                    if await self.io.next_request(key, cursor, requests_only=True) is not None:
                         await self.io.schedule(key)
                 except Exception as e:  # a bug too: it must not end the key sessions (one task group)
                     log.log(logging.DEBUG if isinstance(e, KeyqueueError) else logging.ERROR,

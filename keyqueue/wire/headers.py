@@ -8,6 +8,7 @@ written exactly as below; readers also accept them in another letter case.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Final
 
 from keyqueue.errors import ConfigError
@@ -32,6 +33,7 @@ __all__ = [
     "MESSAGE_TYPE",
     "MESSAGE_VERSION",
     "MSG_ID",
+    "RELEASED",
     "REPLY_INBOX",
     "REQUEST_ID",
     "STATUS",
@@ -43,6 +45,7 @@ __all__ = [
     "TRACEPARENT",
     "TRACESTATE",
     "header_safe",
+    "is_release_marker",
 ]
 
 # --- every request and reply -------------------------------------------------------------------
@@ -108,6 +111,20 @@ SUPERSEDED_BY: Final = "X-KQ-Superseded-By"
 
 REQUEST_ID: Final = "X-KQ-Request-Id"
 """On a reply: the request id (``Nats-Msg-Id``) of the request it answers."""
+
+# --- the key's inbox -----------------------------------------------------------------------------
+
+RELEASED: Final = "X-KQ-Released"
+"""On a *release marker*, not a request: the message a worker stores on a key's inbox subject when it
+gives the key back with nothing left to do (docs/architecture.md, "Giving a key back"). It rolls up
+(removes) the key's handled requests, is stored only if no request arrived after the last one the
+worker handled, and expires a second later. Every reader of the inbox skips it."""
+
+
+def is_release_marker(headers: Mapping[str, str] | None) -> bool:
+    """Whether a message read from a key's inbox is a release marker (see :data:`RELEASED`)."""
+    return headers is not None and RELEASED in headers
+
 
 # --- dead-letter queue -------------------------------------------------------------------------
 

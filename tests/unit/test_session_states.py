@@ -42,6 +42,9 @@ class FakeIO:
 
     direct = False
     """Reads are answered by :meth:`read` (a session sends its first read as a task, as on a replicated inbox)."""
+    release_markers = False
+    """Keys are given back with a purge and a re-check (the marker's give-back is proven against a real
+    server: tests/integration/test_release_marker.py)."""
 
     def __init__(self, *requests: StoredMsg) -> None:
         self.names = QueueConfig("q").names
@@ -57,7 +60,7 @@ class FakeIO:
         found = [self.inbox[s] for s in sorted(self.inbox) if s >= from_seq]
         return found[:limit], len(found) > limit
 
-    async def next_request(self, key: str, from_seq: int) -> StoredMsg | None:
+    async def next_request(self, key: str, from_seq: int, *, requests_only: bool = False) -> StoredMsg | None:
         return next((self.inbox[s] for s in sorted(self.inbox) if s >= from_seq), None)
 
     async def request_remains(self, key: str, from_seq: int) -> bool:
