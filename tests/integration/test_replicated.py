@@ -310,3 +310,25 @@ async def test_every_other_compare_and_set_rides_out_a_lost_race_on_r3(cluster: 
         reconcilers = [Reconciler(QueueIO(nc, config), interval=30.0, worker=f"w{i}") for i, nc in enumerate(ncs)]
         elected = await asyncio.gather(*(r.elected() for r in reconcilers))
         assert elected.count(True) == 1, elected
+
+
+async def test_the_release_marker_on_r3_is_refused_after_an_arrival_and_alone_otherwise(cluster: EmbeddedCluster) -> None:
+    """The release marker's server facts on R3 (one server: test_release_marker.py): refused, with every
+    request kept, when a request arrived after the last one handled; otherwise stored alone."""
+    async with connections(cluster, 1) as (nc,):
+        config = await replicated_queue(nc, "marker")
+        io = QueueIO(nc, config)
+        producer = Publisher(nc, config.names)
+        for n in range(3):
+            await producer.enqueue(request("k", b"%d" % n))
+        stored = [await io.next_request("k", 1)]
+        for _ in range(2):
+            last = stored[-1]
+            assert last is not None
+            stored.append(await io.next_request("k", last.seq + 1))
+        seqs = [m.seq for m in stored if m is not None]
+        assert await io.mark_released("k", seqs[1]) is False
+        assert await io.next_request("k", 1) == stored[0]
+        assert await io.mark_released("k", seqs[2]) is True
+        assert await io.next_request("k", 1, requests_only=True) is None
+        assert await io.request_remains("k", 1) is False
