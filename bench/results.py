@@ -24,7 +24,8 @@ class Sizes:
     solo: int
     """Requests on one hot key, alone, for the hand-off figure."""
     product_per_key: int = 0
-    """Requests per hot key on the product path (issue 23's workload: 100 x 200); 0: ``hot_per_key``."""
+    """Requests per hot key on the product path (the hot workload the goals are set on: 100 x 200); 0:
+    ``hot_per_key``."""
 
     @property
     def hot_total(self) -> int:
