@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench import machine, raw
 from bench.fleet import WorkerOptions
+from bench.peers import PeerResult, Workload, compare, run_peers
 from bench.records import handoffs_ms
 from bench.results import Report, Row, Sizes
 from bench.user_path import ProductRates
@@ -118,6 +119,8 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
 
         product = await measure(server.url, sizes.hot_keys, per_key, sizes.product_cold,
                                 monitoring=server.monitoring_url, loop=options.loop)
+        # The peers right after the product path, so that on a shared machine both meet the same load.
+        peer_results = await _run_peers(sizes, scratch, say) if peers else None
         _ratio(report.add(Row(PRODUCT_HOT, KQ, product.hot, "req/s",
                               f"{product_total:,} requests stored first; one `keyqueue worker` process (128 "
                               "slots), default processor, hooks and the events plugin; worker CPU "
@@ -156,8 +159,8 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
                        f"({rb.triggers / max(rb.runs, 1):.1f} per run)"))
     say(f"{R3_RAW} / {R3_HOT}: a 3-node cluster, R3 streams ...")
     await _replicated(sizes, report, scratch, options)
-    if peers:
-        await _peers(report, sizes, rates.fetch_ack, product, scratch, say)
+    if peer_results is not None:
+        _peer_rows(report, sizes, rates.fetch_ack, product, peer_results)
     else:
         say("peers: not run (pass --peers; only full mode runs them by default)")
         report.add(Row(PEERS_HOT, "(skipped)", math.nan, "", "peers not run: pass --peers"))
@@ -165,19 +168,25 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
     return report
 
 
-async def _peers(report: Report, sizes: Sizes, raw_rate: float, product: ProductRates, scratch: Path,
-                 say: Progress) -> None:
+def _workloads(sizes: Sizes) -> tuple[Workload, Workload]:
+    """The hot and the cold workload of the product path, which the peers serve too."""
+    return Workload("hot keys", sizes.hot_keys, sizes.product_hot_per_key), Workload("cold keys", sizes.product_cold, 1)
+
+
+async def _run_peers(sizes: Sizes, scratch: Path, say: Progress) -> list[PeerResult]:
+    hot, cold = _workloads(sizes)
+    say(f"peers: {hot}; {cold} ...")
+    return await run_peers([hot, cold], scratch / "peers", say)
+
+
+def _peer_rows(report: Report, sizes: Sizes, raw_rate: float, product: ProductRates,
+               results: list[PeerResult]) -> None:
     """The peers on the product path's two workloads, each beside raw fetch+ack and keyqueue.
 
     Against the path users run (rows 1p/2p), not the core's rows 1/2: the peers run their own task
     APIs too. Each peer's row is taken against raw fetch+ack; one row per workload gives keyqueue
     against the best peer that ran, with the issue's goal."""
-    from bench.peers import Workload, compare, run_peers
-
-    hot = Workload("hot keys", sizes.hot_keys, sizes.product_hot_per_key)
-    cold = Workload("cold keys", sizes.product_cold, 1)
-    say(f"peers: {hot}; {cold} ...")
-    results = await run_peers([hot, cold], scratch / "peers", say)
+    hot, cold = _workloads(sizes)
     for workload, name, keyqueue, versus_name, goal in ((hot, PEERS_HOT, product.hot, VERSUS_HOT, 15.0),
                                                          (cold, PEERS_COLD, product.cold, VERSUS_COLD, 3.0)):
         for result in (r for r in results if r.workload == workload):

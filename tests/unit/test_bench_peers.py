@@ -79,3 +79,24 @@ def test_without_a_redis_server_the_reason_names_the_bench_extra(monkeypatch: py
     monkeypatch.setattr(services, "_apt_install", not_root)
     with pytest.raises(services.Unavailable, match=r"install the bench extra \(pip install -e '\.\[bench\]'"):
         services.start_redis()
+
+
+def test_a_run_reports_each_peer_against_raw_and_keyqueue_against_the_best_peer_with_the_goals() -> None:
+    from bench.results import FULL
+    from bench.run import PEERS_COLD, PEERS_HOT, RAW_FETCH, VERSUS_COLD, VERSUS_HOT, _peer_rows, _workloads
+    from bench.user_path import ProductRates
+
+    hot, cold = _workloads(FULL)
+    assert (str(hot), str(cold)) == ("hot keys, 100 x 200", "cold keys, 2,000 x 1")
+    results = [result(hot, "Celery", 400.0), result(hot, "Dramatiq", 500.0), result(cold, "Celery", 450.0),
+               result(cold, "Dramatiq", 600.0)]
+    run = Report("full", "python -m bench")
+    _peer_rows(run, FULL, 10_000.0, ProductRates(hot=8_000.0, cold=1_800.0), results)
+
+    celery = run.find(PEERS_COLD, "Celery")
+    assert celery is not None and celery.ratio == 0.045 and celery.baseline == RAW_FETCH
+    assert run.find(PEERS_HOT, "Dramatiq") is not None
+    versus_hot, versus_cold = run.find(VERSUS_HOT), run.find(VERSUS_COLD)
+    assert versus_hot is not None and (versus_hot.value, versus_hot.goal, versus_hot.met) == (16.0, ">= 15x", True)
+    assert versus_cold is not None and (versus_cold.value, versus_cold.goal, versus_cold.met) == (3.0, ">= 3x", True)
+    assert [v.workload for v in run.versus] == [str(hot), str(cold)]
