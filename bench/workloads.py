@@ -1,4 +1,4 @@
-"""keyqueue's workloads 1-6 of issue 7, driven through the core classes.
+"""keyqueue's workloads 1-6 (the rows numbered so in docs/benchmarks.md), driven through the core classes.
 
 Producers run in this process on keyqueue's :class:`~keyqueue.jetstream.publish.Publisher`;
 workers are separate OS processes (:mod:`bench.worker`). Each workload gets its own queue on the

@@ -24,7 +24,8 @@
     ├── EnqueueError                     a request could not be accepted
     │   ├── BacklogFull                  the key's per-key backlog cap is reached
     │   ├── PartiallyEnqueued            enqueue_many stored some requests and not others (results per item)
-    │   └── TokenPublishFailed           the request is stored, but its key was not scheduled
+    │   ├── TokenPublishFailed           the request is stored, but its key was not scheduled
+    │   └── EnqueueTimeout               no acknowledgement, even after a retry (also a KeyqueueTimeout)
     ├── JetStreamError                   a JetStream API error not covered above (code, err_code)
     │   ├── StreamNotFound               10059
     │   ├── ConsumerNotFound             10014
@@ -39,11 +40,11 @@
     │   └── ResultExpired                it was kept, but its result_ttl has passed
     └── TaskFailure                      the outcome of running a request
         ├── Reject                       raised by a handler: do not retry, dead-letter now
+        │   └── CallOnOwnKey             a task called a task on the key its own run holds (never retried)
         ├── SoftTimeout                  raised inside a task that passed its soft_timeout (catch it to clean up)
         ├── Retry                        raised by a handler: retry this request, after countdown seconds if given
-        │   └── CallOnOwnKey             a task called a task on the key its own run holds
         ├── RemoteError                  a request failed in a worker; re-raised to the caller
-        ├── DeadLettered                 the request went to the DLQ (reply to a caller)
+        │   └── DeadLettered             the request went to the DLQ (reply to a caller)
         ├── Cancelled                    the request was cancelled before it started
         ├── Expired                      its expires= time passed before it started
         └── Superseded                   a newer request for the key replaced this one

@@ -1,4 +1,4 @@
-"""The key session on a 3-node cluster with R3 streams, where users deploy (issue 22).
+"""The key session on a 3-node cluster with R3 streams, as users deploy it.
 
 On a replicated stream the server answers some requests before it has done their work (a double
 ack before the token is removed), and a compare-and-set that loses may get 10164 instead of

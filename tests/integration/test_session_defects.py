@@ -1,4 +1,4 @@
-"""Defects of the key session and worker reviewed in issue 12, each against a real nats-server.
+"""Defects a review found in the key session and worker, each against a real nats-server.
 
 Each test failed on the main before the lease-record change (noted per test) and passes after it.
 """

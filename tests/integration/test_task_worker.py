@@ -480,7 +480,7 @@ async def test_a_worker_that_cannot_start_raises_why(make_app: MakeApp) -> None:
             pass
 
 
-# --- a task calling a task on the key its own run holds (issue 15) ---------------------------------
+# --- a task calling a task on the key its own run holds: CallOnOwnKey, never a wait ----------------
 
 
 async def inbox_last_seq(app: keyqueue.App, queue: str) -> int:

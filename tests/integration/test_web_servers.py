@@ -1,4 +1,4 @@
-"""The sync face under a real pre-forking server (issue 24, item 1 and docs/web.md): gunicorn
+"""The sync face under a real pre-forking server, as docs/web.md deploys it: gunicorn
 ``--preload`` imports the app in its master, which enqueues before it forks its workers; each worker
 then enqueues, calls and asks for statuses from its own requests."""
 
