@@ -56,7 +56,8 @@ def keyqueue_settings(django_conf: Any, environ: Mapping[str, str] | None = None
     try:
         return Settings.from_env(env)
     except ConfigError as exc:
-        raise ConfigError(str(exc).replace("environment variables", "Django settings or environment")) from None
+        message = str(exc).replace(f" (from {_PREFIX}* environment variables)", "")
+        raise ConfigError(f"{message} (from Django's {_PREFIX}* settings or the environment)") from None
 
 
 def django_settings() -> Settings:

@@ -245,16 +245,19 @@ class KeyqueueBackend(BaseTaskBackend):  # type: ignore[misc]
         """The keyqueue task that runs ``task`` (declared on first use: one per function)."""
         shared = self._shared
         name = task.module_path
-        known = shared.tasks.get(name)
-        if known is not None:
-            if known[0].func is not task.func:
-                raise InvalidTask(f"two tasks are named {name}; keyqueue tells tasks apart by module and name")
-            return known[1]
         key = getattr(task, "key", None)
         parameters = list(inspect.signature(task.func).parameters)[1 if task.takes_context else 0:]
         try:
             if key is not None:
                 KeyMaker(key, name, tuple(parameters))  # a template naming no parameter fails here, not at enqueue
+        except ConfigError as exc:
+            raise InvalidTask(str(exc)) from None
+        known = shared.tasks.get(name)
+        if known is not None:
+            if known[0].func is not task.func:
+                raise InvalidTask(f"two tasks are named {name}; keyqueue tells tasks apart by module and name")
+            return known[1]
+        try:
             declared = self.app.task(key="{key}", queue=self.queue_for(task.queue_name), name=name,
                                      max_attempts=getattr(task, "max_attempts", 5),
                                      timeout=getattr(task, "timeout", None), result_ttl=self.result_ttl)

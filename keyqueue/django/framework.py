@@ -11,7 +11,7 @@ from typing import Any, Final
 from keyqueue.errors import ConfigError
 
 __all__ = ["FRAMEWORK", "BaseTaskBackend", "InvalidTask", "Task", "TaskContext", "TaskError", "TaskResult",
-           "TaskResultDoesNotExist", "TaskResultStatus", "normalize_json", "signals", "task_backends"]
+           "TaskResultDoesNotExist", "TaskResultStatus", "normalize_json", "signals", "task", "task_backends"]
 
 
 def _framework() -> str:
@@ -45,6 +45,8 @@ _base = _module("base")
 _exceptions = _module("exceptions")
 
 task_backends: Any = _module("").task_backends
+task: Any = _module("").task
+"""Django's ``@task`` decorator."""
 BaseTaskBackend: Any = _module("backends.base").BaseTaskBackend
 Task: Any = _base.Task
 TaskContext: Any = _base.TaskContext
