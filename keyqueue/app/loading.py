@@ -78,7 +78,7 @@ def setup_django() -> bool:
         autodiscover_modules("tasks")
     except Exception as exc:
         raise ConfigError(f"setting up Django ({DJANGO_SETTINGS}={settings_module}) failed: {type(exc).__name__}: "
-                          f"{exc} (python -m django check shows the traceback)") from None
+                          f"{exc} (django-admin check shows the traceback)") from None
     logging.getLogger("keyqueue.app").info("Django set up (%s=%s); each installed app's tasks module imported",
                                            DJANGO_SETTINGS, settings_module)
     return True
