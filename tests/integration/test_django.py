@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import os
 import sys
 from pathlib import Path
@@ -97,3 +98,62 @@ async def test_a_django_project_under_gunicorn_preload_with_sync_and_async_views
         assert await server.stop() == 0, server.output
         assert await worker.stop() == 0, worker.output
     assert not (tmp_path / "kq-data").exists(), "an embedded server was started: Django's KEYQUEUE_URL was not read"
+
+
+OWN_SETTINGS = '''
+import django
+
+INSTALLED_APPS = ["reports"] + (["django_tasks"] if django.VERSION < (6, 0) else [])
+USE_TZ = True
+TASKS = {"default": {"BACKEND": "keyqueue.django.backend.KeyqueueBackend", "OPTIONS": {"NAME": "reports"}}}
+'''
+
+OWN_TASKS = '''
+try:
+    from django.tasks import task
+except ImportError:
+    from django_tasks import task
+
+
+@task()
+def double(n: int) -> int:
+    return 2 * n
+'''
+
+PRODUCER = '''
+import json
+
+import django
+
+django.setup()
+
+from keyqueue.django import app
+from reports.tasks import double
+
+results = [double.enqueue(n=n) for n in range(3)]
+for result in results:
+    app.result_sync(result.id, timeout=30)
+print(json.dumps([[r.status, r.return_value, double.get_result(r.id).return_value] for r in
+                  (double.get_result(result.id) for result in results)]))
+'''
+
+
+async def test_the_backends_own_app_served_by_keyqueue_worker_keyqueue_django(tmp_path: Path, nats_url: str) -> None:
+    """No keyqueue app of the project's own: ``keyqueue worker keyqueue.django`` serves the default
+    backend's, and tasks without ``key=`` run each request as its own key."""
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "__init__.py").write_text("")
+    (tmp_path / "reports" / "tasks.py").write_text(OWN_TASKS)
+    (tmp_path / "own_settings.py").write_text(OWN_SETTINGS)
+    (tmp_path / "produce.py").write_text(PRODUCER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KEYQUEUE_", "DJANGO_"))}
+    env.update(KEYQUEUE_URL=nats_url, DJANGO_SETTINGS_MODULE="own_settings", KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD="1",
+               PYTHONPATH=str(tmp_path))
+    worker = await Command.start(str(BIN / "keyqueue"), "worker", "keyqueue.django", env=env, cwd=tmp_path)
+    try:
+        await worker.wait_for("serving queue reports")
+        producer = await Command.start(sys.executable, "produce.py", env=env, cwd=tmp_path)
+        assert await producer.wait(60) == 0, producer.output
+        assert json.loads(producer.lines[-1]) == [["SUCCESSFUL", 2 * n, 2 * n] for n in range(3)]
+    finally:
+        assert await worker.stop() == 0, worker.output
