@@ -113,6 +113,9 @@ def sync_producer() -> None:
     assert_type(refund.delay(order_id="o1"), keyqueue.Receipt)
     assert_type(charge.delay(order_id="o1", amount=1), keyqueue.Receipt)
     charge.delay(order_id="o1")  # type: ignore[call-overload]
+    assert_type(charge.delay_on_commit(order_id="o1", amount=1), str)
+    assert_type(charge.options(request_id="pay-o1").delay_on_commit(order_id="o1", amount=1), str)
+    charge.delay_on_commit(order_id="o1")  # type: ignore[call-overload]
 
 
 async def worker() -> None:

@@ -20,11 +20,12 @@ one named ``default``. That, and the list of such shared tasks, is the only proc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import logging
 import warnings
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import MappingProxyType, TracebackType
@@ -151,14 +152,18 @@ class App:
     It is the ``Dispatcher`` its tasks send through: ``publish``, ``ask`` and ``run_sync``.
     """
 
-    def __init__(self, name: str, url: str | None = None, *, settings: Settings | None = None,
+    def __init__(self, name: str, url: str | None = None, *,
+                 settings: Settings | Callable[[], Settings] | None = None,
                  plugins: Sequence[object] = (), autoload_plugins: bool | None = None,
                  data_dir: str | Path | None = None, set_as_default: bool = True,
                  result_ttl: float | None = None) -> None:
         """``name`` is the app's name and its tasks' default queue.
 
         The connection comes from ``settings`` (else ``Settings.from_env()``, i.e. ``KEYQUEUE_*``
-        variables), with ``url`` overriding its URL. With no URL at all the app uses its
+        variables), with ``url`` overriding its URL. ``settings`` may be a function returning
+        them, called when the app first needs them rather than now: for a framework whose
+        configuration is not loaded yet where the app is declared (``keyqueue.django.django_settings``
+        reads Django's settings). With no URL at all the app uses its
         embedded server (``keyqueue.server.local``), kept under ``data_dir``. ``plugins`` are
         registered after the built-in and entry-point plugins; ``autoload_plugins=False`` skips
         the entry points (default: unless ``KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD`` is set).
@@ -171,8 +176,12 @@ class App:
         self.name = name
         self.result_ttl = result_ttl
         """Default ``result_ttl`` of this app's tasks (seconds; None: keep no results by default)."""
-        settings = settings if settings is not None else Settings.from_env()
-        self.settings = settings.with_url(url) if url is not None else settings
+        self._settings: Settings | None = None
+        self._settings_source: Callable[[], Settings] = Settings.from_env if settings is None else (
+            settings if not isinstance(settings, Settings) else lambda: settings)
+        self._url_override = url
+        if settings is None or isinstance(settings, Settings):
+            self.settings  # noqa: B018 - KEYQUEUE_* variables are checked now, where the app is declared
         self._extra_plugins = list(plugins)
         self._autoload = not autoload_disabled() if autoload_plugins is None else autoload_plugins
         self._plugins: PluginManager | None = None
@@ -192,7 +201,22 @@ class App:
             _DEFAULTS.app = self
 
     def __repr__(self) -> str:
-        return f"<App {self.name} {self.settings!r}>"
+        return f"<App {self.name} {self.settings!r}>" if self._settings is not None else f"<App {self.name}>"
+
+    @property
+    def settings(self) -> Settings:
+        """How the app reaches NATS (resolved on first use when ``settings`` was given as a function)."""
+        if self._settings is None:
+            resolved = self._settings_source()
+            if not isinstance(resolved, Settings):
+                raise ConfigError(f"app {self.name}: its settings function returned {type(resolved).__name__}, "
+                                  "not keyqueue.Settings")
+            self._settings = resolved.with_url(self._url_override) if self._url_override is not None else resolved
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        self._settings = settings
 
     # --- tasks and processors ---
 
@@ -630,6 +654,27 @@ class App:
         """Call ``listener()`` after every reconnect; returns a function that removes it."""
         self._reconnect_listeners.append(listener)
         return lambda: self._reconnect_listeners.remove(listener)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _server: object = None) -> AsyncIterator[None]:
+        """Connected for as long as the block runs: a web app's start-up and shutdown.
+
+        On entry, connect on the running loop now (``ConnectionFailed`` if the server cannot be
+        reached: a web server then fails its start-up instead of its first request); on exit,
+        ``close``. ``_server`` is ignored, so the method is an ASGI lifespan as it is::
+
+            api = FastAPI(lifespan=app.lifespan)         # or Starlette(lifespan=app.lifespan)
+
+            @contextlib.asynccontextmanager               # beside a lifespan of your own
+            async def lifespan(api: FastAPI):
+                async with app.lifespan():
+                    yield
+        """
+        await self.connection()
+        try:
+            yield
+        finally:
+            await self.close()
 
     # --- workers ---
 

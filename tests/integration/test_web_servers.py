@@ -5,14 +5,12 @@ then enqueues, calls and asks for statuses from its own requests."""
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 from command_output import Command
+from web_client import get
 
 BIN = Path(sys.executable).parent
 
@@ -42,30 +40,6 @@ def application(environ, start_response):
     start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
     return [body]
 '''
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=60)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
-        self.sock.connect(self.path)
-
-
-def get(path: str, url: str) -> dict[str, object]:
-    connection = UnixHTTPConnection(path)
-    try:
-        connection.request("GET", url)
-        response = connection.getresponse()
-        body = response.read()
-        assert response.status == 200, body
-        decoded: dict[str, object] = json.loads(body)
-        return decoded
-    finally:
-        connection.close()
 
 
 async def test_gunicorn_preload_workers_enqueue_call_and_read_results(tmp_path: Path, nats_url: str) -> None:

@@ -34,7 +34,7 @@ LAYERS: Final = (
     ("builtins", "admin", "metrics"),  # metrics: Prometheus instruments and the plugin counting into them
     ("ext",),  # the public extension API: the layers below, as plugins may build on them
     ("dashboard",),  # keyqueue dashboard: the web app over admin, metrics and the events
-    ("cli", "testing", "chaos"),
+    ("cli", "testing", "chaos", "django"),  # django: keyqueue in a Django project, and Django's Tasks backend
     ("keyqueue", "__main__"),  # the public API in keyqueue/__init__.py, and python -m keyqueue
 )
 """keyqueue's packages (and top-level modules), lowest first; packages of one layer are independent."""
