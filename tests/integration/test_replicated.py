@@ -312,7 +312,7 @@ async def test_every_other_compare_and_set_rides_out_a_lost_race_on_r3(cluster: 
         assert elected.count(True) == 1, elected
 
 
-async def test_the_release_marker_on_r3_is_refused_after_an_arrival_and_alone_otherwise(cluster: EmbeddedCluster) -> None:
+async def test_the_release_marker_on_r3_is_refused_after_an_arrival_alone_otherwise(cluster: EmbeddedCluster) -> None:
     """The release marker's server facts on R3 (one server: test_release_marker.py): refused, with every
     request kept, when a request arrived after the last one handled; otherwise stored alone."""
     async with connections(cluster, 1) as (nc,):
