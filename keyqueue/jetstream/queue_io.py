@@ -25,6 +25,7 @@ from keyqueue.errors import (
     WrongLastSequence,
     from_api_error,
 )
+from keyqueue.jetstream.acks import AckBarrier
 from keyqueue.jetstream.api import (
     API_TIMEOUT,
     DESCRIPTION,
@@ -157,6 +158,8 @@ class QueueIO:
         self._subscribing = asyncio.Lock()
         self.rechecks = InboxRechecks(self.last_sequences)
         """The releasing sessions' re-checks, many keys per read (:meth:`request_remains`)."""
+        self.acks = AckBarrier(self._plain_ack, self._double_ack)
+        """The releasing sessions' token acks, many per reply (:meth:`release_token`, one server)."""
         self.release_markers = False
         """Whether the inbox stream takes release markers (:meth:`mark_released`): set by the worker
         once its topology check has found (or made) ``allow_rollup_hdrs`` and ``allow_msg_ttl`` on
@@ -425,6 +428,13 @@ class QueueIO:
         then; on a replicated stream not yet: see :meth:`release_token`)."""
         await self._ask(token.reply, b"+ACK", f"the ack of key {token.key}'s token", timeout)
 
+    async def _plain_ack(self, subject: str) -> None:
+        self._require_connection(subject)
+        await self.nc.publish(subject, b"+ACK")
+
+    async def _double_ack(self, subject: str, timeout: float) -> None:
+        await self._ask(subject, b"+ACK", "the ack of released tokens", timeout)
+
     async def delete_token(self, token: Token) -> None:
         """Remove the token's message from the token stream by its sequence; returns once the stream
         leader has removed it (a message already gone is fine). The consumer takes a removed
@@ -449,12 +459,15 @@ class QueueIO:
         """Ack the token, returning once it is gone from the token stream, so that a token published
         from now on for the key is stored (not refused with 10077 by the one being released).
 
-        One server removes the token before it answers a double ack. A replicated stream answers
+        One server removes the token before it answers a double ack, and handles a consumer's acks in
+        order: the tokens released in one turn of the loop are acked together, all but the last with
+        a plain ack, and the last one's reply confirms them all (:class:`~keyqueue.jetstream.acks.AckBarrier`).
+        A replicated stream answers
         once the consumer's group has applied the ack and removes the token after: a token
         published in between is refused. So there the token is also deleted by its sequence, a
         stream operation the leader answers only once it has applied it."""
         if not self.replicated:
-            await self.ack(token, timeout)
+            await self.acks.ack(token.reply, timeout)
             return
         acked, deleted = await asyncio.gather(self.ack(token, timeout), self.delete_token(token),
                                               return_exceptions=True)

@@ -5,13 +5,15 @@ same checks on a 3-node R3 cluster are in test_replicated.py): a rollup with a c
 refused when a message arrived after the expected one and leaves every message, and is otherwise
 stored alone; a marker with ``Nats-TTL: 1`` goes by itself; an inbox made by an older keyqueue is
 given both settings in place. Then the worker: a cold key costs one JetStream API call (the lease
-record's removal), not the purge and the re-check of before, and nothing is stranded or run twice.
+record's removal), not the purge and the re-check of before, and nothing is stranded or run twice; the
+tokens released in one turn of the loop are acked with one reply.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 from typing import Any
 
@@ -21,8 +23,10 @@ from queue_workers import running
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
+from keyqueue.jetstream.acks import AckBarrier
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
+from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.queue_io import QueueIO
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.server.embedded import EmbeddedServer
@@ -147,3 +151,37 @@ async def test_a_cold_key_costs_one_api_call_and_leaves_nothing_behind(
         assert stored is not None and H.is_release_marker(stored.headers), subject
     # The lease record's removal, no purge (before the marker: two per key, a purge and the removal).
     assert calls <= keys * 1.1, calls
+
+
+async def test_tokens_released_in_one_turn_are_acked_with_one_reply_and_all_gone(nc: Client) -> None:
+    """One server handles a consumer's acks in order and removes a token before it answers a double
+    ack: plain acks, then one double ack, and its reply says every token is gone (a token published
+    next on each key is stored, not refused by the released one)."""
+    keys = [f"k{n}" for n in range(200)]
+    config = QueueConfig("acks", ack_wait=30)
+    await Topology(JetStreamApi(nc), config).ensure()
+    io = QueueIO(nc, config)
+    for key in keys:
+        assert await io.schedule(key)
+    pull = f"$JS.API.CONSUMER.MSG.NEXT.{config.names.token_stream}.{config.names.consumer}"
+    tokens = []
+    sub = await nc.subscribe(nc.new_inbox())
+    await nc.publish(pull, json.dumps({"batch": len(keys), "expires": 5_000_000_000}).encode(), reply=sub.subject)
+    while len(tokens) < len(keys):
+        msg = await sub.next_msg(timeout=5)
+        key = config.names.key_of(msg.subject)
+        tokens.append(Token(key, msg.subject, msg.reply, msg.metadata.sequence.stream, 1, time.monotonic()))
+    await sub.unsubscribe()
+    replies = 0
+    double_ack = io._double_ack
+
+    async def counted(subject: str, timeout: float) -> None:
+        nonlocal replies
+        replies += 1
+        await double_ack(subject, timeout)
+    io._double_ack = counted  # type: ignore[method-assign]
+    io.acks = AckBarrier(io._plain_ack, io._double_ack)
+    await asyncio.gather(*(io.release_token(token) for token in tokens))
+    assert replies == 1
+    refused = [key for key in keys if not await io.schedule(key)]
+    assert refused == []
