@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, cast, overload
 from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, CancelState
 from keyqueue.app.portal import SYNC_BOUND, SyncRunner, require_sync_caller
 from keyqueue.app.schedules import Periodic, make_periodic
-from keyqueue.app.status import RequestStatus
+from keyqueue.app.status import RequestStatus, StatusReport
 from keyqueue.app.transport import Connections, NatsTransport, Transport
 from keyqueue.core.processor import ProcessorFactory, Reply
 from keyqueue.errors import ConfigError, EnqueueError, PartiallyEnqueued
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 
     from keyqueue.app.worker import Worker
     from keyqueue.tasks.arguments import Upgrade
+    from keyqueue.tasks.context import Progress
 
 __all__ = ["App", "default_app", "shared_task_owner", "shared_tasks_elsewhere", "task"]
 
@@ -639,21 +640,49 @@ class App:
         state = await self.transport().cancel(queues[0], request_id, seq, CANCEL_ANSWER_WAIT, key)
         return cast("CancelState", state)
 
+    @overload
     async def status(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
-                     key: str | None = None) -> RequestStatus:
+                     key: str | None = None, progress: Literal[False] = False) -> RequestStatus: ...
+    @overload
+    async def status(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None, progress: Literal[True]) -> StatusReport: ...
+
+    async def status(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None, progress: bool = False) -> RequestStatus | StatusReport:
         """Where request ``request_id`` is: ``unknown``, ``pending``, ``scheduled``, ``running``,
         ``done``, ``failed``, ``cancelled`` or ``expired`` (``keyqueue.app.status``).
 
         Without ``queue`` the app's queues are searched. By its id alone a request is found in every
         state when its task keeps results (``result_ttl``); otherwise a pending one is found only
-        with ``seq`` (its receipt's inbox sequence) or ``key``.
+        with ``seq`` (its receipt's inbox sequence) or ``key``. ``progress=True``: a
+        ``StatusReport`` with the status and the request's last kept progress (``progress``), read
+        at the same time.
         """
         validate_request_id(request_id)
         if key is not None:
             validate_key(key)
         queues = self.lookup_queues(queue)
-        answers = await asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
-        return cast("RequestStatus", next((a for a in answers if a != "unknown"), "unknown"))
+        asked = asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
+        if progress:
+            answers, kept = await asyncio.gather(asked, self._kept_progress(queues, request_id))
+        else:
+            answers, kept = await asked, None
+        state = cast("RequestStatus", next((a for a in answers if a != "unknown"), "unknown"))
+        return StatusReport(state, kept) if progress else state
+
+    async def progress(self, request_id: str, *, queue: str | None = None) -> Progress | None:
+        """The last progress request ``request_id``'s task reported (``ctx.progress(value)``), as the
+        worker running it kept it: a ``keyqueue.Progress`` (``value``, ``task``, ``attempt``,
+        ``reported_at``), or None if none is kept (it reported none, it has not started, its task
+        has ``result_ttl=0``, or it was kept longer ago than a day). Any process may ask; without
+        ``queue`` the app's queues are searched. See ``keyqueue.app.progress``.
+        """
+        validate_request_id(request_id)
+        return await self._kept_progress(self.lookup_queues(queue), request_id)
+
+    async def _kept_progress(self, queues: Sequence[str], request_id: str) -> Progress | None:
+        found = await asyncio.gather(*(self.transport().kept_progress(q, request_id) for q in queues))
+        return next((p for p in found if p is not None), None)
 
     async def _where(self, request_id: str, queues: Sequence[str], seq: int | None, key: str | None) -> str | None:
         answers = await asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
@@ -683,11 +712,26 @@ class App:
         return self.run_sync(lambda: self.cancel(request_id, queue=queue, seq=seq, key=key),
                              what=f"cancelling request {request_id}")
 
+    @overload
     def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
-                    key: str | None = None) -> RequestStatus:
-        """``status`` for code without a running event loop."""
+                    key: str | None = None, progress: Literal[False] = False) -> RequestStatus: ...
+    @overload
+    def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None, progress: Literal[True]) -> StatusReport: ...
+
+    def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None, progress: bool = False) -> RequestStatus | StatusReport:
+        """``status`` for code without a running event loop (``progress=True``: a ``StatusReport``)."""
+        if progress:
+            return self.run_sync(lambda: self.status(request_id, queue=queue, seq=seq, key=key, progress=True),
+                                 what=f"the status of request {request_id}")
         return self.run_sync(lambda: self.status(request_id, queue=queue, seq=seq, key=key),
                              what=f"the status of request {request_id}")
+
+    def progress_sync(self, request_id: str, *, queue: str | None = None) -> Progress | None:
+        """``progress`` for code without a running event loop."""
+        return self.run_sync(lambda: self.progress(request_id, queue=queue),
+                             what=f"the progress of request {request_id}")
 
     def purge_sync(self, queue: str | None = None, *, key: str | None = None, task: str | None = None) -> int:
         """``purge`` for code without a running event loop."""
