@@ -98,9 +98,10 @@ def main() -> None:
 
     \b
     Start here:
-      keyqueue dev-server            run a local nats-server with JetStream
-      export KEYQUEUE_URL=...        point everything else at it (the URL it prints)
-      keyqueue worker shop:app       serve the tasks of `app` in shop.py
+      keyqueue dev-server --store-dir nats-data   run a local nats-server with JetStream,
+                                                  its data kept in nats-data/ across restarts
+      export KEYQUEUE_URL=...                     point everything else at it (the URL it prints)
+      keyqueue worker shop:app                    serve the tasks of `app` in shop.py
 
     The connection is configured with KEYQUEUE_* environment variables (KEYQUEUE_URL,
     KEYQUEUE_CREDS, KEYQUEUE_TLS_CA, ...) or --url. Run `keyqueue COMMAND --help` for a
