@@ -121,7 +121,7 @@ async def test_without_keyqueue_url_a_gunicorn_worker_starts_no_embedded_server_
     (tmp_path / "no_url.py").write_text(NO_URL)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEYQUEUE_")}
     env.update(KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD="1", KEYQUEUE_DATA_DIR=str(tmp_path / "data"),
-               PYTHONPATH=str(tmp_path))
+               PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(tmp_path)])))
     sock = str(tmp_path / "web.sock")
     server = await Command.start(str(BIN / "gunicorn"), "--workers", "1", "--bind", f"unix:{sock}",
                                  "no_url:application", env=env, cwd=tmp_path)
