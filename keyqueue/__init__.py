@@ -21,7 +21,7 @@ from __future__ import annotations
 from keyqueue.app.application import App, default_app, task
 from keyqueue.app.cancel import CancelState
 from keyqueue.app.schedules import Periodic
-from keyqueue.app.status import RequestStatus
+from keyqueue.app.status import RequestStatus, StatusReport
 from keyqueue.app.worker import Worker
 from keyqueue.core.processor import (
     BaseProcessor,
@@ -57,6 +57,7 @@ from keyqueue.errors import (
     LeaseLost,
     MalformedBody,
     MessageNotFound,
+    MissingExtra,
     MissingHeader,
     PartiallyEnqueued,
     PayloadTooLarge,
@@ -85,7 +86,7 @@ from keyqueue.errors import (
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.plugins.manager import hookimpl
 from keyqueue.settings import Settings
-from keyqueue.tasks.context import Context
+from keyqueue.tasks.context import Context, Progress
 from keyqueue.tasks.task import Backoff, BatchTask, Dispatcher, Policy, Receipt, Task, TaskRequest, TaskSpec
 
 __all__ = [
@@ -121,11 +122,13 @@ __all__ = [
     "LeaseLost",
     "MalformedBody",
     "MessageNotFound",
+    "MissingExtra",
     "MissingHeader",
     "PartiallyEnqueued",
     "PayloadTooLarge",
     "Periodic",
     "Policy",
+    "Progress",
     "QueueConfig",
     "Receipt",
     "Reject",
@@ -145,6 +148,7 @@ __all__ = [
     "SessionContext",
     "Settings",
     "SoftTimeout",
+    "StatusReport",
     "StreamNotFound",
     "Superseded",
     "SyncTimeout",

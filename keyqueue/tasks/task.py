@@ -57,7 +57,7 @@ from keyqueue.errors import CallOnOwnKey, ConfigError, MalformedBody
 from keyqueue.jetstream.subjects import validate_queue_name, validate_request_id
 from keyqueue.tasks.argument_types import check_value, type_check
 from keyqueue.tasks.arguments import ArgumentCodec, KeyMaker, Upgrade, check_upgrades, decode_result, takes_context
-from keyqueue.tasks.context import Context
+from keyqueue.tasks.context import Context, Progress
 from keyqueue.tasks.delay import Delay
 from keyqueue.tasks.invoke import invoke
 from keyqueue.tasks.rate_limit import RateLimit
@@ -249,6 +249,14 @@ class Receipt:
         """``status`` for code without a running event loop."""
         return self._lookup().status_sync(self.request_id, queue=self.queue, seq=self._inbox_seq, key=self.key)
 
+    async def progress(self) -> Progress | None:
+        """The last progress the request's task reported, as kept (see ``App.progress``)."""
+        return await self._lookup().progress(self.request_id, queue=self.queue)
+
+    def progress_sync(self) -> Progress | None:
+        """``progress`` for code without a running event loop."""
+        return self._lookup().progress_sync(self.request_id, queue=self.queue)
+
 
 class RequestLookup(Protocol):
     """Finding a stored request by id: what a ``Receipt`` asks its app (``keyqueue.App`` implements this)."""
@@ -276,6 +284,12 @@ class RequestLookup(Protocol):
     def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
                     key: str | None = None) -> str:
         """``status`` from code without a running event loop."""
+
+    async def progress(self, request_id: str, *, queue: str | None = None) -> Progress | None:
+        """The request's last kept progress."""
+
+    def progress_sync(self, request_id: str, *, queue: str | None = None) -> Progress | None:
+        """``progress`` from code without a running event loop."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Final
 from keyqueue.errors import ConfigError
 
 __all__ = [
+    "ATTEMPT",
     "CBOR",
     "CONTENT_TYPE",
     "DLQ_ATTEMPTS",
@@ -30,6 +31,7 @@ __all__ = [
     "ERROR_TYPE",
     "EXPIRES",
     "JSON",
+    "KEY",
     "MESSAGE_TYPE",
     "MESSAGE_VERSION",
     "MSG_ID",
@@ -42,6 +44,7 @@ __all__ = [
     "STATUS_OK",
     "STATUS_SUPERSEDED",
     "SUPERSEDED_BY",
+    "TASK",
     "TRACEPARENT",
     "TRACESTATE",
     "header_safe",
@@ -125,6 +128,17 @@ def is_release_marker(headers: Mapping[str, str] | None) -> bool:
     """Whether a message read from a key's inbox is a release marker (see :data:`RELEASED`)."""
     return headers is not None and RELEASED in headers
 
+
+# --- progress ----------------------------------------------------------------------------------
+
+TASK: Final = "X-KQ-Task"
+"""On a progress message and a kept progress record: the task that reported it."""
+
+ATTEMPT: Final = "X-KQ-Attempt"
+"""On a progress message and a kept progress record: the attempt that reported it (1 for the first)."""
+
+KEY: Final = "X-KQ-Key"
+"""On a kept progress record: the key of the request it belongs to."""
 
 # --- dead-letter queue -------------------------------------------------------------------------
 
