@@ -17,8 +17,8 @@ compare-and-set (``Nats-Expected-Last-Subject-Sequence``) with a per-message TTL
   carries this claim's nonce, so no orphan outlives the holder.
 - *expire*: the server removes a record ``ttl`` seconds after it was stored, so a holder that
   died or was cut off frees the key without anyone's help. nats-server 2.15 does not always do so
-  after a kill -9 and restart (found by the chaos soak: records outlived their TTL by minutes; see
-  nats-server issue 7256), so a worker kept waiting by a record deletes it by its sequence once it
+  after a kill -9 and restart (the chaos soak saw records outlive their TTL by minutes after a
+  restart: a nats-server bug, not ours), so a worker kept waiting by a record deletes it by its sequence once it
   has itself seen the *same* record (same sequence) for twice its TTL on its own monotonic clock
   (:class:`StaleRecordWatch`): a live holder rewrites its record every ``ttl/3``, so an unchanged
   sequence means nobody renewed it. No wall clock of any host is compared with another's.
