@@ -70,6 +70,7 @@ __all__ = [
     "DeadLettered",
     "Disconnected",
     "EnqueueError",
+    "EnqueueTimeout",
     "Expired",
     "InvalidKey",
     "InvalidRequestId",
