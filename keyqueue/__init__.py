@@ -23,8 +23,10 @@ from keyqueue.app.cancel import CancelState
 from keyqueue.app.schedules import Periodic
 from keyqueue.app.status import RequestStatus, StatusReport
 from keyqueue.app.worker import Worker
+from keyqueue.core.observer import DeadLetterReason
 from keyqueue.core.processor import (
     BaseProcessor,
+    CloseReason,
     KeyProcessor,
     Reply,
     Request,
@@ -98,11 +100,13 @@ __all__ = [
     "CallOnOwnKey",
     "CancelState",
     "Cancelled",
+    "CloseReason",
     "ConfigError",
     "ConnectionClosed",
     "ConnectionFailed",
     "ConsumerNotFound",
     "Context",
+    "DeadLetterReason",
     "DeadLettered",
     "Disconnected",
     "Dispatcher",

@@ -40,8 +40,8 @@ from typing import Any, Final, TypeVar
 
 from keyqueue.core.lease import Lease
 from keyqueue.core.lock import RETRY_PAUSE, KeyLock
-from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
-from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
+from keyqueue.core.observer import DeadLetterReason, KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
+from keyqueue.core.processor import CloseReason, KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.slots import Slots
 from keyqueue.core.turns import Turns
@@ -614,12 +614,12 @@ class KeySession:
         # keys wait) never pays for it. Opening it is followed by one more read, since a request
         # may have landed between the last read and the subscription.
         watch: Watch | None = None
-        reason = "quiescent"
+        reason = CloseReason.QUIESCENT
         try:
             await processor.open(self.ctx)
             while True:
                 if self.draining.is_set():
-                    reason = "shutdown"
+                    reason = CloseReason.SHUTDOWN
                     break
                 self.lease.check()
                 if self.buffer or self.more or (watch is not None and watch.arrived):
@@ -663,7 +663,7 @@ class KeySession:
                 await watch.close()
             # Always closed, so a processor can stop its background work; a processor must not
             # write anything on "lease-lost" (another worker may own the key now).
-            await processor.close(self.ctx, reason if self.lease.valid() else "lease-lost")
+            await processor.close(self.ctx, reason if self.lease.valid() else CloseReason.LEASE_LOST)
 
     async def _build_processor(self) -> KeyProcessor:
         built = self.factory(self.key)
@@ -750,7 +750,7 @@ class KeySession:
                 self.buffer[0:0] = batch[1:]
                 error = KeyqueueError(f"this request was at the head of {runs} sessions of redelivered tokens: "
                                       "workers keep dying or losing the lease on it")
-                await self._dead_letter([batch[0]], error, runs, reason="crash-loop")
+                await self._dead_letter([batch[0]], error, runs, reason=DeadLetterReason.CRASH_LOOP)
                 return
             head_policy = processor.retry_policy(Request(self.key, batch[0].seq, batch[0].subject, batch[0].headers,
                                                          batch[0].data)) or self.settings.retry
@@ -761,7 +761,7 @@ class KeySession:
                 error = KeyqueueError(f"its attempt blocked the event loop past the lease, or outlived a lost lease "
                                       f"in a thread, {killed} time(s), and the worker was stopped each time (the "
                                       "worker's log says which)")
-                await self._dead_letter([batch[0]], error, killed, reason="max-attempts")
+                await self._dead_letter([batch[0]], error, killed, reason=DeadLetterReason.MAX_ATTEMPTS)
                 return
         self._hurry(False)
         requests = [Request(self.key, m.seq, m.subject, m.headers, m.data) for m in batch]
@@ -771,7 +771,7 @@ class KeySession:
             except InvalidSubject as e:
                 if n == 0:  # it never runs: its reply or records could not be sent (docs/decisions.md)
                     self.buffer[0:0] = batch[1:]
-                    await self._dead_letter([batch[0]], e, 0, reason="rejected")
+                    await self._dead_letter([batch[0]], e, 0, reason=DeadLetterReason.REJECTED)
                     return
                 self.buffer[0:0] = batch[n:]  # the batch runs up to it; it is the head of the next
                 batch, requests = batch[:n], requests[:n]
@@ -805,13 +805,13 @@ class KeySession:
             except Exception as e:
                 self.observer.attempt_failed(this, e)
                 if isinstance(e, WireError | Reject):
-                    await self._dead_letter(batch, e, attempt, reason="rejected")
+                    await self._dead_letter(batch, e, attempt, reason=DeadLetterReason.REJECTED)
                     return
                 if not policy.retries(e):  # the task's retry_on does not list it
-                    await self._dead_letter(batch, e, attempt, reason="not-retried")
+                    await self._dead_letter(batch, e, attempt, reason=DeadLetterReason.NOT_RETRIED)
                     return
                 if policy.exhausted(attempt):
-                    await self._dead_letter(batch, e, attempt, reason="max-attempts")
+                    await self._dead_letter(batch, e, attempt, reason=DeadLetterReason.MAX_ATTEMPTS)
                     return
                 delay = policy.delay_after(attempt, e)
                 self.observer.request_retried(this, delay, e)
@@ -825,7 +825,7 @@ class KeySession:
             batch, requests = batch[:handled], requests[:handled]
             for msg, outcome in zip(batch, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
-                    await self._dead_letter([msg], outcome, attempt, reason="rejected")
+                    await self._dead_letter([msg], outcome, attempt, reason=DeadLetterReason.REJECTED)
             done = [(m, r, o) for m, r, o in zip(batch, requests, outcomes, strict=True)
                     if o is None or isinstance(o, Reply)]
             if done:
@@ -966,7 +966,7 @@ class KeySession:
                 self._purged_through = max(self._purged_through, self.cursor - 1)
 
     async def _dead_letter(self, batch: list[StoredMsg], error: BaseException, attempts: int, *,
-                           reason: str) -> None:
+                           reason: DeadLetterReason) -> None:
         for msg in batch:
             self.lease.check()
             why = {
@@ -978,7 +978,7 @@ class KeySession:
                 H.DLQ_ORIGINAL_SEQ: str(msg.seq),
                 H.DLQ_TIME: datetime.now(UTC).isoformat(),
             }
-            if reason != "rejected":  # a rejection is expected input: its traceback says nothing
+            if reason != DeadLetterReason.REJECTED:  # a rejection is expected input: its traceback says nothing
                 why[H.DLQ_TRACEBACK] = _traceback_header(error)
             # The copy is stored once however often it is sent (its id is the inbox sequence), and
             # the delete is safe to repeat: both are tried again after a lost connection.
@@ -1020,9 +1020,9 @@ class KeySession:
 
     # --- release ---------------------------------------------------------------------------------
 
-    async def _release(self, processor: KeyProcessor, reason: str) -> Outcome:
+    async def _release(self, processor: KeyProcessor, reason: CloseReason) -> Outcome:
         """Finish owed work; :meth:`_give_back` then gives the key back."""
-        if reason == "shutdown":
+        if reason == CloseReason.SHUTDOWN:
             try:
                 async with asyncio.timeout(self.settings.drain_timeout):
                     await processor.idle(self.ctx)

@@ -39,6 +39,7 @@ from nats.aio.client import Client
 from keyqueue.core.alarm import LeaseAlarm
 from keyqueue.core.lease import Lease
 from keyqueue.core.observer import (
+    DeadLetterReason,
     KeyHold,
     NullObserver,
     Outcome,
@@ -568,16 +569,16 @@ class _Report:
                       message_type=request.message_type)
         self._tell(self.observer.request_succeeded, request, elapsed, superseded_by)
 
-    def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+    def request_dead_lettered(self, request: RequestAttempt, reason: DeadLetterReason, error: BaseException) -> None:
         fields: dict[str, Any] = {"request_id": request.request_id, "seq": request.seq, "reason": reason,
                                   "attempts": request.attempt, "error": describe(error),
                                   "message_type": request.message_type}
         what, where = _what(request), self._where(request)
-        if reason == "rejected":
+        if reason == DeadLetterReason.REJECTED:
             # Bad input (Reject, an unreadable message): expected, and its message says why.
             self._log("dead_lettered", logging.WARNING, request.key, "%s rejected, moved to the dead-letter queue: "
                       "%s (%s)", what, describe(error), where, **fields)
-        elif reason == "max-attempts":
+        elif reason == DeadLetterReason.MAX_ATTEMPTS:
             last = request.attempt
             self._log("dead_lettered", logging.ERROR, request.key, "%s failed on attempt %d of %d, moved to the "
                       "dead-letter queue: %s (%s)", what, last, last, describe(error), where, exc_info=error, **fields)
