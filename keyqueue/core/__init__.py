@@ -2,7 +2,14 @@
 
 - ``worker``: ``QueueWorker``, the runtime for one queue: slots, the token pull loop, the key
   sessions, drain.
-- ``session``: ``KeySession``, what a worker runs while it holds a key (acquire, work, release).
+- ``session``: ``KeySession``, what a worker runs while it holds a key: the state machine
+  (acquire, work, give back) whose parts are objects of their own:
+  ``lease_keeper`` (``LeaseKeeper``: the record renewed beside the work, the work cut off when the
+  lease is lost), ``removals`` (``Removals``: the handled requests' purges, coalesced and
+  confirmed), ``dead_lettering`` (``DeadLettering``: a request to the DLQ, crash-loop counts),
+  ``hand_back`` (``HandBack``: the release marker, or the slow give-back and its re-check);
+  ``outage`` (``ride_out``: one NATS step tried again through an outage, within a lease or a
+  deadline).
 - ``lock``, ``lease``: ``KeyLock``, a lease record per key that only the server can grant, and
   ``Lease``, how long this worker may still act for a key it holds.
 - ``processor``: ``KeyProcessor``, the seam per-key code plugs into, and what it receives.

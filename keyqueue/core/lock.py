@@ -52,7 +52,8 @@ from datetime import UTC, datetime
 from typing import Any, Final, Protocol
 
 from keyqueue.core.lease import Lease
-from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout, LeaseLost, ReplyLost, WrongLastSequence
+from keyqueue.core.outage import RETRIED, ride_out
+from keyqueue.errors import KeyqueueTimeout, LeaseLost, ReplyLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 
 log = logging.getLogger("keyqueue.session")
@@ -60,9 +61,6 @@ log = logging.getLogger("keyqueue.session")
 _UNANSWERED = (ReplyLost, KeyqueueTimeout)
 """A write was sent but its reply never came: it may or may not have been stored."""
 
-RETRY_PAUSE: Final = (0.02, 1.0)
-"""First and longest pause, in seconds, before a NATS step that got no answer on a live connection
-(a replicated stream electing a leader, say) is tried again."""
 
 RENEWAL_SLACK: Final = 1.0
 """Seconds past a live holder's renewal interval (a third of the record's TTL) before a record not
@@ -95,6 +93,11 @@ class RecordStore(Protocol):
     async def remove_record(self, seq: int) -> None: ...
 
     async def wait_connected(self, timeout: float) -> bool: ...
+
+    @property
+    def closed(self) -> bool:
+        """The connection is closed for good."""
+        ...
 
 
 class StaleRecordWatch:
@@ -211,20 +214,19 @@ class KeyLock:
         out on our clock, the record is removed. Another's: our write cannot land any more. None:
         ours may still land, so the claim stays unsettled (the release looks again)."""
         patience = Lease(self.ack_wait, sent, clock=self.clock)
-        pause, longest = RETRY_PAUSE
-        while True:
-            try:
-                async with asyncio.timeout(max(0.001, patience.remaining())):
-                    current = await self.store.last_record(self.subject)
-                break
-            except (ConnectionFailed, KeyqueueTimeout, TimeoutError) as e:
-                if patience.remaining() <= 0 or not await self.store.wait_connected(patience.remaining()):
-                    raise KeyqueueTimeout(f"could not learn whether a write to {self.subject} was stored "
-                                          "before the lease it would give ended") from e
-                if not isinstance(e, Disconnected | ReplyLost):
-                    # Connected, yet no answer (no responders: the stream has no leader yet): not at once.
-                    await asyncio.sleep(min(pause, max(0.0, patience.remaining())))
-                    pause = min(longest, pause * 2)
+
+        async def look() -> StoredMsg | None:
+            async with asyncio.timeout(max(0.001, patience.remaining())):
+                try:
+                    return await self.store.last_record(self.subject)
+                except TimeoutError as e:
+                    raise KeyqueueTimeout(f"no answer from {self.subject}'s stream in time") from e
+
+        try:
+            current = await ride_out(look, patience, self.store)
+        except (LeaseLost, *RETRIED) as e:
+            raise KeyqueueTimeout(f"could not learn whether a write to {self.subject} was stored "
+                                  "before the lease it would give ended") from e
         if current is None:
             return False
         stored_sent = self._sent_if_mine(current)

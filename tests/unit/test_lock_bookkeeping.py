@@ -105,6 +105,9 @@ class Unanswered(Store):
     async def wait_connected(self, timeout: float) -> bool:
         return True  # connected all along: only the stream does not answer
 
+    closed = False
+    """The connection is never closed for good here."""
+
 
 async def test_a_claim_whose_reads_get_no_responders_looks_again_after_a_growing_pause() -> None:
     store = Unanswered(Clock())

@@ -15,11 +15,12 @@ from typing import Any, cast
 
 import pytest
 
-from keyqueue.core import session as session_module
+from keyqueue.core import removals as removals_module
 from keyqueue.core.observer import KeyHold, NullObserver, Outcome, RequestAttempt, SessionEnd
 from keyqueue.core.processor import BaseProcessor, BatchOutcome, Reply, Request, RequestContext, SessionContext
+from keyqueue.core.removals import PURGE_EVERY
 from keyqueue.core.retry import RetryPolicy
-from keyqueue.core.session import PURGE_EVERY, KeySession, SessionSettings
+from keyqueue.core.session import KeySession, SessionSettings
 from keyqueue.errors import KeyqueueTimeout, Reject, ReplyLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
@@ -439,7 +440,7 @@ async def test_a_failing_session_reports_its_error_and_gives_the_token_back() ->
 
 
 async def test_requests_done_one_after_another_are_removed_by_one_purge(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(session_module, "PURGE_WINDOW", 60.0)  # no timer fires: only the count and the I/O
+    monkeypatch.setattr(removals_module, "PURGE_WINDOW", 60.0)  # no timer fires: only the count and the I/O
     count = PURGE_EVERY + 3
     io = FakeIO(*(stored(seq, b"x") for seq in range(1, count + 1)))
     steps = Steps()
@@ -643,7 +644,7 @@ async def test_a_removal_waits_for_the_purge_beside_the_work_that_still_confirms
             if request.seq == 1:
                 ctx.hold_removal(first_kept.wait)  # type: ignore[attr-defined]
             else:
-                await asyncio.sleep(session_module.PURGE_WINDOW * 20)  # request 1's purge goes out beside it
+                await asyncio.sleep(removals_module.PURGE_WINDOW * 20)  # request 1's purge goes out beside it
 
                 async def kept() -> None:
                     return None
