@@ -21,7 +21,9 @@ compare-and-set (``Nats-Expected-Last-Subject-Sequence``) with a per-message TTL
   restart: a nats-server bug, not ours), so a worker kept waiting by a record deletes it by its sequence once it
   has itself seen the *same* record (same sequence) for twice its TTL on its own monotonic clock
   (:class:`StaleRecordWatch`): a live holder rewrites its record every ``ttl/3``, so an unchanged
-  sequence means nobody renewed it. No wall clock of any host is compared with another's.
+  sequence means nobody renewed it. No wall clock of any host is compared with another's. Its
+  former holder does better: once its session ended with the lease lost (its work over), its
+  worker removes the record itself when connected (``QueueWorker.remove_leftover``).
 - *waiting on a gone holder*: a waiter kept from a key by a record whose holder looks gone (its
   process on this host has exited, or the record has not been rewritten for longer than a live
   holder's renewal interval) says so at INFO, once per record: the holder, why it looks gone, and
