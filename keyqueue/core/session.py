@@ -143,6 +143,8 @@ class KeySession:
 
     # A worker may hold ten thousand keys: no per-instance dict.
     __slots__ = (
+        "_dead_letters",
+        "_hand_back",
         "_hurrying",
         "_in_hand",
         "_waiter",
@@ -151,11 +153,9 @@ class KeySession:
         "counted_head",
         "ctx",
         "cursor",
-        "dead_letters",
         "draining",
         "ending",
         "factory",
-        "hand_back",
         "idle",
         "io",
         "keeper",
@@ -239,13 +239,9 @@ class KeySession:
         """The task running the work while the lease is renewed beside it."""
         self.keeper = LeaseKeeper(self.lock, io, self.key, lease=lambda: self.lease, token=lambda: self.token)
         """Renews the lease record beside the work (core/lease_keeper.py)."""
-        self.dead_letters = DeadLettering(io, self.key, self.removals, lease=lambda: self.lease, steady=self._steady)
-        """Moves requests that will not run again to the DLQ; keeps the crash-loop counts (core/dead_lettering.py)."""
-        self.hand_back = HandBack(io, self.key, self.lock, self.removals, lease=lambda: self.lease,
-                                  token=lambda: self.token, cursor=lambda: self.cursor, marker=lambda: self.marker_seq,
-                                  steady=self._steady, forgive_head=self._forgive_head,
-                                  recheck_later=self._recheck_by_worker, ack_wait=settings.ack_wait)
-        """Gives the key back at the session's end (core/hand_back.py)."""
+        self._dead_letters: DeadLettering | None = None
+        self._hand_back: HandBack | None = None
+        """Made when first needed (most sessions dead-letter nothing; a contended one gives nothing back)."""
 
     def _hurry(self, on: bool) -> None:
         """Whether this session is on its way to its first request: busy sessions let it go first
@@ -263,7 +259,31 @@ class KeySession:
     @property
     def republished(self) -> bool:
         """Whether the give-back published the key's token again (a request remained)."""
-        return self.hand_back.republished
+        return self._hand_back is not None and self._hand_back.republished
+
+    @property
+    def giving_back(self) -> bool:
+        """Whether the session has begun giving its key back."""
+        return self._hand_back is not None and self._hand_back.task is not None
+
+    @property
+    def hand_back(self) -> HandBack:
+        """Gives the key back at the session's end (core/hand_back.py)."""
+        if self._hand_back is None:
+            self._hand_back = HandBack(self.io, self.key, self.lock, self.removals, lease=lambda: self.lease,
+                                       token=lambda: self.token, cursor=lambda: self.cursor,
+                                       marker=lambda: self.marker_seq, steady=self._steady,
+                                       forgive_head=self._forgive_head, recheck_later=self._recheck_by_worker,
+                                       ack_wait=self.settings.ack_wait)
+        return self._hand_back
+
+    @property
+    def dead_letters(self) -> DeadLettering:
+        """Moves requests that will not run again to the DLQ; keeps the crash-loop counts (core/dead_lettering.py)."""
+        if self._dead_letters is None:
+            self._dead_letters = DeadLettering(self.io, self.key, self.removals, lease=lambda: self.lease,
+                                               steady=self._steady)
+        return self._dead_letters
 
     @property
     def acquired(self) -> bool:
@@ -278,7 +298,7 @@ class KeySession:
         """Take a newer delivery of the same token (the server redelivered it to this worker while
         this session holds the key's lease record): keepalives and the ack go to it from now on.
         False if this session can no longer use it (it lost its lease or is giving the key back)."""
-        if token.stream_seq != self.token.stream_seq or self.hand_back.task is not None:
+        if token.stream_seq != self.token.stream_seq or self.giving_back:
             return False
         if self.acquired and not self.lease.valid():
             return False
@@ -313,15 +333,15 @@ class KeySession:
         except asyncio.CancelledError:
             # Cut off by the drain deadline (or a second signal): the request in hand stays
             # stored and runs again on the next holder, who may start at once.
-            if self.hand_back.task is None and self.acquired and self.lease.valid():
+            if not self.giving_back and self.acquired and self.lease.valid():
                 self.hand_back.begin(Outcome.HANDED_OFF)
                 self.ending = SessionEnd(Outcome.INTERRUPTED)
             elif self.ending is None and self.acquired and not self.lease.valid():
                 self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self.keeper.lost_reason())
-            if self.hand_back.task is not None:
+            if self._hand_back is not None and self._hand_back.task is not None:
                 # Even when cut off, a session that acked its token re-checks the inbox.
                 with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await asyncio.shield(self.hand_back.task)
+                    await asyncio.shield(self._hand_back.task)
             elif not self.acquired:
                 # Cut off while waiting for the key: hand the token back for another worker now
                 # (and remove our record, should the acquire cut off have been stored).
@@ -333,7 +353,7 @@ class KeySession:
             if self.acquired:
                 ending = self.ending or SessionEnd(Outcome.FAILED, reason="the session ended unexpectedly")
                 self.observer.key_released(self.hold(), dataclasses.replace(
-                    ending, processed=self.processed, republished=self.hand_back.republished))
+                    ending, processed=self.processed, republished=self.republished))
 
     async def _acquire(self) -> bool:
         """Acquire the key's lease record, waiting while another worker holds it."""
