@@ -87,8 +87,9 @@ class TaskProcessor(BaseProcessor):
         special = [t for t in tasks.values() if t.spec.policy != "serial"]
         self.special = special[0] if special else None
         self.batch_size = self.special.spec.max_batch if self.special is not None else 0
-        self._peeked: tuple[Request, Envelope] | None = None
-        """The last request whose headers were read, and what they say (see :meth:`envelope`)."""
+        self._peeked: tuple[Request, Envelope, AnyTask | None] | None = None
+        """The last request whose headers were read, what they say, and its task once looked up (see
+        :meth:`envelope`)."""
 
     # --- reading requests ---
 
@@ -99,15 +100,20 @@ class TaskProcessor(BaseProcessor):
         if peeked is not None and peeked[0] is request:
             return peeked[1]
         envelope = peek(request.headers)
-        self._peeked = (request, envelope)
+        self._peeked = (request, envelope, None)
         return envelope
 
     def task_of(self, request: Request) -> AnyTask:
-        """The task a request names (``UnknownMessageType`` if the queue has none of that name)."""
+        """The task a request names (``UnknownMessageType`` if the queue has none of that name); looked
+        up once per request, as its headers are read once."""
+        peeked = self._peeked
+        if peeked is not None and peeked[0] is request and peeked[2] is not None:
+            return peeked[2]
         envelope = self.envelope(request)
         task = self.tasks.get(envelope.message_type)
         if task is None:
             raise UnknownMessageType(envelope.message_type, tuple(sorted(self.tasks)))
+        self._peeked = (request, envelope, task)
         return task
 
     def arguments(self, task: AnyTask, request: Request) -> dict[str, Any]:
