@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from keyqueue.core.processor import BaseProcessor, BatchOutcome, KeyProcessor, Reply, Request, RequestContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import MalformedBody, Reject, UnknownMessageType, WireError
+from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.plugins.manager import hookimpl
 from keyqueue.tasks.arguments import encode_result, result_headers, upgrade_arguments
 from keyqueue.tasks.context import Context
@@ -289,12 +290,12 @@ class TaskProcessor(BaseProcessor):
 
 @hookimpl(trylast=True)
 def keyqueue_build_processor(app: App, worker: Worker, queue: str, key: str) -> KeyProcessor | None:
-    """The processor registered for the queue, else the queue's tasks."""
+    """The processor registered for the queue, else the queue's tasks (for the key ``~``: its unkeyed tasks)."""
     factory = app.processor_factory(queue)
     if factory is not None:
         # A processor or an awaitable of one; the worker awaits it.
         return cast("KeyProcessor | None", factory(key))
-    tasks = worker.queue_tasks(queue)
+    tasks = worker.unkeyed_tasks(queue) if key == UNKEYED else worker.queue_tasks(queue)
     if not tasks:
         return None
     from keyqueue.builtins.request_records import RecordingTaskProcessor  # a subclass: imported late
