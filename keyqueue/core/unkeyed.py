@@ -420,7 +420,7 @@ class UnkeyedLane:
     async def _succeeded(self, run: _Run, request: Request, reply: Reply | None, elapsed: float,
                          this: RequestAttempt) -> None:
         # The ack first: a request whose caller got its answer must not stay stored to run again.
-        await run.steady(lambda: self.io.ack(run.item))
+        await self._ack(run)
         if request.reply_inbox:
             headers = {H.STATUS: "ok", H.REQUEST_ID: request.request_id, **(reply.headers if reply else {})}
             await run.steady(functools.partial(self.io.reply, request.reply_inbox, headers,
@@ -430,13 +430,20 @@ class UnkeyedLane:
             superseded_by = reply.headers.get(H.SUPERSEDED_BY, "")
         self.observer.request_succeeded(this, elapsed, superseded_by)
 
+    async def _ack(self, run: _Run) -> None:
+        """Ack the request (of its latest delivery), again once connected if the connection is down."""
+        try:
+            await self.io.ack(run.item)  # the common case, without a retry loop around it
+        except _RETRIED:
+            await run.steady(lambda: self.io.ack(run.item))
+
     async def _dead_letter(self, run: _Run, error: BaseException, attempts: int, reason: str) -> None:
         """Copy the request to the dead-letter queue with why, then ack it, then tell its caller."""
         item = run.item
         run.check_lease()
         why = dead_letter_reasons(error, reason, attempts, item.subject, item.seq)
         await run.steady(functools.partial(self.io.dead_letter, item, why))
-        await run.steady(lambda: self.io.ack(run.item))
+        await self._ack(run)
         inbox = item.headers.get(H.REPLY_INBOX)
         if inbox and _answerable(inbox):
             answer = {H.STATUS: "dead-lettered", H.REQUEST_ID: run.request_id, H.ERROR_TYPE: type(error).__name__,
