@@ -96,6 +96,7 @@ from keyqueue.tasks.context import Context, Progress
 from keyqueue.tasks.task import Backoff, BatchTask, Dispatcher, Policy, Receipt, Task, TaskRequest, TaskSpec
 
 __all__ = [
+    "UNKEYED",
     "App",
     "BacklogFull",
     "Backoff",
@@ -166,7 +167,6 @@ __all__ = [
     "TaskSpec",
     "TokenPublishFailed",
     "TopologyMismatch",
-    "UNKEYED",
     "UnknownMessageType",
     "UnsupportedContentType",
     "UnsupportedVersion",

@@ -737,8 +737,9 @@ class App:
 
     async def purge(self, queue: str | None = None, *, key: str | None = None, task: str | None = None) -> int:
         """Remove pending requests (of ``key``, of ``task``, or all) from ``queue`` (default: the queue
-        of ``task``, else the app's name); how many. They never run; a request a worker has started
-        or read ahead may still run (``keyqueue.app.purge``)."""
+        of ``task``, else the app's name); how many. ``key="~"`` (``keyqueue.UNKEYED``): only the
+        unkeyed requests. They never run; a request a worker has started or read ahead may still
+        run (``keyqueue.app.purge``)."""
         from keyqueue.app.purge import PurgeFilter, purge_pending
         from keyqueue.jetstream.api import JetStreamApi
 

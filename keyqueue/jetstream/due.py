@@ -1,4 +1,5 @@
-"""``DueMover``: moves each request the server's schedules fire into its key's inbox, then gives the key a token.
+"""``DueMover``: moves each request the server's schedules fire into its key's inbox, then gives the key a token
+(an unkeyed request, fired to ``kq.Q.due.~``, into the queue's work stream, with no token).
 
 When a delayed request falls due, or a periodic schedule ticks, nats-server stores the request on
 ``kq.Q.due.<key>`` in the queue's schedules stream (``keyqueue.jetstream.schedules``). Every worker

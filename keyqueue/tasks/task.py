@@ -211,8 +211,9 @@ class Receipt:
 
     request_id: str
     key: str
+    """The request's key; ``~`` (``keyqueue.UNKEYED``) for a request of an unkeyed task."""
     seq: int
-    """The request's sequence in the queue's inbox stream."""
+    """The request's sequence in the queue's inbox stream (an unkeyed request's: in its work stream)."""
     duplicate: bool
     """True if a request with this id was already stored (within the duplicate window): nothing new was stored."""
     queue: str = ""
