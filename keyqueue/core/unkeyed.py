@@ -458,23 +458,30 @@ class UnkeyedLane:
         tick = self.ack_wait / 12
         while True:
             await asyncio.sleep(tick)
-            now = time.monotonic()
-            for run in list(self.runs.values()):
-                if not run.lease.valid():
-                    if not run.lost and run.task is not None:
-                        run.lost = True
-                        run.task.cancel()
-                    continue
-                if now < run.next_keepalive:
-                    continue
-                run.next_keepalive = now + self.ack_wait / 3
-                try:
-                    sent = await self.io.keepalive(run.item)
-                except KeyqueueError as e:
-                    log.debug("queue %s: keepalive of unkeyed request %d not sent: %r", self.names.queue,
-                              run.item.seq, e)
-                    continue
-                sent.add_done_callback(functools.partial(_confirmed, run.lease, now))
+            try:
+                await self._keep_alive_once()
+            except Exception:  # a bug: keepalives must go on, or every long run is delivered again
+                log.exception("queue %s: keeping unkeyed requests alive failed unexpectedly; carrying on",
+                              self.names.queue)
+
+    async def _keep_alive_once(self) -> None:
+        now = time.monotonic()
+        for run in list(self.runs.values()):
+            if not run.lease.valid():
+                if not run.lost and run.task is not None:
+                    run.lost = True
+                    run.task.cancel()
+                continue
+            if now < run.next_keepalive:
+                continue
+            run.next_keepalive = now + self.ack_wait / 3
+            try:
+                sent = await self.io.keepalive(run.item)
+            except KeyqueueError as e:
+                log.debug("queue %s: keepalive of unkeyed request %d not sent: %r", self.names.queue,
+                          run.item.seq, e)
+                continue
+            sent.add_done_callback(functools.partial(_confirmed, run.lease, now))
 
 
 def _confirmed(lease: Lease, sent_at: float, reply: asyncio.Future[Any]) -> None:

@@ -92,6 +92,14 @@ async def hold(ctx: keyqueue.Context, name: str) -> str:
     return name
 
 
+@app.task(max_attempts=3, backoff=60)
+async def patient(ctx: keyqueue.Context, n: int) -> int:
+    record(ctx, task="patient")
+    if ctx.fencing[1] == 1:
+        raise RuntimeError("its first delivery fails, and the retry would wait 60 s")
+    return n
+
+
 @app.task()
 def stall(ctx: keyqueue.Context, name: str) -> str:
     record(ctx, task="stall", name=name)
@@ -268,6 +276,19 @@ async def test_a_request_whose_worker_is_killed_part_way_runs_again_on_the_next(
     assert await receipt.result(timeout=30) == "s1"
     assert [(r["delivered"], r["attempt"]) for r in plain.runs()] == [(1, 1), (2, 1)]
     assert plain.runs()[1]["thread"].startswith("keyqueue-")
+
+
+async def test_a_drain_gives_a_request_waiting_out_its_backoff_to_the_next_worker(plain: Plain) -> None:
+    app = plain.app
+    draining = await plain.worker("--drain-timeout", "60")
+    receipt = await app.patient.enqueue(n=3)
+    await plain.logged("the failed first attempt", lambda runs: len(runs) == 1)
+    # SIGTERM: neither the retry's 60 s nor the drain's 60 s are waited out: the request goes back.
+    assert await draining.stop(timeout=20) == 0
+    await plain.worker()
+
+    assert await receipt.result(timeout=20) == 3  # the next worker has it at once (the lease is 30 s)
+    assert [(r["delivered"], r["attempt"]) for r in plain.runs()] == [(1, 1), (2, 1)]
 
 
 async def test_an_older_queue_gains_unkeyed_tasks_delays_and_rate_limits(nats_url: str) -> None:
