@@ -331,6 +331,9 @@ async def test_an_older_queue_gains_unkeyed_tasks_delays_and_rate_limits(nats_ur
             assert await second.status() == "pending"
             starts, _ = await RequestRecords(nc, "later").get_runs("limited", UNKEYED)
             assert len(starts) == 1  # one run of the task, across the fleet, this hour
+        await Topology(api, app.queue_config("later")).configure(ack_wait=7)  # keyqueue configure --ack-wait 7
+        for stream in (names.token_stream, names.work_stream):  # the queue's lease, for keys and unkeyed requests
+            assert (await api.consumer_info(stream, names.consumer))["config"]["ack_wait"] == 7_000_000_000
     finally:
         await app.close()
 
