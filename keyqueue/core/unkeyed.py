@@ -15,7 +15,9 @@ factory for the key :data:`~keyqueue.jetstream.subjects.UNKEYED`: the default pr
 app's unkeyed tasks, so cancels, kept results, rate limits, expiry and a task's retry policy work
 as for a key), the :class:`~keyqueue.core.observer.SessionObserver` (the same log lines, counts
 and lifecycle hooks, with the key ``~``), :class:`~keyqueue.core.retry.RetryPolicy`,
-:class:`~keyqueue.core.slots.Slots` and :class:`~keyqueue.core.lease.Lease`.
+:class:`~keyqueue.core.slots.Slots`, :class:`~keyqueue.core.lease.Lease`, the one loop that rides
+out an outage (:func:`~keyqueue.core.outage.ride_out`) and the dead letters' headers
+(:func:`~keyqueue.core.dead_lettering.dead_letter_reasons`).
 
 What differs from a key session, and why:
 
@@ -50,27 +52,16 @@ from typing import Any, Final, TypeVar
 
 from nats.aio.client import Client
 
+from keyqueue.core.dead_lettering import answerable, dead_letter_reasons
 from keyqueue.core.lease import Lease
-from keyqueue.core.observer import RequestAttempt, SessionObserver
-from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
+from keyqueue.core.observer import DeadLetterReason, RequestAttempt, SessionObserver
+from keyqueue.core.outage import RETRIED, Deadline, ride_out
+from keyqueue.core.processor import CloseReason, KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.slots import Slots
-from keyqueue.errors import (
-    ConnectionFailed,
-    Disconnected,
-    InvalidSubject,
-    JetStreamUnavailable,
-    KeyqueueError,
-    KeyqueueTimeout,
-    LeaseLost,
-    Reject,
-    ReplyLost,
-    WireError,
-)
+from keyqueue.errors import InvalidSubject, KeyqueueError, LeaseLost, Reject, WireError
 from keyqueue.jetstream.api import JetStreamApi
-from keyqueue.jetstream.connect import wait_connected
-from keyqueue.jetstream.dlq_copy import dead_letter_reasons
-from keyqueue.jetstream.subjects import UNKEYED, validate_subject
+from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.jetstream.work import WorkIO, WorkItem, WorkPuller
 from keyqueue.wire import headers as H
@@ -84,11 +75,8 @@ T = TypeVar("T")
 DRAIN_GRACE: Final = 2.0
 """Seconds cut-off runs have to end after the drain deadline (a sync task to see its stop)."""
 
-RETRY_PAUSE: Final = (0.05, 1.0)
-"""First and longest pause, in seconds, before a step that got no answer is sent again."""
-
-_RETRIED: Final = (ConnectionFailed, KeyqueueTimeout, JetStreamUnavailable)
-"""What the lane's own NATS steps are tried again after, within the request's lease."""
+OPEN_PATIENCE: Final = 60.0
+"""Seconds the lane's processor may take to open through an outage (loading the cancel records)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,20 +140,7 @@ class _Run:
     async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
         """``await step()`` (idempotent), again after a transient NATS failure while the lease holds
         (``RetriesSteps``): keyqueue's own I/O around a run costs no attempt."""
-        pause, longest = RETRY_PAUSE
-        while True:
-            try:
-                return await step()
-            except _RETRIED as e:
-                self.lease.check()
-                if self.lane.nc.is_closed:
-                    raise
-                while not await wait_connected(self.lane.nc, self.lease.remaining()):
-                    self.lease.check()
-                if not isinstance(e, Disconnected | ReplyLost):  # connected, yet no answer: not at once
-                    await asyncio.sleep(min(pause, max(0.0, self.lease.remaining())))
-                    pause = min(longest, pause * 2)
-                self.lease.check()
+        return await ride_out(step, self.lease, self.lane.io.queue_io)
 
     async def pause(self, seconds: float) -> None:
         """Wait ``seconds`` (a rate limit's wait) keeping the request but lending its slot."""
@@ -204,16 +179,8 @@ class _LaneContext:
 
     async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
         """A processor's own step at open (loading the cancel records), again after a lost connection."""
-        pause, longest = RETRY_PAUSE
-        while True:
-            try:
-                return await step()
-            except _RETRIED:
-                if self.lane.nc.is_closed:
-                    raise
-                await wait_connected(self.lane.nc, longest)
-                await asyncio.sleep(pause)
-                pause = min(longest, pause * 2)
+        return await ride_out(step, Deadline(OPEN_PATIENCE, "opening the unkeyed lane's processor"),
+                              self.lane.io.queue_io)
 
     async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
         await self.lane.io.progress(data, headers)
@@ -280,7 +247,7 @@ class UnkeyedLane:
                                  return_exceptions=True)
             if self._processor is not None:
                 with contextlib.suppress(Exception):
-                    await self._processor.close(self._context, "shutdown")
+                    await self._processor.close(self._context, CloseReason.SHUTDOWN)
             await self.io.close()
 
     def stop(self, *, now: bool = False) -> None:
@@ -364,12 +331,12 @@ class UnkeyedLane:
         if item.delivered > self.settings.crash_loop_limit:
             error = KeyqueueError(f"this request was delivered {item.delivered} times: workers keep dying or losing "
                                   "its lease while it runs")
-            await self._dead_letter(run, error, item.delivered, "crash-loop")
+            await self._dead_letter(run, error, item.delivered, DeadLetterReason.CRASH_LOOP)
             return
         try:
             request.check_subjects()
         except InvalidSubject as e:  # it never runs: its reply or records could not be sent
-            await self._dead_letter(run, e, 0, "rejected")
+            await self._dead_letter(run, e, 0, DeadLetterReason.REJECTED)
             return
         policy = processor.retry_policy(request) or self.settings.retry
         attempt = 0
@@ -388,8 +355,9 @@ class UnkeyedLane:
                 raise
             except Exception as e:
                 self.observer.attempt_failed(this, e)
-                reason = ("rejected" if isinstance(e, WireError | Reject) else "not-retried" if not policy.retries(e)
-                          else "max-attempts" if policy.exhausted(attempt) else None)
+                reason = (DeadLetterReason.REJECTED if isinstance(e, WireError | Reject)
+                          else DeadLetterReason.NOT_RETRIED if not policy.retries(e)
+                          else DeadLetterReason.MAX_ATTEMPTS if policy.exhausted(attempt) else None)
                 if reason is not None:
                     await self._dead_letter(run, e, attempt, reason)
                     return
@@ -434,10 +402,10 @@ class UnkeyedLane:
         """Ack the request (of its latest delivery), again once connected if the connection is down."""
         try:
             await self.io.ack(run.item)  # the common case, without a retry loop around it
-        except _RETRIED:
+        except RETRIED:
             await run.steady(lambda: self.io.ack(run.item))
 
-    async def _dead_letter(self, run: _Run, error: BaseException, attempts: int, reason: str) -> None:
+    async def _dead_letter(self, run: _Run, error: BaseException, attempts: int, reason: DeadLetterReason) -> None:
         """Copy the request to the dead-letter queue with why, then ack it, then tell its caller."""
         item = run.item
         run.check_lease()
@@ -445,7 +413,7 @@ class UnkeyedLane:
         await run.steady(functools.partial(self.io.dead_letter, item, why))
         await self._ack(run)
         inbox = item.headers.get(H.REPLY_INBOX)
-        if inbox and _answerable(inbox):
+        if inbox and answerable(inbox):
             answer = {H.STATUS: "dead-lettered", H.REQUEST_ID: run.request_id, H.ERROR_TYPE: type(error).__name__,
                       H.ERROR_MESSAGE: H.header_safe(str(error)), H.DLQ_REASON: reason}
             await run.steady(functools.partial(self.io.reply, inbox, answer, b""))
@@ -488,15 +456,6 @@ def _confirmed(lease: Lease, sent_at: float, reply: asyncio.Future[Any]) -> None
     """A keepalive's answer: it extends the lease if it came in time (``Lease.confirmed``)."""
     if not reply.cancelled() and reply.exception() is None:
         lease.confirmed(sent_at, time.monotonic())
-
-
-def _answerable(inbox: str) -> bool:
-    """Whether a reply may be published to ``inbox`` (one NATS cannot carry would close the connection)."""
-    try:
-        validate_subject(inbox, "a reply inbox")
-    except InvalidSubject:
-        return False
-    return True
 
 
 def _message_type(headers: Mapping[str, str]) -> str:

@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import json
 import re
-import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Final
 
 from keyqueue.errors import PayloadTooLarge
@@ -42,8 +40,8 @@ from keyqueue.jetstream.api import StoredMsg
 from keyqueue.wire import header_block_size
 from keyqueue.wire import headers as H
 
-__all__ = ["DEDUPE_PREFIX", "DLQ_HEADROOM", "DeadLetterCopy", "copy_id", "dead_letter_copy", "dead_letter_reasons",
-           "minimal_dead_letter_copy", "work_copy_id"]
+__all__ = ["DEDUPE_PREFIX", "DLQ_HEADROOM", "DeadLetterCopy", "copy_id", "dead_letter_copy", "minimal_dead_letter_copy",
+           "work_copy_id"]
 
 DLQ_HEADROOM: Final = 2048
 """Bytes below the server's ``max_payload`` that a request leaves for its dead-letter copy's own
@@ -64,31 +62,6 @@ _TOKEN: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 _KEPT_WHOLE: Final = frozenset({H.MSG_ID})
 """Headers a minimal copy never shortens: the dedupe id must stay exact."""
-
-
-TRACEBACK_KEPT: Final = 8000
-"""Characters of a dead request's traceback kept in its copy (the end, where the error is)."""
-
-
-def dead_letter_reasons(error: BaseException, reason: str, attempts: int, subject: str, seq: int) -> dict[str, str]:
-    """The ``X-KQ-DLQ-*`` headers saying why the request stored at ``seq`` on ``subject`` is dead:
-    ``reason`` (``rejected``, ``not-retried``, ``max-attempts``, ``crash-loop``), the error, the
-    attempts, when, and (but for a rejection, which is expected input) the traceback."""
-    why = {
-        H.DLQ_REASON: reason,
-        H.DLQ_ERROR_TYPE: type(error).__name__,
-        H.ERROR_MESSAGE: H.header_safe(str(error)),
-        H.DLQ_ATTEMPTS: str(attempts),
-        H.DLQ_ORIGINAL_SUBJECT: subject,
-        H.DLQ_ORIGINAL_SEQ: str(seq),
-        H.DLQ_TIME: datetime.now(UTC).isoformat(),
-    }
-    if reason != "rejected":
-        text = "".join(traceback.format_exception(error))
-        if len(text) > TRACEBACK_KEPT:
-            text = "...\n" + text[-TRACEBACK_KEPT:]
-        why[H.DLQ_TRACEBACK] = json.dumps(text)
-    return why
 
 
 @dataclass(frozen=True, slots=True)
