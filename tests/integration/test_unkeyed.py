@@ -341,21 +341,25 @@ async def test_an_older_queue_gains_unkeyed_tasks_delays_and_rate_limits(nats_ur
 async def test_a_run_longer_than_the_lease_keeps_its_request(nats_url: str) -> None:
     import keyqueue
 
-    app = keyqueue.App("long", url=nats_url, set_as_default=False)
+    app = keyqueue.App("long", url=nats_url, set_as_default=False, result_ttl=60)
     deliveries: list[int] = []
 
     @app.task()
     async def slow(ctx: keyqueue.Context) -> int:
         deliveries.append(ctx.fencing[1])
         await asyncio.sleep(4)  # more than twice the 1.5 s lease: only keepalives keep it here
+        await ctx.progress({"slept": 4})
         return ctx.fencing[1]
 
     try:
         async with app.worker(ack_wait=1.5):
-            assert await slow.call(timeout=30) == 1
+            receipt = await slow.enqueue()
+            assert await receipt.result(timeout=30) == 1
             api, names = JetStreamApi(await app.connection()), QueueNames("long")
             consumer = await api.consumer_info(names.work_stream, names.consumer)
+            progress = await app.progress(receipt.request_id)
         assert deliveries == [1]
+        assert progress is not None and progress.value == {"slept": 4}  # kept by request id, as for a key
         assert consumer["num_redelivered"] == 0 and consumer["config"]["ack_wait"] == 1_500_000_000
     finally:
         await app.close()
