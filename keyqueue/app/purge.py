@@ -96,9 +96,9 @@ async def count_pending(api: JetStreamApi, which: PurgeFilter) -> int:
     if which.unkeyed:
         try:
             count += sum((await api.subjects(names.work_stream, which.work_subject)).values())
-        except StreamNotFound:
+        except StreamNotFound:  # no unkeyed request was ever sent to the queue
             if which.key == UNKEYED:
-                raise
+                await api.stream_info(names.inbox_stream)  # StreamNotFound only if the queue itself is missing
     return count
 
 
@@ -115,7 +115,6 @@ async def purge_pending(api: JetStreamApi, which: PurgeFilter) -> int:
     if which.unkeyed:
         try:
             removed += await api.purge(names.work_stream, subject=which.work_subject if which.task else None)
-        except StreamNotFound:  # no unkeyed request was ever sent to the queue
-            if which.key == UNKEYED:
-                raise
+        except StreamNotFound:  # no unkeyed request was ever sent to the queue: none to remove
+            pass
     return removed

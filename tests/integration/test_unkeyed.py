@@ -315,6 +315,7 @@ async def test_an_older_queue_gains_unkeyed_tasks_delays_and_rate_limits(nats_ur
         await Topology(api, app.queue_config("later")).ensure()  # the queue as a keyqueue without this made it
         with pytest.raises(StreamNotFound):
             await api.stream_info(names.work_stream)
+        assert await app.purge(key=UNKEYED) == 0  # none to remove: not an error
         early = await keyed.enqueue(n=1)
         async with app.worker(drain_timeout=0.5):
             delayed = await ping.options(countdown=1).enqueue(n=5)
