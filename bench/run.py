@@ -45,6 +45,7 @@ PRODUCT_HOT = "1p. hot keys, product path"
 PRODUCT_HOT_2 = "1p. hot keys, product path, --processes 2"
 PRODUCT_COLD = "2p. cold keys, product path"
 PRODUCT_IO = "1p. hot keys, product path, task awaits 1 ms of I/O"
+PRODUCT_UNKEYED = "1u. unkeyed requests, product path"
 SERVER_HOT = "1p. server cost per hot request"
 SERVER_COLD = "2p. server cost per cold key"
 R3_RAW = "raw on R3: fetch(200)+ack"
@@ -118,7 +119,7 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
         from bench.user_path import measure
 
         product = await measure(server.url, sizes.hot_keys, per_key, sizes.product_cold,
-                                monitoring=server.monitoring_url, loop=options.loop)
+                                monitoring=server.monitoring_url, loop=options.loop, unkeyed=product_total)
         # The peers right after the product path, so that on a shared machine both meet the same load.
         peer_results = await _run_peers(sizes, scratch, say) if peers else None
         _ratio(report.add(Row(PRODUCT_HOT, KQ, product.hot, "req/s",
@@ -127,6 +128,12 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
                               f"{product.hot_cpu_us:.0f} us/request; stored (Task.enqueue_many) and served at once: "
                               f"{product.hot_end_to_end:,.0f} req/s, "
                               f"{product.hot_end_to_end / rates.fetch_ack:.2f}x")),
+               rates.fetch_ack, RAW_FETCH, 0.6)
+        _ratio(report.add(Row(PRODUCT_UNKEYED, KQ, product.unkeyed, "req/s", _detail(
+            f"{product_total:,} requests of a no-op task without a key, stored first; the same worker, its "
+            f"unkeyed lane (no token, no lease record: fetch + ack); worker CPU {product.unkeyed_cpu_us:.0f} "
+            f"us/request; stored and served at once: {product.unkeyed_end_to_end:,.0f} req/s",
+            product.unkeyed_server.text() + " per request, enqueue included" if product.unkeyed_server else ""))),
                rates.fetch_ack, RAW_FETCH, 0.6)
         _server_rows(report, product, rates, sizes)
         say(f"{PRODUCT_IO} ...")

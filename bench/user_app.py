@@ -36,3 +36,8 @@ async def note(k: str, i: int) -> None:
 async def io_note(k: str, i: int) -> None:
     """Awaits 1 ms, as a handler that calls a service would: the figure with I/O in the handler."""
     await asyncio.sleep(0.001)
+
+
+@app.task()
+async def unkeyed_note(k: str, i: int) -> None:
+    """Does nothing, with no key: the figure is what an unkeyed request costs (no lock at all)."""

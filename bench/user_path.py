@@ -5,7 +5,9 @@ bench.user_app:app`` (one process, or ``--processes N``; the default processor, 
 plugin as installed) serving a no-op ``@app.task``, fed by ``Task.enqueue_many``:
 
 - hot keys: 100 keys x 100 requests (``--hot-keys``, ``--hot-per-key``);
-- cold keys: 5,000 keys x 1 request (``--cold-keys``).
+- cold keys: 5,000 keys x 1 request (``--cold-keys``);
+- unkeyed: 10,000 requests of a no-op task declared without ``key=`` (``--unkeyed``), which the
+  worker's unkeyed lane runs with no lock at all (fetch + ack).
 
 Each workload is stored first while the worker processes are paused (SIGSTOP), then timed from
 their resumption until the inbox and the token stream are empty: the way raw fetch+ack and the
@@ -43,6 +45,7 @@ from bench import raw, server_counters, user_app
 from bench.server_counters import PerUnit
 from bench.user_app import app, note
 from keyqueue.admin.workers import queue_workers
+from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.queue_io import requests_waiting
@@ -50,7 +53,7 @@ from keyqueue.server.embedded import EmbeddedServer
 
 
 async def _drained(api: JetStreamApi, timeout: float = 120.0) -> int:
-    """Wait until the queue's inbox and token stream are empty; returns the API calls it made
+    """Wait until the queue's inbox, token stream and work stream are empty; returns the API calls it made
     (which the server counts with the workload's: they are taken off its figures)."""
     names = app.queue_config("userpath").names
     deadline = time.monotonic() + timeout
@@ -58,11 +61,15 @@ async def _drained(api: JetStreamApi, timeout: float = 120.0) -> int:
     while time.monotonic() < deadline:
         inbox = await api.stream_info(names.inbox_stream)
         tokens = await api.stream_info(names.token_stream)
-        calls += 2
+        try:
+            unkeyed = int((await api.stream_info(names.work_stream))["state"]["messages"])
+        except StreamNotFound:  # made by the worker's unkeyed lane, or the first unkeyed enqueue
+            unkeyed = 0
+        calls += 3
         # A key given back leaves a release marker for a second: not a request (read by direct gets,
         # which the server does not count as API calls).
-        if tokens["state"]["messages"] == 0 and (inbox["state"]["messages"] == 0
-                                                 or await requests_waiting(api, names) == 0):
+        if unkeyed == 0 and tokens["state"]["messages"] == 0 and (inbox["state"]["messages"] == 0
+                                                                  or await requests_waiting(api, names) == 0):
             return calls
         await asyncio.sleep(0.005)
     raise TimeoutError("the worker did not drain the queue")
@@ -169,6 +176,14 @@ class ProductRates:
     """What the server saw per hot request (``bench.server_counters``), with a monitoring URL."""
     cold_server: PerUnit | None = None
     """The same per cold key (one request each)."""
+    unkeyed: float = float("nan")
+    """Requests of an unkeyed task (no key, no lock) per second, stored first."""
+    unkeyed_cpu_us: float = float("nan")
+    """The workers' CPU time per unkeyed request, microseconds."""
+    unkeyed_end_to_end: float = float("nan")
+    """Unkeyed requests stored and served at once, requests per second."""
+    unkeyed_server: PerUnit | None = None
+    """What the server saw per unkeyed request (enqueue included)."""
 
 
 async def _registered(api: JetStreamApi, count: int, timeout: float = 60.0) -> None:
@@ -182,11 +197,12 @@ async def _registered(api: JetStreamApi, count: int, timeout: float = 60.0) -> N
 
 async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, profile: Path | None = None, *,
                   processes: int = 1, end_to_end: bool = True, monitoring: str | Sequence[str] = (),
-                  loop: str | None = None, task: str = "note", replicas: int = 1) -> ProductRates:
+                  loop: str | None = None, task: str = "note", replicas: int = 1, unkeyed: int = 0) -> ProductRates:
     """Start ``keyqueue worker bench.user_app:app`` on ``url`` (``--processes``, ``--loop``); time the
-    hot then the cold workload of ``task``, each stored first, then (``end_to_end``) again stored and
-    served at once. With ``monitoring`` (the server's monitoring URL, or every cluster member's),
-    also what the server saw per request. ``replicas``: the queue's stream replicas (3 on a cluster)."""
+    hot then the cold workload of ``task``, then ``unkeyed`` requests of the unkeyed no-op task, each
+    stored first, then (``end_to_end``) again stored and served at once. With ``monitoring`` (the
+    server's monitoring URL, or every cluster member's), also what the server saw per request.
+    ``replicas``: the queue's stream replicas (3 on a cluster)."""
     app.settings = app.settings.with_url(url)
     user_app.configure(replicas)
     env = {**os.environ, "KEYQUEUE_URL": url, user_app.REPLICAS_ENV: str(replicas)}
@@ -205,6 +221,7 @@ async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, pro
         workers = _Workers(worker.pid, processes)
         hot = await _timed(api, workers, hot_keys, hot_per_key, "h", end_to_end, urls, task)
         cold = await _timed(api, workers, cold_keys, 1, "c", end_to_end, urls, task)
+        plain = await _timed(api, workers, 1, unkeyed, "u", end_to_end, urls, "unkeyed_note")
     finally:
         worker.terminate()
         async with asyncio.timeout(60):
@@ -214,7 +231,7 @@ async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, pro
     enqueue = (hot.enqueue_cpu_us * hot_keys * hot_per_key + cold.enqueue_cpu_us * cold_keys) / (
         hot_keys * hot_per_key + cold_keys) if hot_keys * hot_per_key and cold_keys else hot.enqueue_cpu_us
     return ProductRates(hot.rate, cold.rate, hot.cpu_us, cold.cpu_us, enqueue, hot.end_to_end, cold.end_to_end,
-                        hot.server, cold.server)
+                        hot.server, cold.server, plain.rate, plain.cpu_us, plain.end_to_end, plain.server)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -223,19 +240,22 @@ async def main(args: argparse.Namespace) -> None:
             rates = await raw.measure(server.url, args.raw, monitoring=server.monitoring_url)
             product = await measure(server.url, args.hot_keys, args.hot_per_key, args.cold_keys, args.profile,
                                     processes=args.processes, end_to_end=args.end_to_end,
-                                    monitoring=server.monitoring_url, loop=args.loop, task=args.task)
+                                    monitoring=server.monitoring_url, loop=args.loop, task=args.task,
+                                    unkeyed=args.unkeyed)
     hot = f"hot keys {args.hot_keys} x {args.hot_per_key}"
     cold = f"cold keys {args.cold_keys:,} x 1"
+    plain = f"unkeyed {args.unkeyed:,}"
     print(f"{'raw fetch(200)+ack':26} {rates.fetch_ack:9,.0f} msg/s")
     for label, rate, cpu, both in ((hot, product.hot, product.hot_cpu_us, product.hot_end_to_end),
-                                   (cold, product.cold, product.cold_cpu_us, product.cold_end_to_end)):
+                                   (cold, product.cold, product.cold_cpu_us, product.cold_end_to_end),
+                                   (plain, product.unkeyed, product.unkeyed_cpu_us, product.unkeyed_end_to_end)):
         at_once = ("" if math.isnan(both) else
                    f"  stored and served at once {both:7,.0f} req/s {both / rates.fetch_ack:.2f}x")
         print(f"{label:26} {rate:9,.0f} req/s  {rate / rates.fetch_ack:.2f}x raw  worker CPU {cpu:5.0f} us/req"
               + at_once)
     print(f"{'enqueue_many (producer)':26} CPU {product.enqueue_cpu_us:5.0f} us/req")
     for label, per in (("raw fetch+ack, per msg", rates.server), ("hot, per request", product.hot_server),
-                       ("cold, per key", product.cold_server)):
+                       ("cold, per key", product.cold_server), ("unkeyed, per request", product.unkeyed_server)):
         if per is not None:
             print(f"{label:26} {per.text()}")
     if args.peers:
@@ -260,14 +280,15 @@ if __name__ == "__main__":
     parser.add_argument("--hot-keys", type=int, default=100)
     parser.add_argument("--hot-per-key", type=int, default=100)
     parser.add_argument("--cold-keys", type=int, default=5000)
+    parser.add_argument("--unkeyed", type=int, default=10_000, help="requests of an unkeyed task (no key)")
     parser.add_argument("--processes", type=int, default=1, help="keyqueue worker --processes")
     parser.add_argument("--end-to-end", action=argparse.BooleanOptionalAction, default=True,
                         help="also time each workload stored and served at once")
     parser.add_argument("--raw", type=int, default=20_000, help="messages for raw fetch(200)+ack")
     parser.add_argument("--profile", type=Path, help="run the worker under cProfile, statistics to this file")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default=None, help="keyqueue worker --loop")
-    parser.add_argument("--task", choices=("note", "io_note"), default="note",
-                        help="note: a no-op; io_note: awaits 1 ms")
+    parser.add_argument("--task", choices=("note", "io_note", "unkeyed_note"), default="note",
+                        help="note: a no-op; io_note: awaits 1 ms; unkeyed_note: a no-op without a key")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=False,
                         help="also run Celery, Dramatiq and procrastinate on both workloads, and print the ratios")
     asyncio.run(main(parser.parse_args()))

@@ -12,6 +12,9 @@
     receipt = await charge.enqueue(order_id="o1", amount=5)
     result = await charge.call(order_id="o1", amount=5, timeout=10)
 
+    @app.task()                                   # no key: no exclusivity, no lock cost
+    async def send_receipt(ctx: keyqueue.Context, email: str) -> None: ...
+
 Everything below is the public API; the sub-packages (``core``, ``jetstream``, ``wire``) are
 the machinery under it.
 """
@@ -85,6 +88,7 @@ from keyqueue.errors import (
     WireError,
     WrongLastSequence,
 )
+from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.plugins.manager import hookimpl
 from keyqueue.settings import Settings
@@ -92,6 +96,7 @@ from keyqueue.tasks.context import Context, Progress
 from keyqueue.tasks.task import Backoff, BatchTask, Dispatcher, Policy, Receipt, Task, TaskRequest, TaskSpec
 
 __all__ = [
+    "UNKEYED",
     "App",
     "BacklogFull",
     "Backoff",

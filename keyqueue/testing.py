@@ -15,7 +15,9 @@ In eager mode ``enqueue``, ``call``, ``delay`` and ``enqueue_many`` hand request
 encoded as CBOR, decoded by the default processor, results encoded back), so a non-plain
 argument or a result that cannot travel fails here too. Each key's requests run one at a time
 and in order: a request enqueued for a key while that key runs (from inside a task, say) runs
-after the current one. Retries run at once, without backoff; after ``max_attempts`` a request is
+after the current one. Unkeyed tasks' requests run one at a time too (in one queue, in order), but a
+``call`` of an unkeyed task from inside a run is run at once, as a worker's unkeyed lane would run it
+beside the caller. Retries run at once, without backoff; after ``max_attempts`` a request is
 dead-lettered (``runner.dead_letters``) and, with ``propagate=True`` (the default), its last
 exception is raised from the ``enqueue`` / ``call`` that ran it.
 
@@ -42,6 +44,7 @@ from keyqueue.builtins.request_records import RecordingTaskProcessor
 from keyqueue.core.processor import Request
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import ConfigError, EnqueueError, InvalidSchedule, Reject, WireError
+from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.tasks.arguments import CANCELLED_BY
 from keyqueue.tasks.context import Progress
 from keyqueue.tasks.task import Receipt, TaskRequest
@@ -174,7 +177,8 @@ class EagerRunner:
 
     async def call(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
         queue_key = (request.queue, request.key)
-        if queue_key in self._running:
+        nested = queue_key in self._running
+        if nested and request.key != UNKEYED:  # an unkeyed request waits for no one: it runs at once
             raise ConfigError(
                 f"call() for key {request.key!r} from inside a run of that key would wait for itself "
                 "(a worker would time out); use enqueue() for follow-up work on the same key"
@@ -186,7 +190,10 @@ class EagerRunner:
         request.receipt = receipt
         if receipt.due is not None:  # waiting for a delayed request's result is the clock passing its due time
             await self.advance_to(receipt.due)
-        await self._drain_key(queue_key)
+        if nested:
+            await self._run_now(queue_key, request.request_id)
+        else:
+            await self._drain_key(queue_key)
         return self._replies.pop(request.request_id)
 
     async def kept_result(self, queue: str, request_id: str, timeout: float) -> tuple[Mapping[str, str], bytes] | None:
@@ -299,6 +306,18 @@ class EagerRunner:
                         pending.popleft()
         finally:
             self._running.discard(queue_key)
+
+    async def _run_now(self, queue_key: tuple[str, str], request_id: str) -> None:
+        """Run one pending unkeyed request now, beside the run that called it (as a worker's lane would)."""
+        pending = self._pending.get(queue_key, collections.deque())
+        item = next((p for p in pending if p.request.request_id == request_id), None)
+        if item is None:
+            return  # already run (or cancelled)
+        pending.remove(item)
+        queue, key = queue_key
+        processor = RecordingTaskProcessor(self.app, queue, key, self.app.queue_tasks(queue), runs=self._runs,
+                                           clock=lambda: self.now.timestamp(), sleep=self._rate_wait)
+        await self._process(processor, [item])
 
     async def _process(self, processor: TaskProcessor, batch: list[_Pending]) -> None:
         queue, key = processor.queue, processor.key

@@ -50,6 +50,19 @@ def notify(user: str) -> str:
     return user
 
 
+@app.task(max_attempts=3)
+async def add(x: int, y: int) -> int:
+    """An unkeyed task: no key=."""
+    return x + y
+
+
+async def unkeyed() -> None:
+    assert_type(await add.call(x=1, y=2), int)
+    await add.enqueue(x=1, y="2")  # type: ignore[arg-type]
+    assert (await add.enqueue(x=1, y=2)).key == keyqueue.UNKEYED
+    app.task(policy="batch")  # type: ignore[call-overload]  # a batch task needs a key
+
+
 def sync_view() -> None:
     """The sync face, typed as the async one."""
     receipt = charge.delay(order_id="o1", amount=5)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Final
 from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, CancelState, request_cancel
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.records import RequestRecords
-from keyqueue.jetstream.subjects import QueueNames
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -32,8 +31,7 @@ async def cancel_request(nc: Client, queue: str, request_id: str, seq: int | Non
     """Cancel one request (``seq``: its inbox sequence, None for a delayed one) and say what became of it."""
     records = RequestRecords(nc, queue)
     await records.ensure()
-    return await request_cancel(records, JetStreamApi(nc), QueueNames(queue).inbox_stream, request_id, seq,
-                                CANCEL_ANSWER_WAIT)
+    return await request_cancel(records, JetStreamApi(nc), request_id, seq, CANCEL_ANSWER_WAIT)
 
 
 async def cancel_requests(nc: Client, queue: str, requests: Sequence[tuple[str, int | None]]) -> Counter[CancelState]:
@@ -41,11 +39,10 @@ async def cancel_requests(nc: Client, queue: str, requests: Sequence[tuple[str, 
     records = RequestRecords(nc, queue)
     await records.ensure()
     api = JetStreamApi(nc)
-    inbox = QueueNames(queue).inbox_stream
     gate = asyncio.Semaphore(PARALLEL)
 
     async def one(request_id: str, seq: int | None) -> CancelState:
         async with gate:
-            return await request_cancel(records, api, inbox, request_id, seq, 0.0)
+            return await request_cancel(records, api, request_id, seq, 0.0)
 
     return Counter(await asyncio.gather(*(one(r, s) for r, s in requests)))

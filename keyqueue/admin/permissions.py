@@ -36,7 +36,7 @@ INBOXES: Final = "_INBOX.>"
 def _streams(queue: str) -> list[str]:
     names = QueueNames(queue)
     return [names.inbox_stream, names.token_stream, names.dlq_stream, names.lease_stream, f"KQ_{queue}_RECORDS",
-            ScheduleNames(queue).stream, events_stream(queue)]
+            ScheduleNames(queue).stream, events_stream(queue), names.work_stream]
 
 
 def permissions(role: Role, queues: list[str]) -> dict[str, list[str]]:
@@ -59,6 +59,7 @@ def permissions(role: Role, queues: list[str]) -> dict[str, list[str]]:
         streams = _streams(queue)
         if role == "producer":
             publish += [f"kq.{queue}.in.>", f"kq.{queue}.tok.>", f"kq.{queue}.at.>",
+                        f"kq.{queue}.work.>",  # unkeyed requests
                         f"kq.{queue}.result.>",  # the pending record of a task that keeps results
                         f"kq.{queue}.events.>"]  # the enqueued event (core publishes)
             publish += [f"$JS.API.STREAM.INFO.{s}" for s in streams]
@@ -66,7 +67,7 @@ def permissions(role: Role, queues: list[str]) -> dict[str, list[str]]:
             publish.append(f"$JS.API.CONSUMER.INFO.{names.token_stream}.{names.consumer}")
         else:  # worker
             publish += [f"kq.{queue}.>", INBOXES, f"$JS.ACK.{QueueNames(queue).token_stream}.>",
-                        f"$JS.ACK.{ScheduleNames(queue).stream}.>"]
+                        f"$JS.ACK.{ScheduleNames(queue).stream}.>", f"$JS.ACK.{QueueNames(queue).work_stream}.>"]
             for s in streams:
                 publish += [f"$JS.API.STREAM.{verb}.{s}" for verb in ("INFO", "CREATE", "UPDATE", "PURGE")]
                 publish += [f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.STREAM.MSG.DELETE.{s}",

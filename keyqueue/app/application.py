@@ -47,7 +47,7 @@ from keyqueue.app.status import RequestStatus, StatusReport
 from keyqueue.app.transport import Connections, NatsTransport, Transport
 from keyqueue.core.processor import ProcessorFactory, Reply
 from keyqueue.errors import ConfigError, EnqueueError, PartiallyEnqueued
-from keyqueue.jetstream.subjects import validate_key, validate_queue_name, validate_request_id
+from keyqueue.jetstream.subjects import validate_key, validate_queue_name, validate_request_id, validate_request_key
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.plugins.manager import PluginManager, autoload_disabled
 from keyqueue.server.local import LocalServer
@@ -181,7 +181,7 @@ def task(*, queue: str, key: KeySpec, policy: Literal["batch"], name: str | None
          result_ttl: float | None = None, rate_limit: str | None = None, soft_timeout: float | None = None,
          retry_on: Sequence[type[BaseException]] | None = None) -> BatchTaskDecorator: ...
 @overload
-def task(*, queue: str, key: KeySpec, policy: Literal["serial", "latest", "merge"] = "serial",
+def task(*, queue: str, key: KeySpec | None = None, policy: Literal["serial", "latest", "merge"] = "serial",
          name: str | None = None, max_attempts: int = 5, backoff: Backoff | float = ..., timeout: float | None = None,
          version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
          merge: Merge | None = None, result_ttl: float | None = None,
@@ -189,7 +189,8 @@ def task(*, queue: str, key: KeySpec, policy: Literal["serial", "latest", "merge
          retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator: ...
 
 
-def task(*, queue: str, key: KeySpec, policy: Policy = "serial", name: str | None = None, max_attempts: int = 5,
+def task(*, queue: str, key: KeySpec | None = None, policy: Policy = "serial", name: str | None = None,
+         max_attempts: int = 5,
          backoff: Backoff | float = Backoff(), timeout: float | None = None, version: int = 1,  # noqa: B008
          upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
          merge: Merge | None = None, result_ttl: float | None = None,
@@ -310,7 +311,7 @@ class App:
              result_ttl: float | None = None, rate_limit: str | None = None, soft_timeout: float | None = None,
          retry_on: Sequence[type[BaseException]] | None = None) -> BatchTaskDecorator: ...
     @overload
-    def task(self, *, key: KeySpec, policy: Literal["serial", "latest", "merge"] = "serial",
+    def task(self, *, key: KeySpec | None = None, policy: Literal["serial", "latest", "merge"] = "serial",
              queue: str | None = None, name: str | None = None, max_attempts: int = 5,
              backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
              upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
@@ -318,7 +319,8 @@ class App:
              rate_limit: str | None = None, soft_timeout: float | None = None,
              retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator: ...
 
-    def task(self, *, key: KeySpec, policy: Policy = "serial", queue: str | None = None, name: str | None = None,
+    def task(self, *, key: KeySpec | None = None, policy: Policy = "serial", queue: str | None = None,
+             name: str | None = None,
              max_attempts: int = 5, backoff: Backoff | float = Backoff(), timeout: float | None = None,  # noqa: B008
              version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
              merge: Merge | None = None, result_ttl: float | None = None,
@@ -327,7 +329,10 @@ class App:
         """Declare a task of this app.
 
         ``key``: a template over the arguments (``"{order_id}"``, ``"{user}.{doc}"``) or a callable
-        taking the task's arguments and returning the key. ``queue``: defaults to the app's
+        taking the task's arguments and returning the key: requests of one key run one at a time, in
+        order. Without ``key`` (or ``key=None``) the task is *unkeyed*: no exclusivity and no order,
+        each request runs on its own as soon as a worker has room, at the cost of a plain work queue
+        (docs/tutorial.md, "Tasks without a key"); ``policy`` must then be ``serial``. ``queue``: defaults to the app's
         name. ``name``: the task's name on the wire (``X-MESSAGE-TYPE``), default the function's
         name. ``policy``: ``serial``, ``batch``, ``latest`` or ``merge`` (``keyqueue.task``).
         ``max_attempts`` and ``backoff`` (a ``Backoff``, or the first delay in seconds) govern
@@ -340,7 +345,8 @@ class App:
         ``receipt.result()`` / ``App.result`` (None: the app's ``result_ttl``; 0: none kept, whatever
         the app's default).
         ``rate_limit``: ``"N/s"``, ``"N/m"`` or ``"N/h"``, at most N runs per key per second, minute
-        or hour across the fleet (a key's later requests wait, in order; other keys do not).
+        or hour across the fleet (a key's later requests wait, in order; other keys do not); for an
+        unkeyed task, N runs of the task across the fleet.
         """
         return declare(key=key, queue=queue or self.name, name=name, policy=policy, max_attempts=max_attempts,
                        backoff=backoff, timeout=timeout, version=version, upgrades=upgrades,
@@ -360,13 +366,14 @@ class App:
         if tasks and queue in self._processors:
             raise ConfigError(f"queue {queue!r} of app {self.name} has a processor registered; its tasks "
                               f"({', '.join(t.name for t in tasks)}) would never run: put them in another queue")
-        special = [t for t in tasks if t.spec.policy != "serial"]
-        if special and len(tasks) > 1:
+        keyed = [t for t in tasks if not t.spec.unkeyed]  # unkeyed requests never reach a key session
+        special = [t for t in keyed if t.spec.policy != "serial"]
+        if special and len(keyed) > 1:
             # The core hands a processor all available requests of a key and removes them all
             # after one success, so a batch of mixed tasks could not fail or retry one of them alone.
             raise ConfigError(
                 f"task {special[0].name} (policy {special[0].spec.policy!r}) must be the only task of its queue "
-                f"{queue!r}, which also has {', '.join(t.name for t in tasks if t is not special[0])}; "
+                f"{queue!r}, which also has {', '.join(t.name for t in keyed if t is not special[0])}; "
                 "give it a queue of its own (queue=...)"
             )
 
@@ -412,6 +419,16 @@ class App:
         if all(t.spec.policy == "serial" for t in tasks.values()):
             tasks.update({name: t for name, t in every.items() if t.spec.policy == "serial" and name not in tasks})
         return tasks
+
+    def unkeyed_tasks(self, queue: str) -> dict[str, AnyTask]:
+        """The unkeyed tasks a worker of ``queue`` runs beside its keys, by name (none: the queue has no
+        unkeyed lane). A queue has one when it has unkeyed tasks of its own, or was declared with
+        ``add_queue``; it then runs every unkeyed task of the app, which ``options(queue=...)`` may
+        send there."""
+        every = {name: t for name, t in self.tasks.items() if t.spec.unkeyed}
+        if not any(t.queue == queue for t in every.values()) and queue not in self._routed:
+            return {}
+        return every
 
     def add_queue(self, name: str) -> None:
         """Declare a queue that has no tasks of its own: ``options(queue=name)`` sends serial tasks'
@@ -563,9 +580,15 @@ class App:
 
     def _check_routes(self, requests: Sequence[TaskRequest]) -> None:
         for request in requests:
-            if request.task is not None and request.queue != request.task.queue and request.queue not in self.queues:
+            if request.task is None or request.queue == request.task.queue:
+                continue
+            if request.queue not in self.queues:
                 raise ConfigError(f"queue {request.queue!r} is not one of app {self.name}'s queues, so no worker of "
                                   f"the app would run {request.message_type} there: declare it with "
+                                  f"app.add_queue({request.queue!r})")
+            if request.task.unkeyed and not self.unkeyed_tasks(request.queue):
+                raise ConfigError(f"queue {request.queue!r} has no unkeyed tasks of its own, so its workers take no "
+                                  f"unkeyed requests and would not run {request.message_type} there: declare it with "
                                   f"app.add_queue({request.queue!r})")
 
     async def ask(self, request: TaskRequest, timeout: float) -> tuple[Mapping[str, str], bytes]:
@@ -654,7 +677,7 @@ class App:
             request_id, queue = _old_cancel_order(request_id, deprecated, queue)
         validate_request_id(request_id)
         if key is not None:
-            validate_key(key)
+            validate_request_key(key)
         queues = self.lookup_queues(queue)
         if len(queues) > 1:
             found = await self._where(request_id, queues, seq, key)
@@ -684,7 +707,7 @@ class App:
         """
         validate_request_id(request_id)
         if key is not None:
-            validate_key(key)
+            validate_request_key(key)
         queues = self.lookup_queues(queue)
         asked = asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
         if progress:
@@ -714,8 +737,9 @@ class App:
 
     async def purge(self, queue: str | None = None, *, key: str | None = None, task: str | None = None) -> int:
         """Remove pending requests (of ``key``, of ``task``, or all) from ``queue`` (default: the queue
-        of ``task``, else the app's name); how many. They never run; a request a worker has started
-        or read ahead may still run (``keyqueue.app.purge``)."""
+        of ``task``, else the app's name); how many. ``key="~"`` (``keyqueue.UNKEYED``): only the
+        unkeyed requests. They never run; a request a worker has started or read ahead may still
+        run (``keyqueue.app.purge``)."""
         from keyqueue.app.purge import PurgeFilter, purge_pending
         from keyqueue.jetstream.api import JetStreamApi
 

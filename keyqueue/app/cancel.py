@@ -46,7 +46,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 from keyqueue.app.heartbeat import answering_workers
-from keyqueue.app.status import in_backlog, kept_status
+from keyqueue.app.status import in_backlog, kept_status, stored_at
 from keyqueue.errors import KeyqueueError, StreamNotFound, WrongLastSequence
 from keyqueue.jetstream.records import ASK, ASK_CANCEL, ASK_STATUS, CANCEL_STATE, CANCEL_TTL, IDLE, RequestRecords
 from keyqueue.jetstream.schedules import ScheduleNames
@@ -329,9 +329,12 @@ async def _unschedule(api: JetStreamApi, queue: str, request_id: str) -> bool:
         return False
 
 
-async def request_cancel(records: RequestRecords, api: JetStreamApi, inbox_stream: str, request_id: str,
-                         seq: int | None, wait: float = CANCEL_ANSWER_WAIT, *, key: str | None = None) -> CancelState:
-    """Ask for ``request_id`` to be cancelled and say what became of it (see the module docstring)."""
+async def request_cancel(records: RequestRecords, api: JetStreamApi, request_id: str, seq: int | None,
+                         wait: float = CANCEL_ANSWER_WAIT, *, key: str | None = None) -> CancelState:
+    """Ask for ``request_id`` to be cancelled and say what became of it (see the module docstring).
+
+    ``seq`` is where it was stored (a receipt's ``seq``): in its key's inbox, or for an unkeyed
+    request (``key`` ``~``) in the queue's work stream."""
     answered: asyncio.Future[CancelState] = asyncio.get_running_loop().create_future()
 
     async def on_answer(msg: Msg) -> None:
@@ -364,10 +367,8 @@ async def request_cancel(records: RequestRecords, api: JetStreamApi, inbox_strea
         if said in ("cancelled", "running", "done"):
             return cast("CancelState", said)
         if seq is not None:
-            stored = await api.get_msg(inbox_stream, seq=seq, direct=records.replicas == 1)
-            if stored is not None and stored.headers.get(H.MSG_ID) == request_id:
-                return "pending"
-            return "done"
+            stored = await stored_at(api, QueueNames(records.queue), seq, request_id, records.replicas == 1, key)
+            return "pending" if stored else "done"
         kept = await records.get_result(request_id)
         if kept is not None:
             final = kept_status(kept.headers)

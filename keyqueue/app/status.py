@@ -23,7 +23,9 @@ Where each answer comes from, in this order:
    the heartbeat records count them, ``keyqueue.app.heartbeat``) has answered, or at once when no
    worker listens; :data:`ASK_WAIT` bounds it (a worker listed live that died).
 5. The inbox, when the caller knows where to look: the receipt's ``seq`` (still stored means
-   pending, gone means done), or the request's ``key`` (its backlog is read for the id).
+   pending, gone means done), or the request's ``key`` (its backlog is read for the id). An unkeyed
+   request (key ``~``) is looked for in the queue's work stream instead; a ``seq`` given without a
+   key, in both (request ids tell them apart).
 
 So a request of a task that keeps results (``result_ttl``) is told apart in every state from its
 id alone. For a task that keeps none, a stored request that has not started is found only through
@@ -42,7 +44,7 @@ from keyqueue.app.heartbeat import answering_workers
 from keyqueue.errors import StreamNotFound
 from keyqueue.jetstream.records import PENDING
 from keyqueue.jetstream.schedules import ScheduleNames
-from keyqueue.jetstream.subjects import QueueNames, request_id_token
+from keyqueue.jetstream.subjects import UNKEYED, QueueNames, request_id_token
 from keyqueue.tasks.arguments import CANCELLED_BY, EXPIRED_BY
 from keyqueue.wire import headers as H
 
@@ -51,7 +53,8 @@ if TYPE_CHECKING:
     from keyqueue.jetstream.records import RequestRecords
     from keyqueue.tasks.context import Progress
 
-__all__ = ["ASK_WAIT", "STATUSES", "RequestStatus", "StatusReport", "in_backlog", "kept_status", "request_status"]
+__all__ = ["ASK_WAIT", "STATUSES", "RequestStatus", "StatusReport", "in_backlog", "kept_status", "request_status",
+           "stored_at"]
 
 RequestStatus = Literal["unknown", "pending", "scheduled", "running", "done", "failed", "cancelled", "expired"]
 """What ``status`` says of a request (see the module docstring)."""
@@ -117,8 +120,7 @@ async def request_status(records: RequestRecords, api: JetStreamApi, request_id:
     if cancel is not None and cancel[0] == "running":
         return "done"  # it was running when the cancel came, and no worker runs it now
     if not stored and seq is not None:
-        msg = await api.get_msg(names.inbox_stream, seq=seq, direct=direct)
-        stored = msg is not None and msg.headers.get(H.MSG_ID) == request_id
+        stored = await stored_at(api, names, seq, request_id, direct, key)
         if not stored:
             return "done"  # it was stored at seq (a receipt says so) and is gone: it ran
     if not stored and key is not None:
@@ -130,11 +132,33 @@ async def request_status(records: RequestRecords, api: JetStreamApi, request_id:
     return "unknown"
 
 
+async def stored_at(api: JetStreamApi, names: QueueNames, seq: int, request_id: str, direct: bool,
+                    key: str | None = None) -> bool:
+    """Whether ``request_id`` is still stored at ``seq``: in the inbox, for an unkeyed request
+    (``key`` ``~``) in the work stream, and in either when the key is not known."""
+    streams = ([names.work_stream] if key == UNKEYED else [names.inbox_stream] if key is not None
+               else [names.inbox_stream, names.work_stream])
+    for stream in streams:
+        try:
+            msg = await api.get_msg(stream, seq=seq, direct=direct)
+        except StreamNotFound:  # a queue with no unkeyed requests yet has no work stream
+            continue
+        if msg is not None and msg.headers.get(H.MSG_ID) == request_id:
+            return True
+    return False
+
+
 async def in_backlog(api: JetStreamApi, names: QueueNames, key: str, request_id: str, direct: bool) -> bool:
-    """Whether the key's backlog holds ``request_id`` (read one request at a time, oldest first)."""
-    subject, seq = names.inbox(key), 1
+    """Whether the key's backlog holds ``request_id`` (read one request at a time, oldest first); for
+    ``key`` ``~``, whether the queue's unkeyed requests do."""
+    stream, subject, seq = names.inbox_stream, names.inbox(key), 1
+    if key == UNKEYED:
+        stream, subject = names.work_stream, names.work_prefix + ">"
     for _ in range(_KEY_SCAN_LIMIT):
-        msg = await api.get_msg(names.inbox_stream, seq=seq, next_by_subject=subject, direct=direct)
+        try:
+            msg = await api.get_msg(stream, seq=seq, next_by_subject=subject, direct=direct)
+        except StreamNotFound:
+            return False
         if msg is None:
             return False
         if msg.headers.get(H.MSG_ID) == request_id:

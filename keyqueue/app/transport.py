@@ -37,6 +37,7 @@ from keyqueue.jetstream.dlq_copy import DLQ_HEADROOM
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.records import RequestRecords
 from keyqueue.jetstream.schedules import ScheduleStore
+from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.settings import Settings
 from keyqueue.tasks.task import Receipt, TaskRequest
@@ -121,6 +122,8 @@ class LoopConnection:
     router: ReplyRouter | None = None
     publishers: dict[str, Publisher] = field(default_factory=dict)
     """Queues whose topology this connection has ensured, with their publisher."""
+    work_streams: set[str] = field(default_factory=set)
+    """Queues whose work stream (unkeyed requests) this connection has ensured."""
     schedules: dict[str, ScheduleStore] = field(default_factory=dict)
     """Queues whose schedules stream this connection has ensured (for delayed requests)."""
     records: dict[str, RequestRecords] = field(default_factory=dict)
@@ -140,6 +143,7 @@ class LoopConnection:
             await records.close()
         self.records.clear()
         self.publishers.clear()
+        self.work_streams.clear()
         self.schedules.clear()
         if self.nc is not None and not self.nc.is_closed:
             try:
@@ -173,6 +177,7 @@ class Connections:
             async with state.lock:
                 if state.nc is None or state.nc.is_closed:
                     state.publishers.clear()
+                    state.work_streams.clear()
                     state.schedules.clear()
                     for records in state.records.values():
                         await records.close()
@@ -248,6 +253,10 @@ class NatsTransport:
         queue = requests[0].queue
         state, publisher = await self._publisher(queue)
         assert state.nc is not None
+        if queue not in state.work_streams and any(request.key == UNKEYED for request in requests):
+            # Made when the queue's first unkeyed request is sent (a delayed one falls due into it).
+            await Topology(JetStreamApi(state.nc), self.queue_config(queue)).ensure_unkeyed()
+            state.work_streams.add(queue)
         if any(request.delay is not None for request in requests):
             return await self._enqueue_delayed(state, publisher, requests)
         outgoing = []
@@ -384,8 +393,7 @@ class NatsTransport:
                      key: str | None = None) -> str:
         state = await self.connections.current()
         assert state.nc is not None
-        return await request_cancel(await self.records(queue), JetStreamApi(state.nc),
-                                    self.queue_config(queue).names.inbox_stream, request_id, seq, wait, key=key)
+        return await request_cancel(await self.records(queue), JetStreamApi(state.nc), request_id, seq, wait, key=key)
 
     async def status(self, queue: str, request_id: str, seq: int | None, key: str | None) -> str:
         state = await self.connections.current()
@@ -402,6 +410,7 @@ def _abandon(state: LoopConnection) -> None:
     not ask that loop to finalize it (its cleanup then has nothing to await)."""
     state.nc, state.router = None, None
     state.publishers.clear()
+    state.work_streams.clear()
     state.schedules.clear()
     state.records.clear()
     state.cancel_watches.clear()

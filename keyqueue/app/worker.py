@@ -7,8 +7,10 @@
 
     await app.worker().serve()                        # until SIGINT/SIGTERM (``keyqueue worker``)
 
-A worker runs one core ``QueueWorker`` per queue on the app's connection, builds each key's
-processor through ``keyqueue_build_processor``, and is the observer of every key session
+A worker runs one core ``QueueWorker`` per queue on the app's connection (with an unkeyed lane
+beside its key sessions when the queue has unkeyed tasks: ``keyqueue.core.unkeyed``), builds each
+key's processor through ``keyqueue_build_processor`` (and the lane's, for the key ``~``), and is
+the observer of every key session and lane
 (``keyqueue.core.observer.SessionObserver``): each step a session reports becomes one lifecycle
 hook call (none when no plugin implements the hook), and each attempt runs inside the
 ``keyqueue_wrap_process`` wrappers. Hook calls are
@@ -50,6 +52,7 @@ from keyqueue.errors import ConfigError, ConnectionClosed, ConnectionFailed, Key
 from keyqueue.jetstream.api import stored_seconds
 from keyqueue.jetstream.connect import link_of
 from keyqueue.jetstream.pull import PullOptions
+from keyqueue.jetstream.subjects import UNKEYED
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -82,9 +85,10 @@ HookCall = Callable[[], Awaitable[None]]
 class Worker:
     """Serves an app's queues: one core ``QueueWorker`` per queue, plugins, and a clean stop.
 
-    A processor built by ``keyqueue_build_processor`` finds what the worker serves in two public
-    members: :meth:`queue_tasks` (a queue's tasks) and :attr:`executor` (the threads for sync
-    task functions); the default processor (``keyqueue.builtins.processor``) uses both.
+    A processor built by ``keyqueue_build_processor`` finds what the worker serves in public
+    members: :meth:`queue_tasks` (a queue's tasks), :meth:`unkeyed_tasks` (those its unkeyed lane
+    runs) and :attr:`executor` (the threads for sync task functions); the default processor
+    (``keyqueue.builtins.processor``) uses them.
     """
 
     def __init__(self, app: App, *, queues: Sequence[str] | None = None, concurrency: int = 16,
@@ -122,6 +126,7 @@ class Worker:
         self._requested = list(queues) if queues is not None else None
         self.queue_workers: dict[str, QueueWorker] = {}
         self._tasks_by_queue: dict[str, dict[str, AnyTask]] = {}
+        self._unkeyed_by_queue: dict[str, dict[str, AnyTask]] = {}
         self.executor: ThreadPoolExecutor | None = None
         """Threads for sync task functions: one per slot, so none waits for a thread."""
         self.event_backlog = _EVENT_BACKLOG
@@ -134,8 +139,9 @@ class Worker:
         self._room = asyncio.Event()
         self._room.set()
         self._warned_at = -_BACKLOG_WARN_INTERVAL
-        self._attempt_began: dict[tuple[str, str], float] = {}
-        """(queue, key) -> when the key's current attempt began, for ``keyqueue_request_failed``."""
+        self._attempt_began: dict[tuple[str, str, str], float] = {}
+        """(queue, key, "") -> when the key's current attempt began, for ``keyqueue_request_failed``; an
+        unkeyed request's, which run side by side, by (queue, ``~``, request id)."""
         self._runner: asyncio.Task[None] | None = None
         self._unsubscribe: Any = None
         self._started = False
@@ -165,8 +171,13 @@ class Worker:
         return list(self.queue_workers) or list(self._requested or [])
 
     def queue_tasks(self, queue: str) -> Mapping[str, AnyTask]:
-        """The tasks of ``queue`` as this worker serves them."""
+        """The tasks of ``queue`` as this worker serves them (its key sessions: every one, so a request
+        stored under a key before its task lost the key still runs)."""
         return self._tasks_by_queue.get(queue, {})
+
+    def unkeyed_tasks(self, queue: str) -> Mapping[str, AnyTask]:
+        """The unkeyed tasks the unkeyed lane of ``queue`` runs (none: the queue has no lane)."""
+        return self._unkeyed_by_queue.get(queue, {})
 
     # --- start and stop ---
 
@@ -201,6 +212,8 @@ class Worker:
         for queue in queues:
             self._tasks_by_queue[queue] = self.app.queue_tasks(queue)
             self._warn_of_shared_tasks_elsewhere(queue)
+            if self.app.processor_factory(queue) is None and (unkeyed := self.app.unkeyed_tasks(queue)):
+                self._unkeyed_by_queue[queue] = unkeyed
         self._started = True
         nc = await self._connect()
         # Delayed and periodic requests: the schedules streams, the app's periodic schedules kept on
@@ -208,11 +221,13 @@ class Worker:
         self.schedules = ScheduleKeeper(nc, [self.app.queue_config(q) for q in queues],
                                         [p for p in self.app.periodics.values() if p.queue in queues], self.name)
         await self.schedules.start()
-        self.executor = ThreadPoolExecutor(max_workers=self.concurrency * len(queues),
-                                           thread_name_prefix=f"keyqueue-{self.app.name}")
+        # One thread (or pool child) per slot, so none waits for one: each queue's key sessions and
+        # its unkeyed lane have ``concurrency`` slots each.
+        slots = self.concurrency * (len(queues) + len(self._unkeyed_by_queue))
+        self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix=f"keyqueue-{self.app.name}")
         if self.sync_pool == "processes":
             assert self.app_spec is not None
-            self.process_pool = ProcessPool(self.app_spec, self.concurrency * len(queues))
+            self.process_pool = ProcessPool(self.app_spec, slots)
         for queue in queues:
             config = self.app.queue_config(queue)
             if self.ack_wait is not None:
@@ -222,7 +237,9 @@ class Worker:
             self.queue_workers[queue] = QueueWorker(nc, config, self._factory(queue), concurrency=self.concurrency,
                                                     settings=settings, name=self.name, observer=self,
                                                     pull=self.pull, follow_lease=self.ack_wait is None,
-                                                    watchdog=self.watchdog)
+                                                    watchdog=self.watchdog,
+                                                    unkeyed=self._factory(queue) if queue in self._unkeyed_by_queue
+                                                    else None)
         self._unsubscribe = self.app.on_reconnect(self._reconnected)
         self._runner = asyncio.create_task(self._run(nc), name=f"keyqueue-worker:{self.name}")
         started = asyncio.ensure_future(asyncio.gather(*(w.started() for w in self.queue_workers.values())))
@@ -423,7 +440,7 @@ class Worker:
                                           key=hold.key, fencing=hold.fencing))
 
     def key_released(self, hold: KeyHold, end: SessionEnd) -> None:
-        self._attempt_began.pop((hold.queue, hold.key), None)
+        self._attempt_began.pop((hold.queue, hold.key, ""), None)
         if end.outcome is Outcome.CONTENDED:
             return  # never acquired: no keyqueue_key_acquired to close
         if self._observed("keyqueue_key_released"):
@@ -432,7 +449,7 @@ class Worker:
 
     def request_started(self, attempt: RequestAttempt) -> None:
         # When the attempt began, for keyqueue_request_failed's elapsed (a session runs one attempt at a time).
-        self._attempt_began[attempt.queue, attempt.key] = time.monotonic()
+        self._attempt_began[_began(attempt)] = time.monotonic()
         if self._observed("keyqueue_request_started"):
             self._queue(functools.partial(self.app.plugins.lifecycle.request_started, worker=self,
                                           queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,
@@ -440,7 +457,7 @@ class Worker:
                                           enqueued_at=stored_seconds(attempt.stored_at)))
 
     def attempt_failed(self, attempt: RequestAttempt, error: BaseException) -> None:
-        began = self._attempt_began.get((attempt.queue, attempt.key))
+        began = self._attempt_began.get(_began(attempt))
         elapsed = max(0.0, time.monotonic() - began) if began is not None else 0.0
         if self._observed("keyqueue_request_failed"):
             self._queue(functools.partial(self.app.plugins.lifecycle.request_failed, worker=self,
@@ -457,6 +474,8 @@ class Worker:
                                       error=describe(error)))
 
     def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
+        if request.key == UNKEYED:
+            self._attempt_began.pop(_began(request), None)
         hooks = self.app.plugins.lifecycle
         if superseded_by is not None:
             if not self._observed("keyqueue_request_superseded"):
@@ -470,6 +489,8 @@ class Worker:
                                           elapsed=elapsed))
 
     def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+        if request.key == UNKEYED:
+            self._attempt_began.pop(_began(request), None)
         if not self._observed("keyqueue_request_dead_lettered"):
             return
         self._queue(functools.partial(self.app.plugins.lifecycle.request_dead_lettered, worker=self,
@@ -535,6 +556,11 @@ class Worker:
                 await call()
         finally:
             self._room.set()  # nothing may wait for a dispatcher that has ended
+
+
+def _began(attempt: RequestAttempt) -> tuple[str, str, str]:
+    """Where :attr:`Worker._attempt_began` keeps when ``attempt`` began."""
+    return attempt.queue, attempt.key, attempt.request_id if attempt.key == UNKEYED else ""
 
 
 def _succeeded(future: asyncio.Future[Any]) -> bool:

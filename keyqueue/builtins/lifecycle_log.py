@@ -4,7 +4,7 @@ The core logs every step of every key session, once (``keyqueue.core.worker``: f
 dead letters, lost leases, ...); this plugin adds one line per queue when the worker starts, naming
 the queue's tasks, and one line when it stops, with what each queue did::
 
-    queue shop: charge, refund
+    queue shop: charge, refund, send_receipt (unkeyed)
     worker host:4711 stopped: shop: 120 succeeded, 3 retried, 2 dead-lettered; mail: 5 succeeded
 """
 
@@ -25,7 +25,8 @@ log = logging.getLogger("keyqueue.worker")
 def keyqueue_worker_started(worker: Worker) -> None:
     for queue in worker.queues:
         runs = worker.queue_tasks(queue)
-        own = sorted(name for name, task in runs.items() if task.queue == queue)
+        own = sorted(name + (" (unkeyed)" if task.spec.unkeyed else "") for name, task in runs.items()
+                     if task.queue == queue)
         if own:
             tasks = ", ".join(own)
         elif runs:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from keyqueue.core.processor import BaseProcessor, BatchOutcome, KeyProcessor, Reply, Request, RequestContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import MalformedBody, Reject, UnknownMessageType, WireError
+from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.plugins.manager import hookimpl
 from keyqueue.tasks.arguments import encode_result, result_headers, upgrade_arguments
 from keyqueue.tasks.context import Context
@@ -87,8 +88,9 @@ class TaskProcessor(BaseProcessor):
         special = [t for t in tasks.values() if t.spec.policy != "serial"]
         self.special = special[0] if special else None
         self.batch_size = self.special.spec.max_batch if self.special is not None else 0
-        self._peeked: tuple[Request, Envelope] | None = None
-        """The last request whose headers were read, and what they say (see :meth:`envelope`)."""
+        self._peeked: tuple[Request, Envelope, AnyTask | None] | None = None
+        """The last request whose headers were read, what they say, and its task once looked up (see
+        :meth:`envelope`)."""
 
     # --- reading requests ---
 
@@ -99,15 +101,20 @@ class TaskProcessor(BaseProcessor):
         if peeked is not None and peeked[0] is request:
             return peeked[1]
         envelope = peek(request.headers)
-        self._peeked = (request, envelope)
+        self._peeked = (request, envelope, None)
         return envelope
 
     def task_of(self, request: Request) -> AnyTask:
-        """The task a request names (``UnknownMessageType`` if the queue has none of that name)."""
+        """The task a request names (``UnknownMessageType`` if the queue has none of that name); looked
+        up once per request, as its headers are read once."""
+        peeked = self._peeked
+        if peeked is not None and peeked[0] is request and peeked[2] is not None:
+            return peeked[2]
         envelope = self.envelope(request)
         task = self.tasks.get(envelope.message_type)
         if task is None:
             raise UnknownMessageType(envelope.message_type, tuple(sorted(self.tasks)))
+        self._peeked = (request, envelope, task)
         return task
 
     def arguments(self, task: AnyTask, request: Request) -> dict[str, Any]:
@@ -283,12 +290,12 @@ class TaskProcessor(BaseProcessor):
 
 @hookimpl(trylast=True)
 def keyqueue_build_processor(app: App, worker: Worker, queue: str, key: str) -> KeyProcessor | None:
-    """The processor registered for the queue, else the queue's tasks."""
+    """The processor registered for the queue, else the queue's tasks (for the key ``~``: its unkeyed tasks)."""
     factory = app.processor_factory(queue)
     if factory is not None:
         # A processor or an awaitable of one; the worker awaits it.
         return cast("KeyProcessor | None", factory(key))
-    tasks = worker.queue_tasks(queue)
+    tasks = worker.unkeyed_tasks(queue) if key == UNKEYED else worker.queue_tasks(queue)
     if not tasks:
         return None
     from keyqueue.builtins.request_records import RecordingTaskProcessor  # a subclass: imported late

@@ -105,6 +105,10 @@ class RecordingTaskProcessor(TaskProcessor):
         self.clock = clock
         self.sleep = sleep
         self._run_logs: dict[str, tuple[list[float], int]] = {}
+        self._keeps = app.result_ttl is not None or any(t.spec.result_ttl for t in tasks.values())
+        """Whether any request handled here may keep its result (else :meth:`_keep` has nothing to do)."""
+        self._rate_limited = any(t.spec.rate_limit is not None for t in tasks.values())
+        """Whether any task handled here has a rate limit (else :meth:`_take_slot` has nothing to do)."""
 
     async def open(self, ctx: SessionContext) -> None:
         transport = self.app.transport()
@@ -132,7 +136,7 @@ class RecordingTaskProcessor(TaskProcessor):
             return None
 
     async def _keep(self, ctx: RequestContext, requests: Sequence[Request], outcomes: Sequence[BatchOutcome]) -> None:
-        if self.records is None:
+        if self.records is None or not self._keeps:
             return
         kept: list[tuple[str, dict[str, str], bytes, float]] = []
         for request, outcome in zip(requests, outcomes, strict=False):
@@ -329,6 +333,8 @@ class RecordingTaskProcessor(TaskProcessor):
 
         Nothing is recorded for a run whose requests were all cancelled meanwhile.
         """
+        if not self._rate_limited:
+            return
         task = self._task_or_none(requests[0])
         limit = task.spec.rate_limit if task is not None else None
         if task is None or limit is None or self.runs is None:

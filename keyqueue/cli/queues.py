@@ -378,7 +378,8 @@ def delete_queue_command(queue: str, yes: bool, force: bool, url: str | None) ->
 
 @click.command()
 @click.argument("queue")
-@click.option("--key", metavar="KEY", default=None, help="Only this key's pending requests.")
+@click.option("--key", metavar="KEY", default=None, help="Only this key's pending requests ('~': only the unkeyed "
+              "ones).")
 @click.option("--task", metavar="TASK", default=None, help="Only this task's pending requests (the others keep "
               "their order).")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
@@ -393,6 +394,7 @@ def purge(queue: str, key: str | None, task: str | None, yes: bool, url: str | N
     \b
     Examples:
       $ keyqueue purge shop --key o17            # asks first
+      $ keyqueue purge shop --key '~'            # the requests of unkeyed tasks
       $ keyqueue purge shop --task refund --yes
       removed 12 pending request(s) from queue shop (task refund)
     """

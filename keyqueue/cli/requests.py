@@ -15,7 +15,7 @@ from keyqueue.cli.key_inspection import progress_fields, progress_text
 from keyqueue.errors import KeyqueueTimeout, RequestNotFound, ResultExpired
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.records import RequestRecords
-from keyqueue.jetstream.subjects import QueueNames, validate_key, validate_request_id
+from keyqueue.jetstream.subjects import validate_request_id, validate_request_key
 from keyqueue.tasks.arguments import decode_result
 from keyqueue.wire import headers as H
 
@@ -62,7 +62,8 @@ def result(queue: str, request_id: str, timeout: float, url: str | None) -> None
 
 
 _SEQ_HELP = "The request's inbox sequence (its receipt's seq): finds a pending request of a task that keeps no results."
-_KEY_HELP = "The request's key: its backlog is searched for the id (a pending request of a task that keeps no results)."
+_KEY_HELP = ("The request's key: its backlog is searched for the id (a pending request of a task that keeps no "
+             "results); '~' for an unkeyed request (the queue's unkeyed requests are searched).")
 
 
 @click.command()
@@ -98,7 +99,7 @@ def status(queue: str, request_id: str, seq: int | None, key: str | None, with_p
     """
     validate_request_id(request_id)
     if key is not None:
-        validate_key(key)
+        validate_request_key(key)
 
     async def run() -> None:
         async with connection(url) as nc:
@@ -144,13 +145,12 @@ def cancel(queue: str, request_id: str, seq: int | None, key: str | None, url: s
     """
     validate_request_id(request_id)
     if key is not None:
-        validate_key(key)
+        validate_request_key(key)
 
     async def run() -> str:
         async with connection(url) as nc:
             api, records = await _queue_records(nc, queue)
-            return await request_cancel(records, api, QueueNames(queue).inbox_stream, request_id, seq,
-                                        CANCEL_ANSWER_WAIT, key=key)
+            return await request_cancel(records, api, request_id, seq, CANCEL_ANSWER_WAIT, key=key)
 
     state = asyncio.run(run())
     click.echo(state)

@@ -55,17 +55,7 @@ class DeadLettering:
     async def move(self, msg: StoredMsg, error: BaseException, attempts: int, reason: DeadLetterReason) -> None:
         """Copy ``msg`` to the DLQ saying why, remove it from the inbox, and answer its caller."""
         self._lease().check()
-        why = {
-            H.DLQ_REASON: reason,
-            H.DLQ_ERROR_TYPE: type(error).__name__,
-            H.ERROR_MESSAGE: H.header_safe(str(error)),
-            H.DLQ_ATTEMPTS: str(attempts),
-            H.DLQ_ORIGINAL_SUBJECT: msg.subject,
-            H.DLQ_ORIGINAL_SEQ: str(msg.seq),
-            H.DLQ_TIME: datetime.now(UTC).isoformat(),
-        }
-        if reason != DeadLetterReason.REJECTED:  # a rejection is expected input: its traceback says nothing
-            why[H.DLQ_TRACEBACK] = traceback_header(error)
+        why = dead_letter_reasons(error, reason, attempts, msg.subject, msg.seq)
         await self._steady(functools.partial(self.io.dead_letter, self.key, msg, why))
         await self.removals.settle_owed()
         self._lease().check()
@@ -87,6 +77,25 @@ class DeadLettering:
         except (KeyqueueError, ValueError) as e:
             log.debug("crash-loop counter for %s: %r", self.key, e)
             return max(1, delta), 0
+
+
+def dead_letter_reasons(error: BaseException, reason: DeadLetterReason, attempts: int, subject: str,
+                        seq: int) -> dict[str, str]:
+    """The ``X-KQ-DLQ-*`` headers of the copy of the request stored at ``seq`` on ``subject``: why
+    it is dead, after how many attempts, when, and (but for a rejection) the last traceback. The
+    key session's and the unkeyed lane's (``keyqueue.core.unkeyed``) dead letters say it alike."""
+    why = {
+        H.DLQ_REASON: reason,
+        H.DLQ_ERROR_TYPE: type(error).__name__,
+        H.ERROR_MESSAGE: H.header_safe(str(error)),
+        H.DLQ_ATTEMPTS: str(attempts),
+        H.DLQ_ORIGINAL_SUBJECT: subject,
+        H.DLQ_ORIGINAL_SEQ: str(seq),
+        H.DLQ_TIME: datetime.now(UTC).isoformat(),
+    }
+    if reason != DeadLetterReason.REJECTED:  # a rejection is expected input: its traceback says nothing
+        why[H.DLQ_TRACEBACK] = traceback_header(error)
+    return why
 
 
 def answerable(inbox: str) -> bool:

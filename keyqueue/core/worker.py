@@ -54,12 +54,14 @@ from keyqueue.core.reconciler import Reconciler
 from keyqueue.core.session import KeySession, SessionSettings
 from keyqueue.core.slots import Slots
 from keyqueue.core.turns import Turns
+from keyqueue.core.unkeyed import LaneSettings, UnkeyedLane
 from keyqueue.core.watchdog import HeldLease, LoopWatchdog
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import LogThrottle
 from keyqueue.jetstream.pull import PullOptions, Token, TokenPuller
 from keyqueue.jetstream.queue_io import QueueIO, count_killed_attempts
+from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.jetstream.topology import Change, QueueConfig, Topology
 
 log = logging.getLogger("keyqueue.worker")
@@ -89,7 +91,9 @@ class QueueWorker:
                  concurrency: int = 16, settings: SessionSettings | None = None,
                  pull: PullOptions | None = None, reconcile_interval: float = 30.0,
                  name: str | None = None, observer: SessionObserver | None = None,
-                 follow_lease: bool = False, watchdog: bool = False) -> None:
+                 follow_lease: bool = False, watchdog: bool = False, unkeyed: ProcessorFactory | None = None) -> None:
+        """``unkeyed``: the queue has unkeyed tasks; their processor's factory (called with the key
+        ``~``). The worker then runs an unkeyed lane beside its key sessions (core/unkeyed.py)."""
         self.nc = nc
         self.config = config
         self.factory = factory
@@ -157,6 +161,9 @@ class QueueWorker:
         self._recheck_wanted = asyncio.Event()
         self._leftovers: list[tuple[KeyLock, float]] = []
         """Lease records of sessions that lost their lease, to remove once connected (:meth:`remove_leftover`)."""
+        self._unkeyed = unkeyed
+        self.lane: UnkeyedLane | None = None
+        """The unkeyed lane, once started (with ``unkeyed``)."""
 
     # --- slots -----------------------------------------------------------------------------------
 
@@ -262,6 +269,7 @@ class QueueWorker:
         try:
             await self._ensure_topology()
             _raise_if_cancelled()
+            await self._start_lane()
         except BaseException as e:
             self._start_error = e
             self._started.set()
@@ -278,16 +286,22 @@ class QueueWorker:
                     tg.create_task(self._probe_waiting_tokens(), name="waiting-tokens"),
                     tg.create_task(self._recheck_keys(), name="rechecks"),
                 ]
+                lane = tg.create_task(self.lane.run(), name="unkeyed") if self.lane is not None else None
                 self._started.set()
                 if self.watchdog is not None:
                     self.watchdog.start()
                 try:
                     await self.draining.wait()
                 except asyncio.CancelledError:
-                    await _cancel_all(helpers)  # cut off (another queue failed to start, say)
+                    # Cut off (another queue failed to start, say).
+                    await _cancel_all(helpers + ([lane] if lane is not None else []))
                     raise
                 self.puller.stop()
+                if self.lane is not None:
+                    self.lane.stop(now=self._stop_now)  # it drains beside the key sessions
                 await self._drain()
+                if lane is not None:
+                    await asyncio.wait([lane])
                 await _cancel_all(helpers)
         finally:
             self._tg = None
@@ -321,6 +335,15 @@ class QueueWorker:
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
 
+    async def _start_lane(self) -> None:
+        """With unkeyed tasks: set up the work stream's consumer and open the lane (core/unkeyed.py)."""
+        if self._unkeyed is None:
+            return
+        settings = LaneSettings(self.settings.retry, self.settings.crash_loop_limit, self.settings.drain_timeout)
+        self.lane = UnkeyedLane(self.nc, self.config, self._unkeyed, settings, observer=self.report,
+                                concurrency=self.concurrency)
+        await self.lane.prepare()
+
     def _use_lease(self, lease: Change) -> None:
         """Hold keys for the lease the server now has. Workers already running keep their own until
         they restart: each holds its keys through lease records whose TTL is its own lease, so no
@@ -346,6 +369,8 @@ class QueueWorker:
         """Begin a graceful drain; ``now`` cuts running requests off (they run again elsewhere)."""
         self._stop_now = self._stop_now or now
         self.draining.set()
+        if self.lane is not None:
+            self.lane.stop(now=now)
         for session in list(self._held.values()):
             session.wake()  # a session waiting for a request notices the drain at once
         if now:
@@ -372,6 +397,8 @@ class QueueWorker:
 
     def reconnected(self) -> None:
         self.puller.reconnected()
+        if self.lane is not None:
+            self.lane.reconnected()
 
     # --- keys whose release was cut short ----------------------------------------------------------
 
@@ -636,7 +663,7 @@ class _Report:
         """``queue shop, key o1, request 01J...``; a request without an id (not sent by keyqueue) by
         its inbox sequence: ``seq 17``."""
         named = f"request {request.request_id}" if request.request_id else f"seq {request.seq}"
-        return f"queue {self.queue}, key {request.key}, {named}"
+        return f"queue {self.queue}, {'unkeyed' if request.key == UNKEYED else f'key {request.key}'}, {named}"
 
     def around_attempt(self, attempt: RequestAttempt, context: RequestContext,
                        requests: Sequence[Request]) -> AbstractAsyncContextManager[object]:

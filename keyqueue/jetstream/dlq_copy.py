@@ -11,8 +11,9 @@ key stuck behind it. So the copy is built to what nats-py sends and the server a
   expected sequence or a TTL meant for the inbox would make the DLQ refuse or expire the copy).
   Then keyqueue's ``X-KQ-DLQ-*`` headers saying why.
 - *Ids.* The request id moves to ``X-KQ-DLQ-Request-Id``. The copy's ``Nats-Msg-Id`` is
-  ``dlq:<inbox sequence>``: a copy re-sent after a crash is stored once, while two stored requests
-  that share a request id (enqueued outside the duplicate window) each get their own copy.
+  ``dlq:<inbox sequence>`` (an unkeyed request's, ``dlq:work-<work stream sequence>``): a copy
+  re-sent after a crash is stored once, while two stored requests that share a request id
+  (enqueued outside the duplicate window) each get their own copy.
 - *Size.* Headers and body together must fit the server's ``max_payload`` (nats-py checks the
   body alone; the server closes the connection of a client that sends more). Producers leave
   :data:`DLQ_HEADROOM` bytes free for the copy's own headers (a larger request is refused at
@@ -39,7 +40,8 @@ from keyqueue.jetstream.api import StoredMsg
 from keyqueue.wire import header_block_size
 from keyqueue.wire import headers as H
 
-__all__ = ["DEDUPE_PREFIX", "DLQ_HEADROOM", "DeadLetterCopy", "copy_id", "dead_letter_copy", "minimal_dead_letter_copy"]
+__all__ = ["DEDUPE_PREFIX", "DLQ_HEADROOM", "DeadLetterCopy", "copy_id", "dead_letter_copy", "minimal_dead_letter_copy",
+           "work_copy_id"]
 
 DLQ_HEADROOM: Final = 2048
 """Bytes below the server's ``max_payload`` that a request leaves for its dead-letter copy's own
@@ -77,9 +79,17 @@ def copy_id(seq: int) -> str:
     return f"{DEDUPE_PREFIX}{seq}"
 
 
-def dead_letter_copy(msg: StoredMsg, why: Mapping[str, str], max_payload: int) -> DeadLetterCopy:
-    """The copy of ``msg`` to store in the DLQ, with the ``why`` headers (``X-KQ-DLQ-*``)."""
-    own = _own_headers(msg, why)
+def work_copy_id(seq: int) -> str:
+    """The ``Nats-Msg-Id`` of the copy of the unkeyed request at work stream sequence ``seq`` (apart
+    from the inbox's: the two streams number their messages each on its own)."""
+    return f"{DEDUPE_PREFIX}work-{seq}"
+
+
+def dead_letter_copy(msg: StoredMsg, why: Mapping[str, str], max_payload: int, *,
+                     dedupe: str | None = None) -> DeadLetterCopy:
+    """The copy of ``msg`` to store in the DLQ, with the ``why`` headers (``X-KQ-DLQ-*``); ``dedupe``
+    is its ``Nats-Msg-Id`` (default :func:`copy_id` of its sequence)."""
+    own = _own_headers(msg, why, dedupe)
     reserved = {name.lower() for name in (*own, H.DLQ_TRUNCATED, H.DLQ_ESCAPED_HEADERS)}
     id_header = _request_id_header(msg)
     headers: dict[str, str] = {}
@@ -105,13 +115,14 @@ def dead_letter_copy(msg: StoredMsg, why: Mapping[str, str], max_payload: int) -
     headers[H.DLQ_TRUNCATED] = str(len(msg.data))
     room = max_payload - header_block_size(headers)
     if room < 0:
-        return minimal_dead_letter_copy(msg, why, max_payload)
+        return minimal_dead_letter_copy(msg, why, max_payload, dedupe=dedupe)
     return DeadLetterCopy(headers, msg.data[:room])
 
 
-def minimal_dead_letter_copy(msg: StoredMsg, why: Mapping[str, str], max_payload: int) -> DeadLetterCopy:
+def minimal_dead_letter_copy(msg: StoredMsg, why: Mapping[str, str], max_payload: int, *,
+                             dedupe: str | None = None) -> DeadLetterCopy:
     """A copy of ``msg`` with keyqueue's own headers only (shortened to fit) and an empty body."""
-    headers = _own_headers(msg, why)
+    headers = _own_headers(msg, why, dedupe)
     headers[H.DLQ_TRUNCATED] = str(len(msg.data))
     while (over := header_block_size(headers) - max_payload) > 0:
         name = max((n for n in headers if n not in _KEPT_WHOLE), key=lambda n: len(headers[n].encode()))
@@ -122,10 +133,10 @@ def minimal_dead_letter_copy(msg: StoredMsg, why: Mapping[str, str], max_payload
     return DeadLetterCopy(headers, b"", minimal=True)
 
 
-def _own_headers(msg: StoredMsg, why: Mapping[str, str]) -> dict[str, str]:
+def _own_headers(msg: StoredMsg, why: Mapping[str, str], dedupe: str | None) -> dict[str, str]:
     """The copy's dedupe id, the request id, and the ``why`` headers, each made sendable."""
     id_header = _request_id_header(msg)
-    own = {H.MSG_ID: copy_id(msg.seq)}
+    own = {H.MSG_ID: dedupe or copy_id(msg.seq)}
     if id_header is not None and msg.headers[id_header]:
         own[H.DLQ_REQUEST_ID] = msg.headers[id_header]
     own.update(why)

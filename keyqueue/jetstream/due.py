@@ -1,4 +1,5 @@
-"""``DueMover``: moves each request the server's schedules fire into its key's inbox, then gives the key a token.
+"""``DueMover``: moves each request the server's schedules fire into its key's inbox, then gives the key a token
+(an unkeyed request, fired to ``kq.Q.due.~``, into the queue's work stream, with no token).
 
 When a delayed request falls due, or a periodic schedule ticks, nats-server stores the request on
 ``kq.Q.due.<key>`` in the queue's schedules stream (``keyqueue.jetstream.schedules``). Every worker
@@ -79,7 +80,7 @@ from keyqueue.jetstream.schedules import (
     parse_time,
 )
 from keyqueue.jetstream.server_clock import ServerClock
-from keyqueue.jetstream.subjects import QueueNames, validate_key
+from keyqueue.jetstream.subjects import UNKEYED, QueueNames, validate_request_key
 from keyqueue.wire.headers import MSG_ID
 
 if TYPE_CHECKING:
@@ -267,7 +268,9 @@ class DueMover:
         depth: dict[str, int] = {}
         for seq, subject, headers, data in batch:
             request = due_request(subject, headers, data, seq, self.names)
-            n = depth[request.key] = depth.get(request.key, -1) + 1
+            # Unkeyed requests keep no order: all of them go in the first round.
+            n = 0 if request.key == UNKEYED else depth.setdefault(request.key, -1) + 1
+            depth[request.key] = n
             if n == len(rounds):
                 rounds.append([])
             rounds[n].append((seq, request))
@@ -279,7 +282,7 @@ class DueMover:
                 if request.key in stuck:
                     continue
                 try:
-                    validate_key(request.key)
+                    validate_request_key(request.key)
                 except ConfigError as exc:
                     log.error("queue %s: due request %s cannot be stored (%s); it is dropped", self.names.queue,
                               request.request_id, exc)

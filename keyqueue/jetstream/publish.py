@@ -1,4 +1,5 @@
-"""Enqueue: store a request in the key's inbox, then schedule the key with a token.
+"""Enqueue: store a request in the key's inbox, then schedule the key with a token; store an
+unkeyed request (key :data:`~keyqueue.jetstream.subjects.UNKEYED`) in the queue's work stream.
 
 Publishes go through nats-py's core ``request`` (concurrent calls pipeline on one connection)
 and the replies are parsed here: nats-py's ``publish_async`` logs a traceback for every
@@ -39,8 +40,8 @@ from keyqueue.errors import (
 from keyqueue.jetstream.api import STATUS, JetStreamApi, PubAck, parse_pub_ack
 from keyqueue.jetstream.connect import link_of, wait_connected
 from keyqueue.jetstream.mux import RequestMux, wait
-from keyqueue.jetstream.subjects import QueueNames, validate_key
-from keyqueue.wire.headers import MSG_ID
+from keyqueue.jetstream.subjects import UNKEYED, QueueNames, validate_key
+from keyqueue.wire.headers import MESSAGE_TYPE, MSG_ID
 
 PIPELINE_WINDOW: Final = 512
 """Publishes in flight at once during a bulk enqueue."""
@@ -94,11 +95,17 @@ class Publisher:
         return parse_pub_ack(await self._acknowledged(self._mux_for_one(), subject, body, headers,
                                                       repeatable=repeatable))
 
+    def subject(self, request: OutgoingRequest) -> str:
+        """Where ``request`` is stored: its key's inbox, or for an unkeyed one its task's subject of the
+        work stream (``InvalidKey`` for a key that cannot be one)."""
+        if request.key == UNKEYED:
+            return self.names.work(request.headers.get(MESSAGE_TYPE, ""))
+        return self.names.inbox(validate_key(request.key))
+
     async def store(self, request: OutgoingRequest) -> Enqueued:
         """Publish the request to the key's inbox (the first step of an enqueue; the token follows)."""
-        validate_key(request.key)
         try:
-            ack = await self._publish(self.names.inbox(request.key), request.body, request.headers)
+            ack = await self._publish(self.subject(request), request.body, request.headers)
         except KeyAlreadyScheduled as e:  # 10077 on the inbox: the per-key backlog cap
             raise BacklogFull(self.names.queue, request.key) from e
         return Enqueued(request.key, ack.seq, ack.duplicate, request.request_id)
@@ -118,14 +125,15 @@ class Publisher:
         round trips). Sent back to back, the token could be stored first: a worker could take it,
         find the inbox empty, release the key and re-check the inbox before the request landed,
         leaving the request to the reconciler. A refused request (a full backlog) publishes no
-        token.
+        token. An unkeyed request is stored in the work stream and needs no token.
         """
-        validate_key(request.key)
         mux = self._mux_for_one()
         try:
             ack = parse_pub_ack(await self._store_once(mux, request))
         except KeyAlreadyScheduled as e:  # 10077 on the inbox: the per-key backlog cap
             raise BacklogFull(self.names.queue, request.key) from e
+        if request.key == UNKEYED:
+            return Enqueued(request.key, ack.seq, ack.duplicate, request.request_id)
         try:
             parse_pub_ack(await self._acknowledged(mux, self.names.token(request.key), b"", None, repeatable=True))
         except KeyAlreadyScheduled:
@@ -140,7 +148,7 @@ class Publisher:
         The retry is safe: the server stores a request id once within the duplicate window, so if
         the first try was stored the second is acknowledged as a duplicate and stores nothing.
         """
-        subject = self.names.inbox(request.key)
+        subject = self.subject(request)
         for attempt in (1, 2):
             try:
                 return await self._acknowledged(mux, subject, request.body, request.headers,
@@ -190,12 +198,11 @@ class Publisher:
         rather than stored out of order.
         """
         items = list(requests)
-        for item in items:
-            validate_key(item.key)
+        subjects = [self.subject(item) for item in items]
         mux = RequestMux(self.nc)
         outage = _Outage(self.nc, self.outage_wait)
         try:
-            acks = await self._pipeline(mux, [(self.names.inbox(i.key), i.body, i.headers) for i in items], window,
+            acks = await self._pipeline(mux, [(subjects[n], i.body, i.headers) for n, i in enumerate(items)], window,
                                         outage)
             for _ in range(3):  # again (in order) what got no acknowledgement, as long as that is safe
                 again = _safe_to_send_again(items, acks)
@@ -204,8 +211,7 @@ class Publisher:
                 if any(isinstance(acks[n], ReplyLost) for n in again) and not await outage.wait():
                     break
                 retried = await self._pipeline(
-                    mux, [(self.names.inbox(items[n].key), items[n].body, items[n].headers) for n in again], window,
-                    outage)
+                    mux, [(subjects[n], items[n].body, items[n].headers) for n in again], window, outage)
                 for n, reply in zip(again, retried, strict=True):
                     acks[n] = reply
             results: list[Enqueued | EnqueueError] = []
@@ -221,7 +227,7 @@ class Publisher:
                     refused = EnqueueError(f"request for key {item.key!r} not stored: {e}")
                     refused.__cause__ = e  # a caller tells a passing refusal from one about the request
                     results.append(refused)
-            keys = list(dict.fromkeys(r.key for r in results if isinstance(r, Enqueued)))
+            keys = list(dict.fromkeys(r.key for r in results if isinstance(r, Enqueued) and r.key != UNKEYED))
             tokens = await self._pipeline(mux, [(self.names.token(k), b"", None) for k in keys], window, outage)
             lost = [n for n, reply in enumerate(tokens) if isinstance(reply, ConnectionFailed | KeyqueueTimeout)]
             if lost and await outage.wait():  # tokens are safe to publish again
@@ -339,13 +345,13 @@ def _no_leader(reply: Msg) -> bool:
 def _safe_to_send_again(items: list[OutgoingRequest], acks: list[Msg | KeyqueueError]) -> list[int]:
     """The requests, in order, that got no acknowledgement (lost with the connection, or none in
     time), carry a request id, and have no later request of their key acknowledged: sending them
-    again cannot store them after a later request of their key."""
+    again cannot store them after a later request of their key. Unkeyed requests have no order to keep."""
     acked_after: set[str] = set()
     again: list[int] = []
     for n in range(len(items) - 1, -1, -1):
         item, ack = items[n], acks[n]
         if isinstance(ack, ReplyLost | Disconnected | KeyqueueTimeout):
-            if _deduplicated(item) and item.key not in acked_after:
+            if _deduplicated(item) and (item.key == UNKEYED or item.key not in acked_after):
                 again.append(n)
         elif not isinstance(ack, KeyqueueError):
             acked_after.add(item.key)

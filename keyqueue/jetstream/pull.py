@@ -169,14 +169,25 @@ class PullState:
 
 
 class TokenPuller:
-    """Keeps the worker supplied with tokens, never more than it has free slots for."""
+    """Keeps the worker supplied with tokens, never more than it has free slots for.
+
+    A subclass pulls another consumer of the queue's (``WorkPuller``: unkeyed requests) by naming
+    its stream and what its messages are (:attr:`what`, :attr:`held`) and overriding :meth:`_deliver`.
+    """
+
+    what = "token"
+    """What this puller pulls, for log lines."""
+    held = "keys"
+    """What a worker holds by them, for log lines."""
 
     def __init__(self, nc: Client, names: QueueNames, *, capacity: Callable[[], int],
                  on_token: Callable[[Token], Awaitable[None]], options: PullOptions | None = None,
                  on_pinned: Callable[[str | None], Awaitable[None]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, stream: str | None = None) -> None:
         self.nc = nc
         self.names = names
+        self.stream = stream or names.token_stream
+        """The stream whose ``workers`` consumer is pulled (the token stream unless given)."""
         self.api = JetStreamApi(nc)
         self.capacity = capacity
         self.on_token = on_token
@@ -193,7 +204,7 @@ class TokenPuller:
         self.dropped = 0
         """Deliveries ignored because they answered abandoned pull requests."""
         self._closed_reported = False
-        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}"
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{names.consumer}"
         self.statuses: dict[str, int] = {}
         """Counts of status codes seen, for tests and ``inspect``."""
         self._refused = 0
@@ -249,7 +260,7 @@ class TokenPuller:
                 chunk = self._chunk = chunk_size(capacity)
                 # With priorities the server must see every free slot of a better tier waiting,
                 # or a worse tier gets keys first: no throttle there.
-                want = self.state.to_request(capacity, chunk, throttled=self.options.priority is None)
+                want = self.state.to_request(capacity, chunk, throttled=self._throttled())
                 if now < self._retry_at:
                     want = 0
                 while want > 0 and sub is not None and self.nc.is_connected:
@@ -275,16 +286,22 @@ class TokenPuller:
             if sub is not None:
                 await self._unsubscribe(sub)
 
+    def _throttled(self) -> bool:
+        """Whether at most :data:`OUTSTANDING_CHUNKS` chunks are requested at a time (so that keys
+        spread over the workers); with priorities the server must see every free slot of a better
+        tier waiting, or a worse tier gets keys first."""
+        return self.options.priority is None
+
     def _connection_down(self, error: BaseException) -> None:
         self.state.reset()
         if self.nc.is_closed and not self._closed_reported:
             self._closed_reported = True  # nats-py never reopens a closed connection: say it once
-            log.warning("queue %s: the NATS connection is closed, so this worker takes no more keys; a closed "
+            log.warning("queue %s: the NATS connection is closed, so this worker takes no more %s; a closed "
                         "connection does not reopen: stop the worker and start it on a new one (%s)",
-                        self.names.queue, type(error).__name__)
+                        self.names.queue, self.held, type(error).__name__)
         elif not self.nc.is_closed:
-            log.debug("queue %s: cannot pull tokens while disconnected (%s); pulling again once reconnected",
-                      self.names.queue, type(error).__name__)
+            log.debug("queue %s: cannot pull %ss while disconnected (%s); pulling again once reconnected",
+                      self.names.queue, self.what, type(error).__name__)
 
     async def _subscribe_or_none(self) -> Any:
         """The delivery subscription, or None while the connection cannot take one (tried again later)."""
@@ -301,12 +318,12 @@ class TokenPuller:
 
     async def _check_consumer(self) -> None:
         try:
-            await self.api.consumer_info(self.names.token_stream, self.names.consumer)
+            await self.api.consumer_info(self.stream, self.names.consumer)
         except ConsumerNotFound:
-            log.error("queue %s: the token consumer %s is gone; workers recreate it on restart",
-                      self.names.queue, self.names.consumer)
+            log.error("queue %s: the %s consumer %s is gone; workers recreate it on restart",
+                      self.names.queue, self.what, self.names.consumer)
         except KeyqueueError as e:
-            log.warning("queue %s: cannot check the token consumer: %s", self.names.queue, e)
+            log.warning("queue %s: cannot check the %s consumer: %s", self.names.queue, self.what, e)
 
     async def _subscribe(self) -> Any:
         generation = self._generation
@@ -323,7 +340,8 @@ class TokenPuller:
             # went to another worker since: a token is a hint, the lease record decides.
             self.dropped += 1
             if msg.reply and not (msg.headers or {}).get(STATUS):
-                log.warning("queue %s: handing back a token delivered to an abandoned pull request", self.names.queue)
+                log.warning("queue %s: handing back a %s delivered to an abandoned pull request", self.names.queue,
+                            self.what)
                 with contextlib.suppress(Exception):
                     await self.nc.publish(msg.reply, b"-NAK")
             return
@@ -340,10 +358,7 @@ class TokenPuller:
                 self.state.pin_id = pin
                 if self.on_pinned:
                     await self.on_pinned(pin)
-            seq, delivered, stored_at, pending = parse_ack_subject(msg.reply)
-            token = Token(self.names.key_of(msg.subject), msg.subject, msg.reply, seq, delivered, now, stored_at,
-                          pending)
-            await self.on_token(token)
+            await self._deliver(msg, now)
             return
         self.statuses[status] = self.statuses.get(status, 0) + 1
         if status == "100":  # idle heartbeat
@@ -372,14 +387,20 @@ class TokenPuller:
             self._back_off(now)
             if now - self._no_responders_logged >= NO_RESPONDERS_LOG_INTERVAL:
                 self._no_responders_logged = now
-                log.warning("queue %s: the token consumer does not answer pulls (503 no responders: no leader "
-                            "yet?); retrying with a backoff", self.names.queue)
+                log.warning("queue %s: the %s consumer does not answer pulls (503 no responders: no leader "
+                            "yet?); retrying with a backoff", self.names.queue, self.what)
         else:
             log.warning("queue %s: unexpected pull status %s %s", self.names.queue, status,
                         headers.get(DESCRIPTION, ""))
             self.state.given_back(None, now)
             self._back_off(now)
         self._wake.set()
+
+    async def _deliver(self, msg: Msg, now: float) -> None:
+        """Hand a delivered message (not a status) to the worker: here, as a :class:`Token`."""
+        seq, delivered, stored_at, pending = parse_ack_subject(msg.reply)
+        token = Token(self.names.key_of(msg.subject), msg.subject, msg.reply, seq, delivered, now, stored_at, pending)
+        await self.on_token(token)
 
     def _back_off(self, now: float) -> None:
         """No pull until a pause that grows with each refusal in a row (the run loop waits for it)."""

@@ -334,15 +334,17 @@ class QueueIO:
 
     # --- outputs ---------------------------------------------------------------------------------
 
-    async def dead_letter(self, key: str, msg: StoredMsg, headers: Mapping[str, str]) -> None:
+    async def dead_letter(self, key: str, msg: StoredMsg, headers: Mapping[str, str], *,
+                          dedupe: str | None = None) -> None:
         """Copy a request to the DLQ with the headers saying why (see :mod:`keyqueue.jetstream.dlq_copy`).
 
         The copy always fits ``max_payload`` and is always sendable; if the server still refuses
         it, the minimal copy is stored instead. Either is deduplicated on the request's inbox
-        sequence, so a copy sent again after a crash or a lost acknowledgement is stored once.
+        sequence (or on ``dedupe``: an unkeyed request's), so a copy sent again after a crash or a
+        lost acknowledgement is stored once.
         """
         subject = self.names.dlq(key)
-        copy = dead_letter_copy(msg, headers, self.nc.max_payload)
+        copy = dead_letter_copy(msg, headers, self.nc.max_payload, dedupe=dedupe)
         if not copy.minimal:
             try:
                 parse_pub_ack(await self.api._request(subject, copy.data, None, copy.headers))
@@ -352,7 +354,7 @@ class QueueIO:
                 # is raised, and the next holder sends the same copy again.
                 log.warning("queue %s key %s: the DLQ refused the copy of request %d (%r); storing a "
                             "minimal copy", self.names.queue, key, msg.seq, e)
-            copy = minimal_dead_letter_copy(msg, headers, self.nc.max_payload)
+            copy = minimal_dead_letter_copy(msg, headers, self.nc.max_payload, dedupe=dedupe)
         parse_pub_ack(await self.api._request(subject, copy.data, None, copy.headers))
 
     async def reply(self, inbox: str, headers: Mapping[str, str], body: bytes) -> None:

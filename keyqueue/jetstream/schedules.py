@@ -38,7 +38,7 @@ from keyqueue.errors import (
 )
 from keyqueue.jetstream.api import JetStreamApi, PubAck, parse_pub_ack
 from keyqueue.jetstream.cron import at_pattern
-from keyqueue.jetstream.subjects import QueueNames, request_id_token, validate_key
+from keyqueue.jetstream.subjects import QueueNames, request_id_token, validate_request_key
 from keyqueue.wire.headers import MSG_ID
 
 __all__ = [
@@ -237,7 +237,7 @@ class ScheduleStore:
         """Store a request that the server moves to ``kq.Q.due.<key>`` at ``due``; a request id seen in
         the duplicate window stores nothing (``duplicate``). ``msg_id`` deduplicates on another id
         (a due request delayed again)."""
-        validate_key(key)
+        validate_request_key(key)
         own = {k: v for k, v in headers.items() if k.lower() != MSG_ID.lower()}
         schedule_headers = {
             **own,

@@ -13,7 +13,13 @@ MAX_KEY_LENGTH: Final = 256
 """Longest key accepted, in bytes of UTF-8 (subjects travel in every message's protocol line)."""
 
 CONSUMER_NAME: Final = "workers"
-"""The one durable pull consumer on a queue's token stream, shared by every worker."""
+"""The one durable pull consumer on a queue's token stream (and on its work stream), shared by every worker."""
+
+UNKEYED: Final = "~"
+"""The key of every request of an unkeyed task (``@app.task()`` without ``key=``): such a request is
+stored in the queue's work stream, not in a key's inbox, and runs beside any other. Where a key
+names a subject (the dead-letter queue, events, progress) an unkeyed request uses this one; it is
+not a key a task may compute (``InvalidKey``)."""
 
 MAX_REQUEST_ID_LENGTH: Final = 256
 """Longest request id accepted, in characters (it travels as ``Nats-Msg-Id`` on every copy of a request)."""
@@ -58,6 +64,9 @@ def validate_key(key: str) -> str:
         raise InvalidKey(f"key must be a string, got {type(key).__name__}")
     if not key:
         raise InvalidKey("key is empty; a key is one or more subject tokens such as 'order-17' or 'w1.cs9'")
+    if key == UNKEYED:
+        raise InvalidKey(f"key {UNKEYED!r} is reserved for the requests of unkeyed tasks; a task without "
+                         "exclusivity is declared without key=")
     if len(key.encode()) > MAX_KEY_LENGTH:
         raise InvalidKey(f"key is {len(key.encode())} bytes long; the limit is {MAX_KEY_LENGTH}")
     for token in key.split("."):
@@ -70,6 +79,11 @@ def validate_key(key: str) -> str:
                 "characters or the wildcards '*' and '>'"
             )
     return key
+
+
+def validate_request_key(key: str) -> str:
+    """Return ``key`` if a stored request can have it: a key (:func:`validate_key`), or :data:`UNKEYED`."""
+    return key if key == UNKEYED else validate_key(key)
 
 
 def validate_request_id(request_id: str) -> str:
@@ -149,6 +163,12 @@ def request_id_token(request_id: str) -> str:
     return "~" + base64.urlsafe_b64encode(request_id.encode()).decode().rstrip("=")
 
 
+def name_token(name: str) -> str:
+    """A task's name as one subject token (as :func:`request_id_token` makes one of a request id;
+    ``~`` for no name)."""
+    return request_id_token(name) if name else UNKEYED
+
+
 @dataclass(frozen=True, slots=True)
 class QueueNames:
     """Every stream, consumer and subject name of one queue."""
@@ -176,6 +196,11 @@ class QueueNames:
         return f"KQ_{self.queue}_LEASES"
 
     @property
+    def work_stream(self) -> str:
+        """Unkeyed requests (a work-queue stream: a request is removed when its run is acked)."""
+        return f"KQ_{self.queue}_WORK"
+
+    @property
     def consumer(self) -> str:
         return CONSUMER_NAME
 
@@ -186,6 +211,10 @@ class QueueNames:
     @property
     def token_prefix(self) -> str:
         return f"kq.{self.queue}.tok."
+
+    @property
+    def work_prefix(self) -> str:
+        return f"kq.{self.queue}.work."
 
     @property
     def dlq_prefix(self) -> str:
@@ -212,6 +241,10 @@ class QueueNames:
 
     def token(self, key: str) -> str:
         return self.token_prefix + key
+
+    def work(self, task: str) -> str:
+        """Where the unkeyed requests of ``task`` (its name, the request's ``X-MESSAGE-TYPE``) are stored."""
+        return self.work_prefix + name_token(task)
 
     def dlq(self, key: str) -> str:
         return self.dlq_prefix + key

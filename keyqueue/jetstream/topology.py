@@ -156,6 +156,37 @@ class QueueConfig:
             "first_seq": max(1, first_seq),
         }
 
+    def work_config(self) -> dict[str, Any]:
+        """Unkeyed requests: a work-queue stream, one subject per task (``kq.Q.work.<task>``); a
+        request is removed by the ack of its run (or of its dead-letter copy)."""
+        n = self.names
+        return {
+            "name": n.work_stream,
+            "subjects": [n.work_prefix + ">"],
+            "retention": "workqueue",
+            "storage": "file",
+            "num_replicas": self.replicas,
+            "duplicate_window": int(self.duplicate_window * NS),
+            "allow_direct": self.replicas == 1,
+        }
+
+    def work_consumer_config(self) -> dict[str, Any]:
+        """The ``workers`` consumer of the work stream: each unkeyed request goes to one worker,
+        which keeps it with ``+WPI`` while it runs; the queue's lease is its ``ack_wait``.
+        Deliveries are unlimited: a request the server stopped delivering would stay stored and
+        never run, so the worker dead-letters one that keeps coming back (``crash-loop``)."""
+        return {
+            "durable_name": self.names.consumer,
+            "ack_policy": "explicit",
+            "ack_wait": int(self.ack_wait * NS),
+            "max_deliver": -1,
+            "max_ack_pending": self.max_ack_pending,
+            "deliver_policy": "all",
+            "replay_policy": "instant",
+            "max_waiting": 512,
+            "num_replicas": self.replicas,
+        }
+
     def consumer_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
             "durable_name": self.names.consumer,
@@ -285,6 +316,51 @@ class Topology:
                  self.config.name, name)
         return True
 
+    async def ensure_unkeyed(self, *, consumer: bool = False) -> float | None:
+        """Create the queue's work stream (unkeyed requests) if it is missing, else check its
+        layout; with ``consumer``, its consumer too (what a worker serving unkeyed tasks calls).
+        Returns the consumer's lease (``ack_wait``, seconds) when asked for it.
+
+        Separate from :meth:`ensure`: a queue gets this stream only once an unkeyed task uses it,
+        so a queue created by an older keyqueue, or one without unkeyed tasks, is left as it is."""
+        await self._ensure_stream(self.config.work_config(), _STREAM_LAYOUT)
+        if not consumer:
+            return None
+        n = self.config.names
+        wanted = self.config.work_consumer_config()
+        try:
+            existing = (await self.api.consumer_info(n.work_stream, n.consumer))["config"]
+        except ConsumerNotFound:
+            try:
+                existing = (await self.api.add_consumer(n.work_stream, wanted))["config"]
+            except JetStreamError as refused:
+                existing = await self._created_meanwhile(self._work_consumer_config(), ConsumerNotFound, refused)
+        entity = f"consumer {n.work_stream}/{n.consumer}"
+        for field in _CONSUMER_LAYOUT:
+            if (differs := _differs(existing, wanted, field)) is not None:
+                raise TopologyMismatch(
+                    entity, field, *differs,
+                    f"that is keyqueue's layout, not a setting: with every worker of the queue stopped, delete it "
+                    f"(`nats consumer rm {n.work_stream} {n.consumer}`; the requests stay) and a worker creates it "
+                    f"again ({OWNERS})")
+        return float(existing["ack_wait"]) / NS
+
+    async def _configure_work_consumer(self, update: dict[str, Any]) -> None:
+        """The work stream's consumer follows the queue's lease and ``max_ack_pending`` (when the
+        queue has one: unkeyed tasks made it)."""
+        n = self.config.names
+        try:
+            current = await self._work_consumer_config()
+        except (ConsumerNotFound, StreamNotFound):
+            return
+        await self.api.request(f"CONSUMER.CREATE.{n.work_stream}.{n.consumer}",
+                               {"stream_name": n.work_stream, "config": {**current, **update}, "action": "update"})
+
+    async def _work_consumer_config(self) -> dict[str, Any]:
+        n = self.config.names
+        config: dict[str, Any] = (await self.api.consumer_info(n.work_stream, n.consumer))["config"]
+        return config
+
     # --- the queue's settings --------------------------------------------------------------------
 
     async def configure(self, *, ack_wait: float | None = None, max_ack_pending: int | None = None,
@@ -312,6 +388,7 @@ class Topology:
                 update["max_ack_pending"] = max_ack_pending
             await self.api.request(f"CONSUMER.CREATE.{n.token_stream}.{n.consumer}",
                                    {"stream_name": n.token_stream, "config": {**current, **update}, "action": "update"})
+            await self._configure_work_consumer(update)
         if max_backlog_per_key is not None or duplicate_window is not None:
             inbox = (await self.api.stream_info(n.inbox_stream))["config"]
             inbox_update: dict[str, Any] = {}

@@ -17,6 +17,10 @@ implementation may be an ``async def`` (or return an awaitable) and keyqueue awa
 ``firstresult`` hook takes the first result that is not ``None``; an implementation that wants
 to decline must therefore return ``None`` synchronously (a coroutine is never ``None``).
 
+Unkeyed requests. The requests of a task declared without ``key=`` run in each worker's unkeyed
+lane (``keyqueue.core.unkeyed``), not in key sessions: the request hooks fire for them as for any
+request, with ``key`` ``"~"`` (``keyqueue.UNKEYED``), and the key hooks never do.
+
 Failures. Lifecycle hooks (worker, key and request events) are observers: an exception in one
 is logged with the plugin's name and the worker goes on. Exceptions in the other hooks
 propagate to whoever triggered them (the ``App``, the worker's processor, the CLI).
@@ -92,6 +96,11 @@ def keyqueue_build_processor(
     built-in implementation (``trylast``) returns the factory registered with
     ``app.register_processor`` for the queue, else the default processor that runs the queue's
     ``@task`` functions.
+
+    Also fires once when a worker starts a queue's unkeyed lane, with ``key`` ``"~"``: the
+    processor returned then handles every unkeyed request of the queue that worker runs, several
+    at once (``handle`` only; ``idle`` is never called). The built-in one runs the app's unkeyed
+    tasks.
     """
 
 

@@ -30,7 +30,7 @@ from keyqueue.errors import (
     Superseded,
     UnsupportedVersion,
 )
-from keyqueue.jetstream.subjects import validate_key
+from keyqueue.jetstream.subjects import UNKEYED, validate_key
 from keyqueue.tasks.argument_types import ArgumentTypes
 from keyqueue.tasks.context import Context
 from keyqueue.wire import CBOR, check_plain, decode_envelope_fields, dumps, from_fields, loads, to_fields
@@ -254,17 +254,21 @@ def check_upgrades(task: str, version: int, upgrades: Mapping[int, Upgrade]) -> 
 
 
 class KeyMaker:
-    """A task's key: a template over its arguments (``"{order_id}"``), or a callable returning one."""
+    """A task's key: a template over its arguments (``"{order_id}"``), a callable returning one, or
+    None for an unkeyed task (every request's key is then :data:`~keyqueue.jetstream.subjects.UNKEYED`)."""
 
-    def __init__(self, key: str | Callable[..., str], task: str, parameters: tuple[str, ...] | None) -> None:
+    def __init__(self, key: str | Callable[..., str] | None, task: str, parameters: tuple[str, ...] | None) -> None:
         self.task = task
+        self.unkeyed = key is None
+        """No key: the task's requests go to the queue's work stream and run without exclusivity."""
+        self.template: str | None = None
+        self.function: Callable[..., str] | None = None
         if isinstance(key, str):
-            self.template: str | None = key
-            self.function: Callable[..., str] | None = None
+            self.template = key
             self._check_template(key, parameters)
         elif callable(key):
-            self.template, self.function = None, key
-        else:
+            self.function = key
+        elif key is not None:
             raise ConfigError(f"task {task}: key must be a template string or a callable, not {key!r}")
 
     def _check_template(self, template: str, parameters: tuple[str, ...] | None) -> None:
@@ -288,6 +292,8 @@ class KeyMaker:
 
     def make(self, values: Mapping[str, Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """The key for one request: ``values`` fill the template, ``args``/``kwargs`` go to a callable."""
+        if self.unkeyed:
+            return UNKEYED
         if self.function is not None:
             key = self.function(*args, **kwargs)
         else:

@@ -85,7 +85,9 @@ class Context:
         """``(lease record sequence, token delivery count)``: strictly increases from one holder of the key to the next.
 
         Store it with what you write and refuse writes with a smaller one, and a worker that lost
-        the key (paused past its lease, say) cannot overwrite the next holder's work.
+        the key (paused past its lease, say) cannot overwrite the next holder's work. For an
+        unkeyed task (``key`` is ``"~"``) it is ``(work stream sequence, delivery count)``: the
+        second number tells a redelivered request (more than 1) from a first delivery.
         """
 
     @functools.cached_property

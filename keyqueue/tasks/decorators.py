@@ -31,7 +31,7 @@ T = TypeVar("T")
 class _Declaration:
     """What a decorator was given, before it sees the function."""
 
-    key: KeySpec
+    key: KeySpec | None
     queue: str
     name: str | None
     policy: Policy
@@ -53,7 +53,7 @@ class _Declaration:
             name=self.name or fn.__name__, queue=self.queue, policy=self.policy, max_attempts=self.max_attempts,
             backoff=backoff, timeout=self.timeout, version=self.version, upgrades=dict(self.upgrades or {}),
             max_batch=self.max_batch, merge=self.merge, result_ttl=self.result_ttl, rate_limit=self.rate_limit,
-            soft_timeout=self.soft_timeout, retry_on=self.retry_on,
+            soft_timeout=self.soft_timeout, retry_on=self.retry_on, unkeyed=self.key is None,
         )
 
 
@@ -114,7 +114,7 @@ class BatchTaskDecorator:
 
 
 def declare(
-    *, key: KeySpec, queue: str, name: str | None, policy: Policy, max_attempts: int, backoff: Backoff | float,
+    *, key: KeySpec | None, queue: str, name: str | None, policy: Policy, max_attempts: int, backoff: Backoff | float,
     timeout: float | None, version: int, upgrades: Mapping[int, Upgrade] | None, max_batch: int, merge: Merge | None,
     register: Register, dispatcher: Callable[[], Dispatcher], result_ttl: float | None = None,
     rate_limit: str | None = None, soft_timeout: float | None = None,

@@ -54,7 +54,7 @@ from typing import Any, Concatenate, Final, Generic, Literal, ParamSpec, Protoco
 
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import CallOnOwnKey, ConfigError, MalformedBody
-from keyqueue.jetstream.subjects import validate_queue_name, validate_request_id
+from keyqueue.jetstream.subjects import UNKEYED, validate_queue_name, validate_request_id
 from keyqueue.tasks.argument_types import check_value, type_check
 from keyqueue.tasks.arguments import ArgumentCodec, KeyMaker, Upgrade, check_upgrades, decode_result, takes_context
 from keyqueue.tasks.context import Context, Progress
@@ -103,7 +103,8 @@ producer's outage wait (15 s) and a few JetStream replies (5 s each)."""
 
 
 KeySpec = str | Callable[..., str]
-"""A key template over the task's arguments (``"{order_id}"``) or a callable returning the key."""
+"""A key template over the task's arguments (``"{order_id}"``) or a callable returning the key
+(``None`` where a task takes one: an unkeyed task)."""
 
 Merge = Callable[[Sequence[dict[str, Any]]], dict[str, Any]]
 """Folds the argument maps of a ``merge`` task's pending requests (oldest first) into one."""
@@ -153,7 +154,11 @@ class TaskSpec:
     """Seconds each request's result (or error) is kept, found by request id (None: the app's default;
     0: none kept, whatever the app's default)."""
     rate_limit: RateLimit | None = None
-    """At most this many runs per key per period, across the fleet (``rate_limit="10/m"``)."""
+    """At most this many runs per key per period, across the fleet (``rate_limit="10/m"``); for an
+    unkeyed task, runs of the task per period across the fleet."""
+    unkeyed: bool = False
+    """Declared without ``key=``: no exclusivity, no order; its requests go to the queue's work stream
+    and run beside any other (``keyqueue.core.unkeyed``)."""
 
     def kept_for(self, default: float | None) -> float | None:
         """Seconds this task's results are kept, given the app's ``default``; None: none are kept.
@@ -187,6 +192,9 @@ class TaskSpec:
             raise ConfigError(f"task {self.name}: retry_on takes exception classes, got {self.retry_on!r}")
         if self.merge is not None and self.policy != "merge":
             raise ConfigError(f"task {self.name}: merge= is only used with policy='merge'")
+        if self.unkeyed and self.policy != "serial":
+            raise ConfigError(f"task {self.name}: policy {self.policy!r} takes a key's pending requests together, so "
+                              "it needs key=; a task without a key runs each request on its own")
         check_upgrades(self.name, self.version, self.upgrades)
         self.retry_policy()  # validates max_attempts and backoff now, not at the first failure
 
@@ -203,8 +211,9 @@ class Receipt:
 
     request_id: str
     key: str
+    """The request's key; ``~`` (``keyqueue.UNKEYED``) for a request of an unkeyed task."""
     seq: int
-    """The request's sequence in the queue's inbox stream."""
+    """The request's sequence in the queue's inbox stream (an unkeyed request's: in its work stream)."""
     duplicate: bool
     """True if a request with this id was already stored (within the duplicate window): nothing new was stored."""
     queue: str = ""
@@ -446,7 +455,8 @@ class _TaskBase:
         key, fields = self.fields_for(args, kwargs)
         running = _RUNNING.get()
         queue = opts.queue or self.spec.queue
-        if running is not None and running[:2] == (queue, key):
+        # An unkeyed request waits for no key, so a run may call one (even of its own task).
+        if running is not None and key != UNKEYED and running[:2] == (queue, key):
             raise CallOnOwnKey(running[2], self.spec.name, queue, key)
         request = self._request(key, fields, opts.request_id, opts)
         request.delay = opts.delay
@@ -525,7 +535,7 @@ _Sync = Callable[P, R]
 class Task(_TaskBase, Generic[F]):
     """A task wrapping the function ``F``; ``enqueue`` / ``call`` take ``F``'s arguments, less the context."""
 
-    def __init__(self, fn: F, spec: TaskSpec, key: KeySpec, dispatcher: Callable[[], Dispatcher]) -> None:
+    def __init__(self, fn: F, spec: TaskSpec, key: KeySpec | None, dispatcher: Callable[[], Dispatcher]) -> None:
         if spec.policy == "batch":
             raise ConfigError(f"task {spec.name}: policy='batch' makes a BatchTask")
         super().__init__(fn, spec, dispatcher)
@@ -749,7 +759,7 @@ class BatchTask(_TaskBase, Generic[T, R]):
     ITEM: Final = "item"
     """The one field of a batch request's body."""
 
-    def __init__(self, fn: Callable[..., Any], spec: TaskSpec, key: KeySpec,
+    def __init__(self, fn: Callable[..., Any], spec: TaskSpec, key: KeySpec | None,
                  dispatcher: Callable[[], Dispatcher]) -> None:
         if spec.policy != "batch":
             raise ConfigError(f"task {spec.name}: a BatchTask needs policy='batch'")

@@ -21,6 +21,7 @@ from bench.run import (
     PRODUCT_COLD,
     PRODUCT_HOT,
     PRODUCT_HOT_2,
+    PRODUCT_UNKEYED,
     RAW_FETCH,
     REBASER,
     run,
@@ -34,13 +35,13 @@ async def test_smallest_run_reports_every_workload(tmp_path: Path) -> None:
 
     workloads = {row.workload for row in result.rows}
     for name in (RAW_FETCH, HOT_1, HOT_2, COLD, BULK, LAT_IDLE, LAT_LOAD, HANDOFF_SOLO, HELD, REBASER, PRODUCT_HOT,
-                 PRODUCT_HOT_2, PRODUCT_COLD):
+                 PRODUCT_HOT_2, PRODUCT_COLD, PRODUCT_UNKEYED):
         assert name in workloads, name
     for name in (HOT_1, HOT_2, COLD):
         row = result.find(name)
         assert row is not None and row.value > 0 and row.ratio is not None and row.ratio > 0, row
         assert row.check == "order kept, exclusive", row
-    for name in (PRODUCT_HOT, PRODUCT_HOT_2, PRODUCT_COLD):  # through `keyqueue worker`, plugins on
+    for name in (PRODUCT_HOT, PRODUCT_HOT_2, PRODUCT_COLD, PRODUCT_UNKEYED):  # through `keyqueue worker`, plugins on
         row = result.find(name)
         assert row is not None and row.value > 0 and row.baseline == RAW_FETCH, row
     idle = result.find(LAT_IDLE)

@@ -137,3 +137,40 @@ async def test_each_role_can_do_its_work_and_a_producer_can_neither_read_nor_pur
         # The operator purges.
         code, out, err = await keyqueue_cli(as_user("ops"), "purge", "shop", "--yes")
         assert (code, out) == (0, "removed 1 pending request(s) from queue shop\n"), err
+
+
+UNKEYED_APP = '''
+import keyqueue
+
+app = keyqueue.App("shop", set_as_default=False)
+
+
+@app.task()
+async def add(x: int, y: int) -> int:
+    return x + y
+'''
+
+
+async def test_the_roles_cover_unkeyed_tasks(tmp_path: Path) -> None:
+    (tmp_path / "unkeyed_shop.py").write_text(UNKEYED_APP)
+    users = ", ".join(_user(name, role) for name, role in (("producer", "producer"), ("worker", "worker")))
+    async with secured_server(tmp_path / "server", f"authorization {{ users: [ {users} ] }}") as port:
+        url = f"nats://127.0.0.1:{port}"
+
+        def as_user(name: str) -> dict[str, str]:
+            return environment(KEYQUEUE_URL=url, KEYQUEUE_USER=name, KEYQUEUE_PASSWORD=f"{name}-pw",
+                               PYTHONPATH=str(tmp_path))
+
+        # The worker makes the work stream and its consumer, pulls, acks; the producer stores there.
+        worker = await Command.start(KEYQUEUE, "worker", "unkeyed_shop:app", env=as_user("worker"), cwd=ROOT)
+        try:
+            await worker.wait_for(r"queue shop: add \(unkeyed\)")
+            code, out, err = await keyqueue_cli(as_user("producer"), "enqueue", "unkeyed_shop:app", "add",
+                                                '{"x": 2, "y": 3}', "--wait")
+            assert code == 0, err
+            assert json.loads(out) == 5
+            code, out, err = await keyqueue_cli(as_user("worker"), "purge", "shop", "--key", "~", "--yes")
+            assert (code, out) == (0, "no pending requests in queue shop (unkeyed)\n"), err  # it was acked
+        finally:
+            assert await worker.stop() == 0, worker.output
+        assert "ermission" not in worker.output, worker.output
