@@ -80,11 +80,25 @@ from keyqueue.errors import (
     UnsupportedContentType,
     UnsupportedVersion,
     WireError,
+    WorkflowCancelled,
+    WorkflowFailed,
     WrongLastSequence,
 )
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.plugins.manager import hookimpl
 from keyqueue.settings import Settings
+from keyqueue.tasks.canvas import (
+    Canvas,
+    Chain,
+    Chord,
+    Group,
+    Signature,
+    StepFailure,
+    WorkflowReceipt,
+    chain,
+    chord,
+    group,
+)
 from keyqueue.tasks.context import Context
 from keyqueue.tasks.task import Backoff, BatchTask, Dispatcher, Policy, Receipt, Task, TaskRequest, TaskSpec
 
@@ -97,6 +111,9 @@ __all__ = [
     "CallOnOwnKey",
     "CancelState",
     "Cancelled",
+    "Canvas",
+    "Chain",
+    "Chord",
     "ConfigError",
     "ConnectionClosed",
     "ConnectionFailed",
@@ -108,6 +125,7 @@ __all__ = [
     "EnqueueError",
     "EnqueueTimeout",
     "Expired",
+    "Group",
     "InvalidKey",
     "InvalidRequestId",
     "InvalidSchedule",
@@ -144,7 +162,9 @@ __all__ = [
     "ServerNotFound",
     "SessionContext",
     "Settings",
+    "Signature",
     "SoftTimeout",
+    "StepFailure",
     "StreamNotFound",
     "Superseded",
     "SyncTimeout",
@@ -159,8 +179,14 @@ __all__ = [
     "UnsupportedVersion",
     "WireError",
     "Worker",
+    "WorkflowCancelled",
+    "WorkflowFailed",
+    "WorkflowReceipt",
     "WrongLastSequence",
+    "chain",
+    "chord",
     "default_app",
+    "group",
     "hookimpl",
     "task",
 ]
