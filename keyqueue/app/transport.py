@@ -35,7 +35,6 @@ from keyqueue.errors import (
     KeyqueueError,
     KeyqueueTimeout,
     PayloadTooLarge,
-    StreamNotFound,
 )
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
@@ -44,7 +43,7 @@ from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.records import RequestRecords
 from keyqueue.jetstream.schedules import ScheduleStore
 from keyqueue.jetstream.topology import QueueConfig, Topology
-from keyqueue.jetstream.workflows import WorkflowStore
+from keyqueue.jetstream.workflows import WorkflowStore, existing_store
 from keyqueue.settings import Settings
 from keyqueue.tasks.task import Receipt, TaskRequest
 from keyqueue.wire import header_block_size
@@ -382,15 +381,13 @@ class NatsTransport:
         store = state.workflows.get(queue)
         if store is None:
             assert state.nc is not None
-            store = WorkflowStore(state.nc, queue, replicas=self.queue_config(queue).replicas)
             if create:
+                store = WorkflowStore(state.nc, queue, replicas=self.queue_config(queue).replicas)
                 await store.ensure()
             else:
-                try:
-                    info = await store.api.stream_info(store.stream)
-                except StreamNotFound:
+                store = await existing_store(state.nc, queue)
+                if store is None:
                     return None
-                store.direct = bool(info["config"].get("allow_direct"))
             state.workflows[queue] = store
         return store
 

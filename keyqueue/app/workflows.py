@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from keyqueue.errors import (
     ConfigError,
@@ -31,6 +31,7 @@ from keyqueue.errors import (
     WrongLastSequence,
 )
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
+from keyqueue.jetstream.subjects import validate_queue_name
 from keyqueue.jetstream.workflows import WorkflowStore, decode_record, find_workflow_queue
 from keyqueue.tasks.canvas import (
     Target,
@@ -39,6 +40,7 @@ from keyqueue.tasks.canvas import (
     decode_shape,
     revive,
     step_request_id,
+    validate_workflow_id,
 )
 from keyqueue.wire import CBOR, dumps, loads
 from keyqueue.wire import headers as H
@@ -49,14 +51,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "END_STATES",
+    "StepRef",
     "StepView",
     "WorkflowView",
     "cancel_workflow",
     "enqueue_steps",
     "locate_workflow",
+    "mark_resumed",
     "read_workflow",
     "start_workflow",
     "step_headers",
+    "step_of",
     "workflow_result",
     "workflow_status",
 ]
@@ -68,6 +73,31 @@ log = logging.getLogger("keyqueue.workflow")
 
 _LIVE_LOOKUPS: Final = 8
 """Enqueued steps ``status`` asks the workers about, to tell ``running`` from ``pending``."""
+
+
+class StepRef(NamedTuple):
+    """Which step of which workflow a request is, from its headers."""
+
+    queue: str
+    """Where the workflow's records are."""
+    workflow_id: str
+    step: int
+
+
+def step_of(headers: Mapping[str, str]) -> StepRef | None:
+    """The step a request is, or None when it is not one. Headers that say so but cannot be
+    (they become subjects) are logged and ignored: nothing read from the wire is published to
+    before it is checked."""
+    workflow_id = headers.get(H.WORKFLOW_ID)
+    if workflow_id is None:
+        return None
+    try:
+        return StepRef(validate_queue_name(headers.get(H.WORKFLOW_QUEUE, "")), validate_workflow_id(workflow_id),
+                       int(headers.get(H.WORKFLOW_STEP, "")))
+    except (KeyqueueError, ValueError) as exc:
+        log.warning("request %s names workflow %r with headers that cannot be one (%s): handled as a lone request",
+                    headers.get(H.MSG_ID, "?")[:64], workflow_id[:64], exc)
+        return None
 
 
 def step_headers(plan: WorkflowPlan, step: int) -> dict[str, str]:
@@ -160,6 +190,24 @@ async def locate_workflow(app: App, workflow_id: str, queue: str | None = None) 
     if store is None or await store.last(store.subject(workflow_id, "plan")) is None:
         return None
     return store
+
+
+async def mark_resumed(store: WorkflowStore, workflow_id: str, step: int) -> bool:
+    """Turn the workflow's end from ``failed`` at ``step`` back to ``running`` (its dead-letter replay
+    was stored, or succeeded); False if the end said something else."""
+    subject = store.subject(workflow_id, "end")
+    for _ in range(10):
+        stored = await store.last(subject)
+        end = decode_record(stored)
+        if stored is None or end is None or end.get("state") != "failed" or end.get("step") != step:
+            return False
+        try:
+            await store.put_record(subject, {"state": "running", "at": time.time(), "resumed": step},
+                                   expected_last=stored.seq)
+            return True
+        except WrongLastSequence:
+            continue
+    return False
 
 
 # --- reading a workflow ---------------------------------------------------------------------------

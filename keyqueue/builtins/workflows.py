@@ -45,13 +45,12 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from keyqueue.app.workflows import build_step, step_queue, store_of
+from keyqueue.app.workflows import StepRef, build_step, mark_resumed, step_of, step_queue, store_of
 from keyqueue.errors import (
     ConfigError,
     EnqueueError,
-    KeyqueueError,
     LeaseLost,
     PartiallyEnqueued,
     TokenPublishFailed,
@@ -59,7 +58,6 @@ from keyqueue.errors import (
     WrongLastSequence,
 )
 from keyqueue.jetstream.api import JetStreamApi
-from keyqueue.jetstream.subjects import validate_queue_name
 from keyqueue.jetstream.workflows import decode_record, find_workflow_queue
 from keyqueue.plugins.manager import hookimpl
 from keyqueue.tasks.canvas import (
@@ -68,7 +66,6 @@ from keyqueue.tasks.canvas import (
     WorkflowPlan,
     parse_step_request_id,
     step_request_id,
-    validate_workflow_id,
 )
 from keyqueue.tasks.task import Task
 from keyqueue.wire import CBOR, dumps, loads, to_fields
@@ -81,7 +78,7 @@ if TYPE_CHECKING:
     from keyqueue.jetstream.workflows import WorkflowStore
     from keyqueue.tasks.task import Receipt, TaskRequest, TaskSpec
 
-__all__ = ["StepRef", "step_of"]
+__all__: list[str] = []
 
 log = logging.getLogger("keyqueue.workflow")
 
@@ -89,31 +86,6 @@ T = TypeVar("T")
 
 PLANS_KEPT: Final = 256
 """Plans a worker keeps decoded (a plan never changes once stored), the most recently used."""
-
-
-class StepRef(NamedTuple):
-    """Which step of which workflow a request is, from its headers."""
-
-    queue: str
-    """Where the workflow's records are."""
-    workflow_id: str
-    step: int
-
-
-def step_of(headers: Mapping[str, str]) -> StepRef | None:
-    """The step a request is, or None when it is not one. Headers that say so but cannot be
-    (they become subjects) are logged and ignored: nothing read from the wire is published to
-    before it is checked."""
-    workflow_id = headers.get(H.WORKFLOW_ID)
-    if workflow_id is None:
-        return None
-    try:
-        return StepRef(validate_queue_name(headers.get(H.WORKFLOW_QUEUE, "")), validate_workflow_id(workflow_id),
-                       int(headers.get(H.WORKFLOW_STEP, "")))
-    except (KeyqueueError, ValueError) as exc:
-        log.warning("request %s names workflow %r with headers that cannot be one (%s): handled as a lone request",
-                    headers.get(H.MSG_ID, "?")[:64], workflow_id[:64], exc)
-        return None
 
 
 class _Plans:
@@ -192,6 +164,8 @@ class _Step:
         if own is not None and own.get("state") == "done":
             return  # handed on already: this is a run again, or a duplicate of the step
         cancelled = end is not None and end.get("state") == "cancelled"
+        if own is not None and own.get("state") == "failed":
+            await self.resume(key)
         handed = {} if cancelled else await self.deliver(self.plan.steps[self.step].then, value)
         now = time.time()
         record = {"state": "done", "request_id": request.request_id, "key": key, "queue": queue,
@@ -199,21 +173,10 @@ class _Step:
                   "finished": now, "next": handed}
         self.check_lease()
         await self.steady(lambda: self.store.put_record(self.store.subject(self.wf, "step", self.step), record))
-        if own is not None and own.get("state") == "failed":
-            await self.resume(key)
 
     async def resume(self, key: str) -> None:
         """A failed step succeeded (its dead-letter replay): the end no longer says it failed there."""
-        for _ in range(10):
-            _, end, seq = await self.read()
-            if end is None or end.get("state") != "failed" or end.get("step") != self.step:
-                break
-            try:
-                await self.steady(functools.partial(self.store.put_record, self.store.subject(self.wf, "end"),
-                                                    {"state": "running", "at": time.time()}, expected_last=seq))
-            except WrongLastSequence:
-                continue
-            break
+        await self.steady(functools.partial(mark_resumed, self.store, self.wf, self.step))
         await self.notify("resumed", key=key)
 
     async def failed(self, request_id: str, queue: str, key: str, error_type: str, message: str, reason: str,

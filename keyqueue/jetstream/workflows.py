@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
-__all__ = ["WORKFLOW_TTL", "WorkflowStore", "decode_record", "find_workflow_queue"]
+__all__ = ["WORKFLOW_TTL", "WorkflowStore", "decode_record", "existing_store", "find_workflow_queue"]
 
 WORKFLOW_TTL: Final = 7 * 24 * 3600
 """Seconds a workflow's records are kept after their last write."""
@@ -194,6 +194,18 @@ class WorkflowStore:
             yield arrivals
         finally:
             await sub.unsubscribe()
+
+
+async def existing_store(nc: Client, queue: str) -> WorkflowStore | None:
+    """The workflows stream of ``queue`` if it exists (never created: for readers), else None."""
+    store = WorkflowStore(nc, queue)
+    try:
+        info = await store.api.stream_info(store.stream)
+    except StreamNotFound:
+        return None
+    store.replicas = int(info["config"].get("num_replicas", 1))
+    store.direct = bool(info["config"].get("allow_direct"))
+    return store
 
 
 async def find_workflow_queue(api: JetStreamApi, workflow_id: str) -> str | None:

@@ -27,6 +27,7 @@ A step's request id is derived from the workflow id and the step's number (:func
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -328,7 +329,7 @@ class Canvas:
         workflow_id = validate_workflow_id(workflow_id) if workflow_id is not None else (
             WORKFLOW_ID_PREFIX + new_request_id())
         compiler = _Compiler()
-        entries, shape = compiler.compile(self, _Targets(extra=[("end",)]), ())
+        entries, shape = compiler.compile_all(self, _Targets(extra=[("end",)]))
         plan = compiler.finish(workflow_id, entries, shape)
         for n, sig in enumerate(compiler.signatures):
             if n not in entries:
@@ -547,6 +548,8 @@ class _Compiler:
         self.steps: list[tuple[PlanStep, _Targets]] = []
         self.signatures: list[Signature] = []
         self.joins: list[tuple[PlanJoin, _Targets]] = []
+        self.later: list[Callable[[], None]] = []
+        """Links and errbacks, compiled once the flow is (:meth:`compile_all`)."""
 
     def compile(self, part: Canvas, targets: _Targets, errbacks: tuple[Canvas, ...],
                 role: str = "step") -> tuple[list[int], Any]:
@@ -556,8 +559,22 @@ class _Compiler:
         errbacks = (*errbacks, *part.errbacks)
         entries, shape = self._compile(part, own, errbacks, role)
         for link in part.links:
-            own.extra.extend(("step", n) for n in self.compile(link, _Targets(), (), "link")[0])
+            self.later.append(functools.partial(self._link, own, link))
         return entries, shape
+
+    def _link(self, targets: _Targets, link: Canvas) -> None:
+        targets.extra.extend(("step", n) for n in self.compile(link, _Targets(), (), "link")[0])
+
+    def _errback(self, step: PlanStep, errback: Canvas) -> None:
+        step.errors.extend(self.compile(errback, _Targets(), (), "errback")[0])
+
+    def compile_all(self, part: Canvas, targets: _Targets) -> tuple[list[int], Any]:
+        """``compile`` the whole canvas: its flow first, then the links and errbacks, so that the
+        flow's steps are numbered in the order they appear and the callbacks after them."""
+        found = self.compile(part, targets, ())
+        while self.later:
+            self.later.pop(0)()
+        return found
 
     def _compile(self, part: Canvas, targets: _Targets, errbacks: tuple[Canvas, ...],
                  role: str) -> tuple[list[int], Any]:
@@ -570,7 +587,7 @@ class _Compiler:
             self.steps.append((step, targets))
             self.signatures.append(part)
             for errback in errbacks:
-                step.errors.extend(self.compile(errback, _Targets(), (), "errback")[0])
+                self.later.append(functools.partial(self._errback, step, errback))
             return [n], ["step", n]
         if isinstance(part, Chain):
             entries: list[int] = []
