@@ -154,7 +154,7 @@ async def test_links_errbacks_and_where_a_failed_workflow_stopped(make_app: Make
         errback = next(s for s in view.steps if s.role == "errback" and s.state == "done")
         assert errback.task == "on_error"
     assert ("linked", 4) in seen
-    [(tag, failure)] = [entry for entry in seen if entry[0] == "errback"]
+    [(_tag, failure)] = [entry for entry in seen if entry[0] == "errback"]
     assert isinstance(failure, keyqueue.StepFailure)
     assert (failure.workflow_id, failure.step, failure.task, failure.key, failure.reason) == (
         receipt.workflow_id, 1, "explode", "n2", "max-attempts")
