@@ -533,7 +533,9 @@ class App:
         if is_workflow_id(request_id):
             store = await self._workflow(request_id, queue)
             if store is not None:
-                return await workflow_result(self, store, request_id, timeout)
+                tasks = self.tasks
+                return await workflow_result(store, request_id, timeout,
+                                             lambda name: tasks[name].result_type() if name in tasks else None)
         return await fetch_result(self, request_id, queue=queue, timeout=timeout, task=task)
 
     async def cancel(self, request_id: str, *deprecated: str, queue: str | None = None, seq: int | None = None,
@@ -557,7 +559,7 @@ class App:
         if is_workflow_id(request_id):
             store = await self._workflow(request_id, queue)
             if store is not None:
-                return cast("CancelState", await cancel_workflow(self, store, request_id))
+                return cast("CancelState", await self._cancel_workflow(store, request_id))
         if key is not None:
             validate_key(key)
         queues = self.lookup_queues(queue)
@@ -583,8 +585,11 @@ class App:
             validate_key(key)
         if is_workflow_id(request_id):
             store = await self._workflow(request_id, queue)
-            if store is not None:
-                return cast("RequestStatus", await workflow_status(self, store, request_id))
+            view = await read_workflow(store, request_id) if store is not None else None
+            if view is not None:
+                transport = self.transport()
+                return cast("RequestStatus", await workflow_status(
+                    view, lambda step: transport.status(step.queue or self.name, step.request_id, step.seq, step.key)))
         queues = self.lookup_queues(queue)
         answers = await asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
         return cast("RequestStatus", next((a for a in answers if a != "unknown"), "unknown"))
@@ -599,10 +604,16 @@ class App:
         """Workflow ``workflow_id`` as its records say it is (its steps, their keys and states), or None."""
         validate_workflow_id(workflow_id)
         store = await self._workflow(workflow_id, queue)
-        if store is None:
-            return None
-        tasks = self.tasks
-        return await read_workflow(store, workflow_id, lambda name: tasks[name].queue if name in tasks else None)
+        return await read_workflow(store, workflow_id) if store is not None else None
+
+    async def _cancel_workflow(self, store: WorkflowStore, workflow_id: str) -> str:
+        transport = self.transport()
+        assert isinstance(transport, NatsTransport)  # a workflow was found: not the eager mode
+        state, count = await cancel_workflow(store, workflow_id, transport.records)
+        if state == "cancelled" and count:
+            await self.plugins.lifecycle.workflow_changed(app=self, queue=store.queue, workflow_id=workflow_id,
+                                                          change="cancelled", reason=f"{count} step(s) not started")
+        return state
 
     async def _workflow(self, workflow_id: str, queue: str | None) -> WorkflowStore | None:
         """Where workflow ``workflow_id`` is kept: in ``queue``, else wherever it is; None if nowhere."""

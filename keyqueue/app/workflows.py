@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
@@ -47,6 +47,7 @@ from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
     from keyqueue.app.application import App
+    from keyqueue.jetstream.records import RequestRecords
     from keyqueue.tasks.task import Receipt, Task, TaskRequest
 
 __all__ = [
@@ -70,6 +71,9 @@ END_STATES: Final = ("done", "failed", "cancelled")
 """What a workflow's ``end`` record says when its result (or why there is none) is known."""
 
 log = logging.getLogger("keyqueue.workflow")
+
+StatusOf = Callable[["StepView"], Awaitable[str]]
+"""Asks where a step's request is (``App.status``'s answer for its id, seq and key)."""
 
 _LIVE_LOOKUPS: Final = 8
 """Enqueued steps ``status`` asks the workers about, to tell ``running`` from ``pending``."""
@@ -262,19 +266,16 @@ class WorkflowView:
         return found
 
 
-async def read_workflow(store: WorkflowStore, workflow_id: str,
-                        queue_of: Any = None) -> WorkflowView | None:
-    """The workflow's view from its records (one paged read), or None if it has no plan stored.
-
-    ``queue_of(task_name)``: the queue of a task the reader knows (for steps not enqueued yet)."""
+async def read_workflow(store: WorkflowStore, workflow_id: str) -> WorkflowView | None:
+    """The workflow's view from its records (one paged read), or None if it has no plan stored."""
     records = await store.records(workflow_id)
     plan_record = decode_record(records.get("plan"))
     if plan_record is None:
         return None
-    return view_of(store.queue, WorkflowPlan.from_record(plan_record), records, queue_of)
+    return view_of(store.queue, WorkflowPlan.from_record(plan_record), records)
 
 
-def view_of(queue: str, plan: WorkflowPlan, records: Mapping[str, StoredMsg], queue_of: Any = None) -> WorkflowView:
+def view_of(queue: str, plan: WorkflowPlan, records: Mapping[str, StoredMsg]) -> WorkflowView:
     """What ``read_workflow`` builds from the records it read."""
     wf = plan.workflow_id
     own = {n: r for n in range(len(plan.steps)) if (r := decode_record(records.get(f"step.{n}"))) is not None}
@@ -325,8 +326,7 @@ def view_of(queue: str, plan: WorkflowPlan, records: Mapping[str, StoredMsg], qu
     for n, spec in enumerate(plan.steps):
         step_record = own.get(n)
         placed = where.get(n)
-        view = StepView(n, spec.task, spec.role, "waiting", step_request_id(wf, n),
-                        queue=spec.queue or (queue_of(spec.task) if queue_of is not None else None))
+        view = StepView(n, spec.task, spec.role, "waiting", step_request_id(wf, n), queue=spec.queue)
         if placed is not None:
             view.queue, view.key, view.seq = placed[0], placed[1], int(placed[2])
         if step_record is not None:
@@ -363,23 +363,20 @@ def view_of(queue: str, plan: WorkflowPlan, records: Mapping[str, StoredMsg], qu
     return WorkflowView(wf, queue, plan, state, steps, end, stopped, started, finished, dict(records))
 
 
-async def workflow_status(app: App, store: WorkflowStore, workflow_id: str) -> str:
+async def workflow_status(view: WorkflowView, status_of: StatusOf) -> str:
     """``pending``, ``running``, ``done``, ``failed`` or ``cancelled``: ``running`` once a step has
-    finished or a live worker runs one of its first steps."""
-    view = await read_workflow(store, workflow_id)
-    if view is None:
-        return "unknown"
+    finished, or a live worker runs one of its first steps (``status_of`` asks, as ``App.status`` does)."""
     if view.state != "pending":
         return view.state
     pending = [s for s in view.steps if s.state == "pending" and s.queue is not None][:_LIVE_LOOKUPS]
-    transport = app.transport()
-    answers = await asyncio.gather(*(transport.status(s.queue, s.request_id, s.seq, s.key) for s in pending
-                                     if s.queue is not None), return_exceptions=True)
-    return "running" if any(a == "running" for a in answers) else "pending"
+    answers = await asyncio.gather(*(status_of(s) for s in pending), return_exceptions=True)
+    return "running" if "running" in answers else "pending"
 
 
-async def workflow_result(app: App, store: WorkflowStore, workflow_id: str, timeout: float) -> Any:
-    """The workflow's result, waiting up to ``timeout`` seconds (see ``Canvas.call`` for what it raises)."""
+async def workflow_result(store: WorkflowStore, workflow_id: str, timeout: float,
+                          result_type: Callable[[str], type | None] = lambda task: None) -> Any:
+    """The workflow's result, waiting up to ``timeout`` seconds (see ``Canvas.call`` for what it raises);
+    ``result_type(task name)``: the dataclass a task returns, to make its result whole again."""
     plan_record = decode_record(await store.last(store.subject(workflow_id, "plan")))
     if plan_record is None:
         raise KeyqueueTimeout(f"no workflow {workflow_id} in queue {store.queue!r}")
@@ -403,27 +400,21 @@ async def workflow_result(app: App, store: WorkflowStore, workflow_id: str, time
                              str(record.get("message", "")), str(record.get("request_id", "")),
                              str(record.get("reason", "")))
     value = loads(record["value"], CBOR) if record.get("value") is not None else None
-    tasks = app.tasks
-
-    def result_type(n: int) -> type | None:
-        task = tasks.get(plan.steps[n].task)
-        return task.result_type() if task is not None else None
-
-    return decode_shape(plan.shape, value, result_type)
+    return decode_shape(plan.shape, value, lambda n: result_type(plan.steps[n].task))
 
 
-async def cancel_workflow(app: App, store: WorkflowStore, workflow_id: str) -> str:
-    """Cancel every step that has not started: ``cancelled``, ``done`` (it had finished: nothing to
-    cancel) or ``unknown``. A step running now is not interrupted; what would follow it does not run."""
-    from keyqueue.app.transport import NatsTransport
-
+async def cancel_workflow(store: WorkflowStore, workflow_id: str,
+                          records_of: Callable[[str], Awaitable[RequestRecords]]) -> tuple[str, int]:
+    """Cancel every step that has not started: ``(state, steps cancelled)``; state ``cancelled``,
+    ``done`` (it had finished: nothing to cancel) or ``unknown``. A step running now is not
+    interrupted; what would follow it does not run. ``records_of(queue)``: that queue's records."""
     for _ in range(10):
         view = await read_workflow(store, workflow_id)
         if view is None:
-            return "unknown"
+            return "unknown", 0
         end = view.records.get("end")
         if view.state in ("done", "cancelled"):
-            return view.state
+            return view.state, 0
         try:
             await store.put_record(store.subject(workflow_id, "end"), {"state": "cancelled", "at": time.time()},
                                    expected_last=end.seq if end is not None else 0)
@@ -432,21 +423,15 @@ async def cancel_workflow(app: App, store: WorkflowStore, workflow_id: str) -> s
         break
     else:
         raise KeyqueueError(f"the end record of workflow {workflow_id} kept changing while it was being cancelled")
-    tasks = app.tasks
-    transport = app.transport()
-    assert isinstance(transport, NatsTransport)
-    open_steps = [s for s in view.steps if s.state not in ("done", "failed", "cancelled")]
+    open_steps = [s for s in view.steps if s.state not in ("done", "failed", "cancelled") and s.queue is not None]
     by_queue: dict[str, list[StepView]] = {}
     for step in open_steps:
-        queue = step.queue or (tasks[step.task].queue if step.task in tasks else None)
-        if queue is not None:
-            by_queue.setdefault(queue, []).append(step)
+        assert step.queue is not None
+        by_queue.setdefault(step.queue, []).append(step)
     for queue, steps in by_queue.items():
-        records = await transport.records(queue)
-        # Every step not finished: those enqueued are skipped by their key's holder; those enqueued
-        # later (by a step running now) are skipped too, as the worker that would enqueue them sees
-        # the workflow cancelled.
+        records = await records_of(queue)
+        # Every step not finished: those enqueued are skipped by their key's holder, and so are
+        # those a step running now enqueues before it sees the workflow cancelled (a worker that
+        # sees it hands nothing on).
         await asyncio.gather(*(records.request_cancel(s.request_id) for s in steps))
-    await app.plugins.lifecycle.workflow_changed(app=app, queue=store.queue, workflow_id=workflow_id,
-                                                 change="cancelled", reason=f"{len(open_steps)} step(s) not started")
-    return "cancelled"
+    return "cancelled", len(open_steps)

@@ -188,12 +188,14 @@ class _Step:
                               error_type, message, reason)
         errbacks: list[Target] = [("step", e) for e in self.plan.steps[self.step].errors]
         handed = await self.deliver(errbacks, dumps(to_fields(failure), CBOR)) if errbacks else {}
-        await self.record_failure(self.step, failure, handed)
+        await self.record_failure(self.step, failure, handed, attempts)
         await self.mark_end_failed(failure, end, end_seq)
         await self.notify("failed", key=key, reason=f"{reason}: {error_type}: {message}")
 
-    async def record_failure(self, step: int, failure: StepFailure, handed: Mapping[str, Any] | None = None) -> None:
-        record = {"state": "failed", "request_id": failure.request_id, "key": failure.key or None,
+    async def record_failure(self, step: int, failure: StepFailure, handed: Mapping[str, Any] | None = None,
+                             attempts: int | None = None) -> None:
+        record = {"state": "failed", "attempt": attempts or None, "request_id": failure.request_id,
+                  "key": failure.key or None,
                   "queue": failure.queue or None, "task": failure.task, "error_type": failure.error_type,
                   "message": failure.message, "reason": failure.reason, "finished": time.time(),
                   "next": dict(handed or {})}

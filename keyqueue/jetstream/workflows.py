@@ -139,6 +139,17 @@ class WorkflowStore:
             return {}
         return found
 
+    async def workflow_ids(self) -> list[str]:
+        """The ids of the workflows kept here, oldest first (by when their plan was stored)."""
+        prefix = f"kq.{self.queue}.wf."
+        ids: list[str] = []
+        try:
+            async for page in self.api.pages(self.stream, prefix + "*.plan"):
+                ids.extend(m.subject[len(prefix):-len(".plan")] for m in page)
+        except StreamNotFound:
+            return []
+        return ids
+
     async def count(self, subject_filter: str) -> int:
         """How many subjects matching ``subject_filter`` hold a record (each holds at most one)."""
         if self.direct:

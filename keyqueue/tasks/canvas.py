@@ -136,7 +136,7 @@ class PlanStep:
     kwargs: dict[str, Any]
     immutable: bool = False
     queue: str | None = None
-    """Another queue than the task's (``set(queue=...)``)."""
+    """The queue it runs in: its task's, or another (``set(queue=...)``)."""
     countdown: float | None = None
     expires: float | None = None
     then: list[Target] = field(default_factory=list)
@@ -582,8 +582,9 @@ class _Compiler:
             n = len(self.steps)
             args = [_plain(a, part, n) for a in part.args]
             kwargs = {k: _plain(v, part, n) for k, v in part.kwargs.items()}
-            step = PlanStep(part.task.name, args, kwargs, immutable=part.immutable, queue=part.options.get("queue"),
-                            countdown=part.options.get("countdown"), expires=part.options.get("expires"), role=role)
+            step = PlanStep(part.task.name, args, kwargs, immutable=part.immutable,
+                            queue=part.options.get("queue") or part.task.queue, countdown=part.options.get("countdown"),
+                            expires=part.options.get("expires"), role=role)
             self.steps.append((step, targets))
             self.signatures.append(part)
             for errback in errbacks:

@@ -9,16 +9,19 @@ that key's order; the sync face works; bad input is refused with a clear error.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 import keyqueue
 from keyqueue import chain, chord, group
 from keyqueue.admin.dead_letters import dead_letters, replay
+from keyqueue.cli import main
 from keyqueue.events import decode_events, events_stream
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import Publisher
@@ -338,3 +341,42 @@ async def test_bad_workflows_are_refused_with_clear_errors(make_app: MakeApp) ->
         assert await again.result(timeout=20) == 6
         with pytest.raises(keyqueue.ConfigError, match="names another workflow"):
             await (add.s(5, 5) | mul.s(2)).enqueue(workflow_id="wf-order-17")
+
+
+async def test_the_command_line_shows_a_workflow_and_where_it_stopped(make_app: MakeApp, nats_url: str) -> None:
+    app = make_app("cliwf")
+    add, mul, xsum = arithmetic(app)
+
+    @app.task(key="card-{x}", max_attempts=1)
+    async def declined(x: int) -> int:
+        raise ValueError(f"card {x} declined")
+
+    def cli(*args: str) -> Any:
+        return CliRunner().invoke(main, [*args, "--url", nats_url])
+
+    async with app.worker():
+        good = await (add.s(1, 2) | mul.s(3)).enqueue()
+        assert await good.result(timeout=20) == 9
+        bad = await (add.s(1, 1) | declined.s() | chord([add.s(1), add.s(2)], xsum.s())).enqueue()
+        with pytest.raises(keyqueue.WorkflowFailed):
+            await bad.result(timeout=20)
+    shown = await asyncio.to_thread(cli, "workflow", "show", bad.workflow_id)
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert lines[0] == f"workflow {bad.workflow_id}  queue cliwf  failed (stopped at step 1: declined on key card-2)"
+    rows = [line.split() for line in lines[4:]]
+    assert [row[:6] for row in rows[:2]] == [["0", "add", "cliwf", "n1", "done", "1"],
+                                             ["1", "declined", "cliwf", "card-2", "failed", "1"]]
+    assert [row[4] for row in rows[2:]] == ["not-run"] * 3
+    assert lines[-1].endswith("step 1 (declined) failed: ValueError: card 2 declined")
+    as_json = json.loads((await asyncio.to_thread(cli, "workflow", "show", bad.workflow_id, "--json")).output)
+    assert [s["state"] for s in as_json["steps"]] == ["done", "failed", "not-run", "not-run", "not-run"]
+    assert (await asyncio.to_thread(cli, "status", "cliwf", good.workflow_id)).output == "done\n"
+    assert (await asyncio.to_thread(cli, "result", "cliwf", good.workflow_id)).output == "9\n"
+    listed = (await asyncio.to_thread(cli, "workflow", "list", "cliwf")).output
+    assert good.workflow_id in listed and "step 1 (declined)" in listed
+    assert (await asyncio.to_thread(cli, "cancel", "cliwf", bad.workflow_id)).output == "cancelled\n"
+    failed = await asyncio.to_thread(cli, "result", "cliwf", bad.workflow_id)
+    assert failed.exit_code == 1 and "was cancelled" in failed.output
+    missing = await asyncio.to_thread(cli, "workflow", "show", "wf-nothing")
+    assert missing.exit_code == 1 and "no workflow wf-nothing" in missing.output
