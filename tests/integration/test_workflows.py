@@ -378,5 +378,9 @@ async def test_the_command_line_shows_a_workflow_and_where_it_stopped(make_app: 
     assert (await asyncio.to_thread(cli, "cancel", "cliwf", bad.workflow_id)).output == "cancelled\n"
     failed = await asyncio.to_thread(cli, "result", "cliwf", bad.workflow_id)
     assert failed.exit_code == 1 and "was cancelled" in failed.output
+    waiting = await (add.s(7, 7) | mul.s(2)).enqueue()  # no worker now: its first step waits on key n7
+    assert (await asyncio.to_thread(cli, "status", "cliwf", waiting.workflow_id)).output == "pending\n"
+    inspected = (await asyncio.to_thread(cli, "inspect", "cliwf", "n7")).output
+    assert f"step 0 of workflow {waiting.workflow_id}" in inspected
     missing = await asyncio.to_thread(cli, "workflow", "show", "wf-nothing")
     assert missing.exit_code == 1 and "no workflow wf-nothing" in missing.output
