@@ -15,6 +15,7 @@ its producer: it may die. An ``enqueue`` that failed part-way can be repeated wi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -260,10 +261,19 @@ class WorkflowView:
 
     @property
     def counts(self) -> dict[str, int]:
+        """How many steps are in each state."""
         found: dict[str, int] = {}
         for step in self.steps:
             found[step.state] = found.get(step.state, 0) + 1
         return found
+
+    def fields(self) -> dict[str, Any]:
+        """The view as plain values (``keyqueue workflow show --json``, the dashboard's JSON)."""
+        return {
+            "workflow_id": self.workflow_id, "queue": self.queue, "state": self.state, "stopped_at": self.stopped_at,
+            "started": self.started, "finished": self.finished, "counts": self.counts,
+            "steps": [dataclasses.asdict(step) for step in self.steps],
+        }
 
 
 async def read_workflow(store: WorkflowStore, workflow_id: str) -> WorkflowView | None:

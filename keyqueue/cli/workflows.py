@@ -151,21 +151,9 @@ def show(workflow_id: str, queue: str | None, as_json: bool, url: str | None) ->
 
     view = asyncio.run(run())
     if as_json:
-        click.echo(to_json(view_fields(view), indent=2))
+        click.echo(to_json(view.fields(), indent=2))
         return
     click.echo(describe(view))
-
-
-def view_fields(view: WorkflowView) -> dict[str, Any]:
-    """The view as plain values (``--json``, the dashboard's JSON)."""
-    return {
-        "workflow_id": view.workflow_id, "queue": view.queue, "state": view.state, "stopped_at": view.stopped_at,
-        "started": view.started, "finished": view.finished, "counts": view.counts,
-        "steps": [{"step": s.step, "task": s.task, "role": s.role, "state": s.state, "request_id": s.request_id,
-                   "queue": s.queue, "key": s.key, "seq": s.seq, "attempt": s.attempt, "started": s.started,
-                   "finished": s.finished, "error_type": s.error_type, "message": s.message, "reason": s.reason}
-                  for s in view.steps],
-    }
 
 
 def _when(stamp: float | None) -> str:
@@ -219,7 +207,7 @@ def list_command(queue: str, limit: int, as_json: bool, url: str | None) -> None
     views = asyncio.run(run())
     if as_json:
         for view in views:
-            fields = view_fields(view)
+            fields = view.fields()
             del fields["steps"]
             click.echo(to_json(fields))
         return

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx2
 import pytest
 from click.testing import CliRunner
 
@@ -22,6 +23,8 @@ import keyqueue
 from keyqueue import chain, chord, group
 from keyqueue.admin.dead_letters import dead_letters, replay
 from keyqueue.cli import main
+from keyqueue.dashboard.state import Monitor
+from keyqueue.dashboard.web import DashboardOptions, create_app
 from keyqueue.events import decode_events, events_stream
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import Publisher
@@ -384,3 +387,34 @@ async def test_the_command_line_shows_a_workflow_and_where_it_stopped(make_app: 
     assert f"step 0 of workflow {waiting.workflow_id}" in inspected
     missing = await asyncio.to_thread(cli, "workflow", "show", "wf-nothing")
     assert missing.exit_code == 1 and "no workflow wf-nothing" in missing.output
+
+
+async def test_the_dashboard_shows_a_workflows_steps_keys_and_where_it_stopped(make_app: MakeApp) -> None:
+    app = make_app("dashwf")
+    add, mul, _ = arithmetic(app)
+
+    @app.task(key="card-{x}", max_attempts=1)
+    async def declined(x: int) -> int:
+        raise ValueError(f"card {x} declined")
+
+    async with app.worker():
+        good = await (add.s(1, 2) | mul.s(3)).enqueue()
+        assert await good.result(timeout=20) == 9
+        bad = await (add.s(1, 1) | declined.s() | mul.s(2)).enqueue()
+        with pytest.raises(keyqueue.WorkflowFailed):
+            await bad.result(timeout=20)
+    monitor = Monitor(await app.connection(), queues=["dashwf"])
+    transport = httpx2.ASGITransport(app=create_app(monitor, DashboardOptions()))
+    async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1") as web:
+        page = await web.get(f"/queues/dashwf/workflows/{bad.workflow_id}")
+        assert page.status_code == 200
+        html = page.text
+        assert "stopped at step 1 (declined) on key" in html and 'href="/queues/dashwf/dlq?key=card-2"' in html
+        assert html.count('data-state="done"') == 1 and html.count('data-state="not-run"') == 1
+        assert 'href="/queues/dashwf/keys/card-2"' in html
+        assert "step 1 (declined) failed: ValueError: card 2 declined" in html
+        listed = (await web.get("/queues/dashwf/workflows")).text
+        assert f'data-workflow="{good.workflow_id}"' in listed and f'data-workflow="{bad.workflow_id}"' in listed
+        as_json = (await web.get(f"/queues/dashwf/workflows/{good.workflow_id}?format=json")).json()
+        assert as_json["state"] == "done" and [s["key"] for s in as_json["steps"]] == ["n1", "n3"]
+        assert (await web.get("/queues/dashwf/workflows/wf-missing")).status_code == 404
