@@ -52,7 +52,7 @@ __all__ = [
     "replay_request",
 ]
 
-REPLAY_OF: Final = "X-KQ-Replay-Of"
+REPLAY_OF: Final = H.REPLAY_OF
 """On a replayed request: the request id it was dead-lettered under."""
 
 TRACEBACK: Final = H.DLQ_TRACEBACK

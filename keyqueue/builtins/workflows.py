@@ -4,10 +4,11 @@ A step of a workflow is a request with the headers ``X-KQ-Workflow-Id``, ``-Step
 (``keyqueue.app.workflows``). When the default processor has its outcome, and before the key
 session removes it from its inbox, ``keyqueue_request_settled`` fires here, and this plugin:
 
-- **done**: reads the step's record and the workflow's end (one batched read). A step already
-  recorded ``done`` has handed its result on before (it ran again after a crash, or a duplicate
-  of it ran): nothing more. Otherwise it hands the result on to where the plan sends it, then
-  records the step ``done`` with where the steps it enqueued were stored:
+- **done**: hands the result on to where the plan sends it, then records the step ``done`` with
+  where the steps it enqueued were stored. A step that may have run before reads its record
+  first (its key's token was delivered more than once, so a holder before this one may have run
+  it and died before removing it; or it is a dead-letter replay): one recorded ``done`` has
+  handed its result on already, and does nothing more. Handing on:
 
   - a **step** is enqueued with the result in front of its arguments, under its derived request
     id (``<workflow id>_<step>``): an enqueue repeated after a crash stores nothing new within the
@@ -19,7 +20,8 @@ session removes it from its inbox, ``keyqueue_request_settled`` fires here, and 
     once; a handed-on record stops any later one;
   - the **end** is written with the workflow's result.
 
-  A workflow cancelled meanwhile (its end says so) hands nothing on.
+  A workflow cancelled meanwhile wrote a cancel record for each of its open steps: the steps
+  handed on to are skipped by their keys' holders, and nothing follows them.
 - **dead-lettered** (after its retries, or rejected): records the step ``failed`` and why,
   enqueues its errbacks (``link_error``) with a ``StepFailure``, and marks the end ``failed`` (unless
   it is done or cancelled). Every step after it is left unenqueued; a reader sees why
@@ -84,8 +86,9 @@ log = logging.getLogger("keyqueue.workflow")
 
 T = TypeVar("T")
 
-PLANS_KEPT: Final = 256
-"""Plans a worker keeps decoded (a plan never changes once stored), the most recently used."""
+PLANS_KEPT: Final = 4096
+"""Plans a worker keeps decoded (a plan never changes once stored), the most recently used: enough
+for the steps of thousands of workflows running at once to find theirs without reading it again."""
 
 
 class _Plans:
@@ -159,14 +162,18 @@ class _Step:
     # --- outcomes ---
 
     async def succeeded(self, request: Request, queue: str, key: str, value: bytes, attempt: int,
-                        elapsed: float) -> None:
-        own, end, _ = await self.read()
-        if own is not None and own.get("state") == "done":
-            return  # handed on already: this is a run again, or a duplicate of the step
-        cancelled = end is not None and end.get("state") == "cancelled"
-        if own is not None and own.get("state") == "failed":
-            await self.resume(key)
-        handed = {} if cancelled else await self.deliver(self.plan.steps[self.step].then, value)
+                        elapsed: float, first_holder: bool) -> None:
+        own = None
+        if not first_holder or H.REPLAY_OF in request.headers:
+            # It may have run before (its key's token was delivered again: a holder died or lost
+            # it), or its dead letter was replayed: what does its record say?
+            own = decode_record(await self.steady(lambda: self.store.last(
+                self.store.subject(self.wf, "step", self.step))))
+            if own is not None and own.get("state") == "done":
+                return  # handed on already: this is a run again, or a duplicate of the step
+            if own is not None and own.get("state") == "failed":
+                await self.resume(key)
+        handed = await self.deliver(self.plan.steps[self.step].then, value)
         now = time.time()
         record = {"state": "done", "request_id": request.request_id, "key": key, "queue": queue,
                   "task": self.plan.steps[self.step].task, "attempt": attempt, "started": now - elapsed,
@@ -367,7 +374,9 @@ async def keyqueue_request_settled(app: App, queue: str, key: str, request: Requ
                                   headers.get(H.ERROR_MESSAGE, ""), "rejected", context.attempt)
             else:
                 value = reply.data if reply is not None and reply.data else dumps(None, CBOR)
-                await step.succeeded(request, queue, key, value, context.attempt, elapsed)
+                # A token delivered once: no holder of the key before this one ran its requests.
+                first_holder = context.fencing[1] == 1
+                await step.succeeded(request, queue, key, value, context.attempt, elapsed, first_holder)
         elif status == H.STATUS_DEAD_LETTERED:
             assert error is not None
             await step.failed(request.request_id, queue, key, type(error).__name__, str(error), reason or "",

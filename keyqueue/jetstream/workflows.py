@@ -22,13 +22,14 @@ Under ``kq.<queue>.wf.<id>.``:
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final
 
-from keyqueue.errors import StreamNotFound, TopologyMismatch, WireError
-from keyqueue.jetstream.api import JetStreamApi, StoredMsg, parse_pub_ack
+from keyqueue.errors import JetStreamError, StreamNotFound, TopologyMismatch, WireError
+from keyqueue.jetstream.api import DESCRIPTION, STATUS, JetStreamApi, StoredMsg, parse_pub_ack
 from keyqueue.jetstream.kv import EXPECTED_LAST_SUBJECT_SEQUENCE
 from keyqueue.jetstream.subjects import validate_queue_name
 from keyqueue.wire import CBOR, dumps, loads
@@ -119,12 +120,7 @@ class WorkflowStore:
         return await self.api.get_msg(self.stream, last_by_subject=subject, direct=self.direct)
 
     async def lasts(self, subjects: Sequence[str]) -> dict[str, StoredMsg]:
-        """The record of each subject that has one, in one round trip where the stream allows it."""
-        if not subjects:
-            return {}
-        if self.direct:
-            found, _ = await self.api.get_batch(self.stream, multi_last=list(subjects), batch=len(subjects))
-            return {m.subject: m for m in found}
+        """The record of each subject that has one (the reads sent together)."""
         stored = await asyncio.gather(*(self.last(s) for s in subjects))
         return {m.subject: m for m in stored if m is not None}
 
@@ -151,10 +147,20 @@ class WorkflowStore:
         return ids
 
     async def count(self, subject_filter: str) -> int:
-        """How many subjects matching ``subject_filter`` hold a record (each holds at most one)."""
+        """How many subjects matching ``subject_filter`` hold a record (each holds at most one).
+
+        One request: a batched direct get of one message says how many more match after it
+        (``Nats-Num-Pending``); its end-of-batch reply that follows is dropped unread."""
         if self.direct:
-            found, pending = await self.api.get_batch(self.stream, seq=1, batch=1, next_by_subject=subject_filter)
-            return len(found) + pending if found else 0
+            payload = json.dumps({"seq": 1, "next_by_subj": subject_filter, "batch": 1}).encode()
+            reply = await self.api._request(f"{self.api.prefix}.DIRECT.GET.{self.stream}", payload, None)
+            headers = reply.headers or {}
+            if headers.get(STATUS):
+                if headers[STATUS] == "404":
+                    return 0
+                raise JetStreamError(f"counting {subject_filter} in {self.stream} failed: {headers.get(STATUS)} "
+                                     f"{headers.get(DESCRIPTION, '')}")
+            return 1 + int(headers.get("Nats-Num-Pending", "0") or 0)
         return len(await self.api.subjects(self.stream, subject_filter))
 
     async def slots(self, workflow_id: str, join: int) -> dict[int, bytes]:

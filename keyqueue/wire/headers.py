@@ -32,6 +32,7 @@ __all__ = [
     "MESSAGE_TYPE",
     "MESSAGE_VERSION",
     "MSG_ID",
+    "REPLAY_OF",
     "REPLY_INBOX",
     "REQUEST_ID",
     "STATUS",
@@ -68,6 +69,9 @@ REPLY_INBOX: Final = "X-Reply-Inbox"
 EXPIRES: Final = "X-KQ-Expires"
 """Optional: when a request that has not started by then is dropped instead of run (RFC 3339, UTC,
 computed by the producer: ``options(expires=...)``)."""
+
+REPLAY_OF: Final = "X-KQ-Replay-Of"
+"""On a request replayed from the dead-letter queue: the request id it was dead-lettered under."""
 
 WORKFLOW_ID: Final = "X-KQ-Workflow-Id"
 """On a workflow step's request: the workflow's id (``wf-...``; ``keyqueue.tasks.canvas``)."""
