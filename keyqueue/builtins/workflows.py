@@ -357,12 +357,18 @@ async def _step_for(app: App, ref: StepRef, ctx: RequestContext | None) -> _Step
 
 
 @hookimpl(trylast=True)
-async def keyqueue_request_settled(app: App, queue: str, key: str, request: Request, task: TaskSpec | None,
-                                   status: str, reply: Reply | None, error: BaseException | None,
-                                   reason: str | None, elapsed: float, context: RequestContext) -> None:
+def keyqueue_request_settled(app: App, queue: str, key: str, request: Request, task: TaskSpec | None,
+                             status: str, reply: Reply | None, error: BaseException | None, reason: str | None,
+                             elapsed: float, context: RequestContext) -> Awaitable[None] | None:
+    # Every request of every task passes here: one that is no step costs a header lookup, no coroutine.
     ref = step_of(request.headers)
     if ref is None:
-        return
+        return None
+    return _settled(app, ref, queue, key, request, status, reply, error, reason, elapsed, context)
+
+
+async def _settled(app: App, ref: StepRef, queue: str, key: str, request: Request, status: str, reply: Reply | None,
+                   error: BaseException | None, reason: str | None, elapsed: float, context: RequestContext) -> None:
     try:
         step = await _step_for(app, ref, context)
         if step is None:

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 import keyqueue
 from keyqueue import chain, chord, group
 from keyqueue.admin.dead_letters import dead_letters, replay
+from keyqueue.builtins import workflows as workflows_plugin
 from keyqueue.cli import main
 from keyqueue.dashboard.state import Monitor
 from keyqueue.dashboard.web import DashboardOptions, create_app
@@ -418,3 +419,20 @@ async def test_the_dashboard_shows_a_workflows_steps_keys_and_where_it_stopped(m
         as_json = (await web.get(f"/queues/dashwf/workflows/{good.workflow_id}?format=json")).json()
         assert as_json["state"] == "done" and [s["key"] for s in as_json["steps"]] == ["n1", "n3"]
         assert (await web.get("/queues/dashwf/workflows/wf-missing")).status_code == 404
+
+
+async def test_a_crash_loop_dead_letter_says_where_the_workflow_stopped(make_app: MakeApp) -> None:
+    """A step whose holders keep dying is dead-lettered by the session (``crash-loop``) without the
+    processor: the lifecycle hook records it (called here as a worker's dispatcher calls it)."""
+    app = make_app("loops")
+    add, mul, _ = arithmetic(app)
+    receipt = await (add.s(1, 1) | mul.s(2)).enqueue()  # no worker: its first step waits on key n1
+    await workflows_plugin.keyqueue_request_dead_lettered(
+        worker=app.worker(), queue="loops", key="n1", request_id=f"{receipt.workflow_id}_0", message_type="add",
+        reason="crash-loop", attempts=11, error="WorkerLost: its holders kept dying on it")
+    with pytest.raises(keyqueue.WorkflowFailed) as failed:
+        await receipt.result(timeout=10)
+    assert (failed.value.step, failed.value.reason, failed.value.type_name) == (0, "crash-loop", "WorkerLost")
+    view = await app.workflow(receipt.workflow_id)
+    assert view is not None and [s.state for s in view.steps] == ["failed", "not-run"]
+    assert view.steps[1].reason == "step 0 (add) failed: WorkerLost: its holders kept dying on it"
