@@ -92,25 +92,50 @@ for the steps of thousands of workflows running at once to find theirs without r
 
 
 class _Plans:
-    """One app's decoded plans, by ``(queue, workflow id)``, the most recently used kept."""
+    """One app's decoded plans, by ``(queue, workflow id)``, the most recently used kept.
+
+    A plan is read and decoded once however many of its steps want it at the same moment (the
+    parts of a group start together): they all wait for the one read in flight.
+    """
 
     def __init__(self) -> None:
         self.plans: collections.OrderedDict[tuple[str, str], WorkflowPlan] = collections.OrderedDict()
+        self.loading: dict[tuple[str, str], asyncio.Future[WorkflowPlan | None]] = {}
 
     async def get(self, store: WorkflowStore, workflow_id: str,
                   steady: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]) -> WorkflowPlan | None:
         key = (store.queue, workflow_id)
         plan = self.plans.get(key)
         if plan is None:
-            stored = await steady(lambda: store.last(store.subject(workflow_id, "plan")))
-            record = decode_record(stored)
-            if record is None:
+            # Shielded: one waiter's cancellation (its lease lost) must not cancel the others' read.
+            plan = await steady(lambda: asyncio.shield(self._read(store, workflow_id)))
+            if plan is None:
                 return None
-            plan = self.plans[key] = WorkflowPlan.from_record(record)
-            while len(self.plans) > PLANS_KEPT:
-                self.plans.popitem(last=False)
         self.plans.move_to_end(key)
         return plan
+
+    def _read(self, store: WorkflowStore, workflow_id: str) -> asyncio.Future[WorkflowPlan | None]:
+        """The read of a plan in flight, started if there is none (a failed one is started again)."""
+        key = (store.queue, workflow_id)
+        loading = self.loading.get(key)
+        if loading is None:
+            loading = self.loading[key] = asyncio.ensure_future(self._load(store, workflow_id))
+            loading.add_done_callback(functools.partial(self._loaded, key))
+        return loading
+
+    async def _load(self, store: WorkflowStore, workflow_id: str) -> WorkflowPlan | None:
+        record = decode_record(await store.last(store.subject(workflow_id, "plan")))
+        if record is None:
+            return None
+        plan = self.plans[store.queue, workflow_id] = WorkflowPlan.from_record(record)
+        while len(self.plans) > PLANS_KEPT:
+            self.plans.popitem(last=False)
+        return plan
+
+    def _loaded(self, key: tuple[str, str], future: asyncio.Future[WorkflowPlan | None]) -> None:
+        del self.loading[key]
+        if not future.cancelled():
+            future.exception()  # seen: each waiter got it and tries again through its own retries
 
 
 _APPS: weakref.WeakKeyDictionary[Any, _Plans] = weakref.WeakKeyDictionary()
