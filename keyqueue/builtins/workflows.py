@@ -214,8 +214,9 @@ class _Step:
     async def failed(self, request_id: str, queue: str, key: str, error_type: str, message: str, reason: str,
                      attempts: int) -> None:
         own, end, end_seq = await self.read()
-        if own is not None and own.get("state") in ("done", "failed"):
-            return  # done (a duplicate that failed), or recorded already with its errbacks enqueued
+        if own is not None and (own.get("state") == "done" or (
+                own.get("state") == "failed" and own.get("request_id") == request_id)):
+            return  # done (a duplicate that failed), or this very failure recorded, its errbacks enqueued
         failure = StepFailure(self.wf, self.step, self.plan.steps[self.step].task, request_id, key, queue,
                               error_type, message, reason)
         errbacks: list[Target] = [("step", e) for e in self.plan.steps[self.step].errors]
@@ -235,12 +236,16 @@ class _Step:
 
     async def mark_end_failed(self, failure: StepFailure, end: dict[str, Any] | None, seq: int) -> None:
         """Say where the workflow stopped, unless its end is already done or cancelled."""
+        await self.mark_end(end, seq, {
+            "state": "failed", "step": failure.step, "task": failure.task, "request_id": failure.request_id,
+            "error_type": failure.error_type, "message": failure.message, "reason": failure.reason,
+            "at": time.time()})
+
+    async def mark_end(self, end: dict[str, Any] | None, seq: int, record: Mapping[str, Any]) -> None:
+        """Write the end ``record`` over the end read at ``seq``, unless it is done or cancelled already."""
         for _ in range(10):
             if end is not None and end.get("state") in ("done", "cancelled"):
                 return
-            record = {"state": "failed", "step": failure.step, "task": failure.task, "request_id": failure.request_id,
-                      "error_type": failure.error_type, "message": failure.message, "reason": failure.reason,
-                      "at": time.time()}
             try:
                 await self.steady(functools.partial(self.store.put_record, self.store.subject(self.wf, "end"), record,
                                                     expected_last=seq))
@@ -257,6 +262,9 @@ class _Step:
         record = {"state": "cancelled", "request_id": request.request_id, "key": key, "queue": queue,
                   "task": self.plan.steps[self.step].task, "finished": time.time()}
         await self.steady(lambda: self.store.put_record(self.store.subject(self.wf, "step", self.step), record))
+        # The workflow's cancel said so already; a cancel of this step's request id alone says it here.
+        _, end, seq = await self.read()
+        await self.mark_end(end, seq, {"state": "cancelled", "step": self.step, "at": time.time()})
 
     # --- handing a value on ---
 

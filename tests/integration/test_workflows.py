@@ -191,16 +191,21 @@ async def test_a_dead_letter_replay_of_the_failed_step_resumes_the_workflow(make
         assert view.steps[3].reason == view.steps[4].reason == (
             "step 2 (flaky) failed: ConnectionError: the bank is down")
         nc = await app.connection()
-        [letter] = await dead_letters(JetStreamApi(nc), "replays")
+        api, publisher = JetStreamApi(nc), Publisher(nc, QueueNames("replays"))
+        [letter] = await dead_letters(api, "replays")
         assert letter.request_id == f"{receipt.workflow_id}_2"
+        assert await replay(api, publisher, "replays") == 1  # still broken: it fails again, and says so again
+        with pytest.raises(keyqueue.WorkflowFailed):
+            await receipt.result(timeout=20)
+        assert len(runs) == 2
         broken.clear()
-        assert await replay(JetStreamApi(nc), Publisher(nc, QueueNames("replays")), "replays") == 1
+        assert await replay(api, publisher, "replays") == 1
         assert await receipt.result(timeout=20) == 60  # (2 + 4) * 10
         assert await receipt.status() == "done"
-        assert runs == [4, 4]
+        assert runs == [4, 4, 4]
         events = await workflow_events(app, "replays", receipt.workflow_id)
-        assert events == ["workflow_started", "workflow_failed", "workflow_resumed", "workflow_joined",
-                          "workflow_done"]
+        assert events == ["workflow_started", "workflow_failed", "workflow_failed", "workflow_resumed",
+                          "workflow_joined", "workflow_done"]
 
 
 async def workflow_events(app: keyqueue.App, queue: str, workflow_id: str) -> list[str]:
@@ -247,7 +252,17 @@ async def test_cancel_stops_every_step_that_has_not_started(make_app: MakeApp) -
         done = await (slow.si("x") | step.s("y")).enqueue()
         assert await done.result(timeout=20) == "y"
         assert await app.cancel(done.workflow_id) == "done"
-    assert ran == ["first", "x", "y"]
+        # A step's own request cancelled (by its id) stops its workflow there too.
+        release.clear()
+        started.clear()
+        await slow.enqueue(name="busy")
+        await started.wait()
+        one = await (step.si(0, "busy") | step.s("never")).enqueue()
+        assert await app.cancel(f"{one.workflow_id}_0", queue="cancels", key="busy") == "pending"
+        release.set()
+        with pytest.raises(keyqueue.WorkflowCancelled):
+            await one.result(timeout=20)
+    assert ran == ["first", "x", "y", "busy"]
 
 
 async def test_steps_that_share_a_key_keep_its_order(make_app: MakeApp) -> None:
