@@ -53,6 +53,7 @@ from keyqueue.app.workflows import StepRef, build_step, mark_resumed, step_of, s
 from keyqueue.errors import (
     ConfigError,
     EnqueueError,
+    KeyqueueError,
     LeaseLost,
     PartiallyEnqueued,
     TokenPublishFailed,
@@ -427,6 +428,18 @@ async def _settled(app: App, ref: StepRef, queue: str, key: str, request: Reques
     except Exception:
         log.exception("workflow %s: what follows step %d (request %s) could not be handed on", ref.workflow_id,
                       ref.step, request.request_id)
+
+
+@hookimpl(trylast=True)
+async def keyqueue_worker_started(worker: Worker) -> None:
+    """Each queue's workflows stream exists once its workers run: a producer that may not create
+    streams (``keyqueue permissions producer``) can start workflows there."""
+    for queue in worker.queues:
+        try:
+            await store_of(worker.app, queue)
+        except KeyqueueError as exc:
+            log.warning("queue %s: workflows cannot start there until its stream KQ_%s_WORKFLOWS exists: %s",
+                        queue, queue, exc)
 
 
 @hookimpl(trylast=True)
