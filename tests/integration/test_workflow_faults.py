@@ -78,10 +78,16 @@ app = keyqueue.App("wfprocs", plugins=[CrashAfterHandingOn()])
 
 @app.task(key="{key}", max_attempts=5, backoff=0.05)
 async def stage(value: int, key: str, tag: str, hold: float = 0.0) -> int:
+    """Adds one; its first run of ``tag`` holds on for ``hold`` seconds (the tests kill it meanwhile)."""
+    first = HERE / f"ran-{tag}"
+    holds = not first.exists()
+    first.touch()  # before it says it started: a kill that follows the line finds it
     record("start", tag)
     print(f"start {tag}", flush=True)
-    await asyncio.sleep(hold)
+    if holds:
+        await asyncio.sleep(hold)
     record("end", tag)
+    print(f"end {tag}", flush=True)
     return value + 1
 
 
@@ -203,14 +209,16 @@ async def test_a_chain_survives_kill_9_of_the_worker_in_each_step(
     stage = producer.stage
     # Step 1 kills its own worker right after storing step 2's request, before its own leaves the inbox.
     async with fleet(app_dir, nats_url, WF_CRASH_AFTER_ENQUEUEING="2") as proc:
-        chain = (stage.s(0, "k0", "s0", 0.5) | stage.s("k1", "s1") | stage.s("k2", "s2", 0.5)
-                 | stage.s("k3", "s3", 0.5))
+        chain = (stage.s(0, "k0", "s0", 60) | stage.s("k1", "s1") | stage.s("k2", "s2", 60)
+                 | stage.s("k3", "s3", 60))
         receipt = await chain.enqueue()
         await kill_the_child_running(proc, "s0")  # mid-step: it runs again on the key's next holder
         await proc.wait_for(r"crashing after enqueueing step 2$")
         await kill_the_child_running(proc, "s2")
         await kill_the_child_running(proc, "s3")
         assert await receipt.result(timeout=60) == 4
+        # Step 1 runs again once its key has a holder again (and hands on again): not needed for the result.
+        await proc.wait_for(r"^\[\S+\] end s1$", count=2, timeout=60)
         assert await proc.stop() == 0, proc.output
     started, ended = runs(app_dir)
     assert all(started[f"s{i}"] >= 2 for i in range(4)), started  # each step's worker died once
@@ -224,7 +232,7 @@ async def test_a_chain_survives_kill_9_of_the_worker_in_each_step(
 async def test_a_chord_callback_runs_exactly_once_under_a_member_killed_mid_run(
         app_dir: Path, nats_url: str, producer: ModuleType) -> None:
     stage, total = producer.stage, producer.total
-    members = [stage.s(i, f"m{i}", f"m{i}", 0.3) for i in range(8)]
+    members = [stage.s(i, f"m{i}", f"m{i}", 60 if i == 3 else 0.1) for i in range(8)]
     callback = 8  # the callback's step number: after the 8 members
     # The member that completes the group kills its worker right after enqueueing the callback, so it runs twice.
     async with fleet(app_dir, nats_url, WF_CRASH_AFTER_ENQUEUEING=str(callback)) as proc:
@@ -232,6 +240,8 @@ async def test_a_chord_callback_runs_exactly_once_under_a_member_killed_mid_run(
         await kill_the_child_running(proc, "m3")
         assert await receipt.result(timeout=60) == sum(range(1, 9))
         assert len(proc.matches(rf"crashing after enqueueing step {callback}$")) == 1
+        # That member runs again once its key has a holder again (not needed for the result): 9 ends in all.
+        await proc.wait_for(r"^\[\S+\] end m\d+$", count=9, timeout=60)
         assert await proc.stop() == 0, proc.output
     started, ended = runs(app_dir)
     assert started["callback"] == ended["callback"] == 1
