@@ -34,6 +34,34 @@ from keyqueue.jetstream.subjects import QueueNames
 MakeApp = Callable[..., keyqueue.App]
 
 
+class Outcomes:
+    """A plugin that hears each request's outcome once its key session has removed it."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, str] = {}
+        self.changed = asyncio.Event()
+
+    @keyqueue.hookimpl
+    def keyqueue_request_succeeded(self, request_id: str) -> None:
+        self.seen[request_id] = "succeeded"
+        self.changed.set()
+
+    @keyqueue.hookimpl
+    def keyqueue_request_superseded(self, request_id: str, superseded_by: str) -> None:
+        self.seen[request_id] = f"superseded by {superseded_by}"
+        self.changed.set()
+
+    async def wait(self, wanted: dict[str, str]) -> None:
+        async with asyncio.timeout(20):
+            while any(self.seen.get(i) != outcome for i, outcome in wanted.items()):
+                self.changed.clear()
+                await self.changed.wait()
+
+    async def done(self, *request_ids: str) -> None:
+        """Wait until each request succeeded and left its inbox (a step's record is written by then)."""
+        await self.wait(dict.fromkeys(request_ids, "succeeded"))
+
+
 @pytest.fixture
 async def make_app(nats_url: str) -> AsyncIterator[MakeApp]:
     apps: list[keyqueue.App] = []
@@ -124,7 +152,8 @@ async def test_results_pass_typed_from_step_to_step(make_app: MakeApp) -> None:
 
 
 async def test_links_errbacks_and_where_a_failed_workflow_stopped(make_app: MakeApp) -> None:
-    app = make_app("links", result_ttl=60)
+    outcomes = Outcomes()
+    app = make_app("links", result_ttl=60, plugins=[outcomes])
     add, mul, _ = arithmetic(app)
     seen: list[Any] = []
 
@@ -143,11 +172,15 @@ async def test_links_errbacks_and_where_a_failed_workflow_stopped(make_app: Make
 
     async with app.worker():
         # link: a callback beside the flow gets the result; the workflow's result is the chain's.
-        assert await add.s(2, 2).link(note.s("linked")).call(timeout=20) == 4
+        linked = await add.s(2, 2).link(note.s("linked")).enqueue()
+        assert await linked.result(timeout=20) == 4
+        await outcomes.done(f"{linked.workflow_id}_1")  # the link, step 1, runs beside the end
         flow = (add.s(1, 1) | explode.s() | mul.s(10) | add.s(1)).link_error(on_error.s("errback"))
         receipt = await flow.enqueue()
         with pytest.raises(keyqueue.WorkflowFailed) as failed:
             await receipt.result(timeout=20)
+        # Steps 4 to 7 are the errback's copies for steps 0 to 3: step 1's runs.
+        await outcomes.done(f"{receipt.workflow_id}_0", f"{receipt.workflow_id}_5")
         assert failed.value.step == 1 and failed.value.task == "explode"
         assert failed.value.type_name == "ValueError" and failed.value.reason == "max-attempts"
         assert isinstance(failed.value, keyqueue.DeadLettered)
@@ -167,8 +200,17 @@ async def test_links_errbacks_and_where_a_failed_workflow_stopped(make_app: Make
         receipt.workflow_id, 1, "explode", "n2", "max-attempts")
 
 
-async def test_a_dead_letter_replay_of_the_failed_step_resumes_the_workflow(make_app: MakeApp) -> None:
-    app = make_app("replays")
+async def test_a_dead_letter_replay_of_the_failed_step_resumes_the_workflow(make_app: MakeApp, nc: Any) -> None:
+    outcomes = Outcomes()
+    app = make_app("replays", plugins=[outcomes])
+    events: list[dict[str, Any]] = []
+    got_event = asyncio.Event()
+
+    async def on_event(msg: Any) -> None:
+        events.extend(e for e in decode_events(msg.headers, msg.data) if str(e.get("event")).startswith("workflow_"))
+        got_event.set()
+
+    await nc.subscribe("kq.replays.events.>", cb=on_event)
     add, mul, xsum = arithmetic(app)
     broken = threading.Event()
     broken.set()
@@ -185,6 +227,7 @@ async def test_a_dead_letter_replay_of_the_failed_step_resumes_the_workflow(make
         receipt = await chord([add.s(1, 1), add.s(2, 2) | flaky.s()], xsum.s() | mul.s(10)).enqueue()
         with pytest.raises(keyqueue.WorkflowFailed):
             await receipt.result(timeout=20)
+        await outcomes.done(f"{receipt.workflow_id}_0", f"{receipt.workflow_id}_1")
         view = await app.workflow(receipt.workflow_id)
         assert view is not None
         assert [s.state for s in view.steps] == ["done", "done", "failed", "not-run", "not-run"]
@@ -203,9 +246,15 @@ async def test_a_dead_letter_replay_of_the_failed_step_resumes_the_workflow(make
         assert await receipt.result(timeout=20) == 60  # (2 + 4) * 10
         assert await receipt.status() == "done"
         assert runs == [4, 4, 4]
-        events = await workflow_events(app, "replays", receipt.workflow_id)
-        assert events == ["workflow_started", "workflow_failed", "workflow_failed", "workflow_resumed",
-                          "workflow_joined", "workflow_done"]
+        async with asyncio.timeout(20):  # events are best effort, published after the change they tell
+            while not any(e["event"] == "workflow_done" for e in events):
+                got_event.clear()
+                await got_event.wait()
+        assert [e["event"] for e in events if e["run_id"] == receipt.workflow_id] == [
+            "workflow_started", "workflow_failed", "workflow_failed", "workflow_resumed", "workflow_joined",
+            "workflow_done"]
+        stored = await workflow_events(app, "replays", receipt.workflow_id)
+        assert stored[:2] == ["workflow_started", "workflow_failed"]  # they reach the events stream
 
 
 async def workflow_events(app: keyqueue.App, queue: str, workflow_id: str) -> list[str]:
@@ -219,7 +268,8 @@ async def workflow_events(app: keyqueue.App, queue: str, workflow_id: str) -> li
 
 
 async def test_cancel_stops_every_step_that_has_not_started(make_app: MakeApp) -> None:
-    app = make_app("cancels")
+    outcomes = Outcomes()
+    app = make_app("cancels", plugins=[outcomes])
     started, release = asyncio.Event(), asyncio.Event()
     ran: list[str] = []
 
@@ -244,10 +294,14 @@ async def test_cancel_stops_every_step_that_has_not_started(make_app: MakeApp) -
         release.set()  # the running step is not interrupted; nothing after it runs
         with pytest.raises(keyqueue.WorkflowCancelled):
             await receipt.result(timeout=20)
+        # The running step finishes and hands on; its key's holder skips each part of the group.
+        wf = receipt.workflow_id
+        await outcomes.wait({f"{wf}_0": "succeeded", f"{wf}_1": "superseded by (cancelled)",
+                             f"{wf}_2": "superseded by (cancelled)"})
         view = await app.workflow(receipt.workflow_id)
         assert view is not None and view.state == "cancelled"
         assert view.steps[0].state == "done"
-        assert {s.state for s in view.steps[1:]} <= {"cancelled", "not-run"}
+        assert [s.state for s in view.steps[1:]] == ["cancelled", "cancelled", "not-run"]
         assert await receipt.cancel() == "cancelled" and await receipt.status() == "cancelled"
         done = await (slow.si("x") | step.s("y")).enqueue()
         assert await done.result(timeout=20) == "y"
@@ -266,7 +320,8 @@ async def test_cancel_stops_every_step_that_has_not_started(make_app: MakeApp) -
 
 
 async def test_steps_that_share_a_key_keep_its_order(make_app: MakeApp) -> None:
-    app = make_app("order")
+    outcomes = Outcomes()
+    app = make_app("order", plugins=[outcomes])
     log: list[tuple[str, str]] = []
     busy: set[str] = set()
 
@@ -296,8 +351,9 @@ async def test_steps_that_share_a_key_keep_its_order(make_app: MakeApp) -> None:
         # The group's parts share key k: one at a time, in the group's order, behind what k had.
         await work.enqueue(key="k", tag="before")
         result = await group(work.s("k", f"g{i}") for i in range(8)).enqueue()
-        await work.enqueue(key="k", tag="behind")
+        behind = await work.options(request_id="k-behind").enqueue(key="k", tag="behind")
         assert await result.result(timeout=20) == [f"g{i}" for i in range(8)]
+        await outcomes.done(behind.request_id)
         # A chain's later step joins its key's order when it is enqueued: behind what was there first.
         chained = await (hold.si("a") | then.s("b", "b1")).enqueue()
         await work.enqueue(key="b", tag="b0")
@@ -363,7 +419,8 @@ async def test_bad_workflows_are_refused_with_clear_errors(make_app: MakeApp) ->
 
 
 async def test_the_command_line_shows_a_workflow_and_where_it_stopped(make_app: MakeApp, nats_url: str) -> None:
-    app = make_app("cliwf")
+    outcomes = Outcomes()
+    app = make_app("cliwf", plugins=[outcomes])
     add, mul, xsum = arithmetic(app)
 
     @app.task(key="card-{x}", max_attempts=1)
@@ -379,6 +436,7 @@ async def test_the_command_line_shows_a_workflow_and_where_it_stopped(make_app: 
         bad = await (add.s(1, 1) | declined.s() | chord([add.s(1), add.s(2)], xsum.s())).enqueue()
         with pytest.raises(keyqueue.WorkflowFailed):
             await bad.result(timeout=20)
+        await outcomes.done(f"{bad.workflow_id}_0")
     shown = await asyncio.to_thread(cli, "workflow", "show", bad.workflow_id)
     assert shown.exit_code == 0, shown.output
     lines = shown.output.splitlines()
@@ -406,7 +464,8 @@ async def test_the_command_line_shows_a_workflow_and_where_it_stopped(make_app: 
 
 
 async def test_the_dashboard_shows_a_workflows_steps_keys_and_where_it_stopped(make_app: MakeApp) -> None:
-    app = make_app("dashwf")
+    outcomes = Outcomes()
+    app = make_app("dashwf", plugins=[outcomes])
     add, mul, _ = arithmetic(app)
 
     @app.task(key="card-{x}", max_attempts=1)
@@ -419,6 +478,7 @@ async def test_the_dashboard_shows_a_workflows_steps_keys_and_where_it_stopped(m
         bad = await (add.s(1, 1) | declined.s() | mul.s(2)).enqueue()
         with pytest.raises(keyqueue.WorkflowFailed):
             await bad.result(timeout=20)
+        await outcomes.done(f"{bad.workflow_id}_0")
     monitor = Monitor(await app.connection(), queues=["dashwf"])
     transport = httpx2.ASGITransport(app=create_app(monitor, DashboardOptions()))
     async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1") as web:
