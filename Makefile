@@ -31,7 +31,7 @@ bench: $(BENCH_STAMP)
 bench-quick: $(BENCH_STAMP)
 	$(PY) -m bench --quick $(BENCH_ARGS)
 
-# keyqueue on Spark (docs/benchmarks.md, issue 26): a backfill and a report over a million, ~20 min.
+# keyqueue on Spark (docs/benchmarks.md): a backfill and a report over a million, ~20 min.
 bench-spark: $(BENCH_STAMP) java-check
 	$(PY) -m bench.spark $(BENCH_ARGS)
 

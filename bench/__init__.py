@@ -1,4 +1,5 @@
-"""keyqueue's benchmark suite (issue 7): ``python -m bench`` or ``make bench`` / ``make bench-quick``.
+"""keyqueue's benchmark suite, beside raw JetStream and the peers: ``python -m bench`` or ``make bench``
+/ ``make bench-quick``.
 
 Modules: ``run`` (one run, start to end), ``raw`` (raw JetStream baselines), ``workloads``
 (keyqueue's workloads), ``worker`` and ``fleet`` (worker processes), ``peers`` (Celery, Dramatiq,

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--full", dest="mode", action="store_const", const="full", help="the default")
     mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help=argparse.SUPPRESS)
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
-                        help="also run Celery, Dramatiq and procrastinate (default: on in full mode)")
+                        help="also run Celery, Dramatiq and procrastinate on the hot and the cold workload, "
+                        "beside keyqueue's product path (default: on in full mode)")
     parser.add_argument("--docs", action=argparse.BooleanOptionalAction, default=None,
                         help="write docs/benchmarks.md (default: only in full mode)")
     parser.add_argument("--concurrency", type=int, default=128, help="key slots per keyqueue worker process")

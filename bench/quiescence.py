@@ -5,7 +5,7 @@ it returns: right as a ``--linger 0`` worker gives the key back (acks its token,
 inbox). Two ``keyqueue worker`` processes serve a 3-node cluster with R3 streams (``--single``: one
 server). For each key it measures how long the second request waited from the moment its enqueue
 returned until it started: a request left without a token waits for a reconciler sweep (30 s).
-Prints per run the p50, p99 and max wait and how many keys waited more than 2 s (issue 22's bound).
+Prints per run the p50, p99 and max wait and how many keys waited more than 2 s (the bound a strand may last).
 """
 
 from __future__ import annotations

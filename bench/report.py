@@ -11,7 +11,7 @@ import math
 import re
 from pathlib import Path
 
-from bench.results import Report, Row
+from bench.results import Report, Row, Versus
 
 ANALYSIS_START = "<!-- analysis:start (hand-written; kept when the figures are regenerated) -->"
 ANALYSIS_END = "<!-- analysis:end -->"
@@ -28,17 +28,44 @@ def _cells(row: Row) -> tuple[str, ...]:
     return (row.workload, row.system, row.figure(), ratio, goal, row.check, row.detail)
 
 
-def table(report: Report) -> str:
-    """A plain-text table for the terminal."""
-    rows = [COLUMNS, *(_cells(r) for r in report.rows)]
-    widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(COLUMNS) - 1)]
+def _rate(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:,.0f}"
+
+
+def _times(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.2f}x"
+
+
+def versus_rows(versus: list[Versus]) -> list[tuple[str, ...]]:
+    """keyqueue beside raw JetStream and the peers, one line per keyed workload, the header first."""
+    peers = list(dict.fromkeys(name for v in versus for name in v.peers))
+    header = ("workload", "raw fetch(200)+ack", "keyqueue", *peers, "keyqueue vs raw", "keyqueue vs best peer")
+    return [header, *((v.workload, _rate(v.raw), _rate(v.keyqueue), *(_rate(v.peers.get(p, math.nan)) for p in peers),
+                       _times(v.vs_raw), _times(v.vs_best_peer)) for v in versus)]
+
+
+def _plain(rows: list[tuple[str, ...]], last_free: bool) -> str:
+    columns = len(rows[0]) - (1 if last_free else 0)
+    widths = [min(60, max(len(r[i]) for r in rows)) for i in range(columns)]
     lines = []
     for index, row in enumerate(rows):
-        cells = [c.ljust(w)[:w] for c, w in zip(row, widths, strict=False)] + [row[-1]]
+        cells = [c.ljust(w)[:w] for c, w in zip(row, widths, strict=False)] + list(row[columns:])
         lines.append("  ".join(cells).rstrip())
         if index == 0:
-            lines.append("  ".join("-" * w for w in widths) + "  ------")
+            lines.append("  ".join("-" * w for w in widths) + ("  ------" if last_free else ""))
     return "\n".join(lines)
+
+
+def versus_table(versus: list[Versus]) -> str:
+    """keyqueue beside raw JetStream and the peers, as plain text with its title."""
+    return ("keyqueue's product path beside raw JetStream and the peers: msg/s and req/s of one run, one worker "
+            "process each, requests stored first\n" + _plain(versus_rows(versus), last_free=False))
+
+
+def table(report: Report) -> str:
+    """A plain-text table for the terminal; then, with the peers, keyqueue beside them."""
+    text = _plain([COLUMNS, *(_cells(r) for r in report.rows)], last_free=True)
+    return text + "\n\n" + versus_table(report.versus) if report.versus else text
 
 
 def _md_escape(text: str) -> str:
@@ -67,6 +94,14 @@ def markdown(report: Report, chart: str | None, previous: str | None = None) -> 
     out += [f"- {note}" for note in report.notes]
     out += ["", "## Figures", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(_md_escape(c) for c in _cells(r)) + " |" for r in report.rows]
+    if report.versus:
+        header, *lines = versus_rows(report.versus)
+        out += ["", "## keyqueue beside the peers", "",
+                "The product path (`keyqueue worker`, one process) and each peer (one worker process, 8 slots) on "
+                "the same keyed workloads, requests stored first, beside raw fetch+ack of the same run: msg/s "
+                "and req/s.", "",
+                "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(_md_escape(c) for c in line) + " |" for line in lines]
     if chart:
         out += ["", f"![Latency distributions]({chart})", ""]
     out += ["", "## Analysis", "", ANALYSIS_START]

@@ -65,7 +65,7 @@ async def main(requests: int, keys: int, rounds: int, concurrency: int) -> tuple
         rates.append(requests / process)
         print(f"{'600 ' if keep else 'None'}       | {process:9.3f} | {requests / process:13,.0f} | "
               f"{process_cpu / requests * 1e6:18.0f}")
-    print(f"result_ttl costs {1 - rates[1] / rates[0]:.0%} of throughput (issue 23's goal: at most 15%); rounds "
+    print(f"result_ttl costs {1 - rates[1] / rates[0]:.0%} of throughput (the goal: at most 15%); rounds "
           f"without: {', '.join(f'{requests / r[0]:,.0f}' for r in results[False])}, with: "
           f"{', '.join(f'{requests / r[0]:,.0f}' for r in results[True])} req/s")
     return rates[0], rates[1]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench import machine, raw
 from bench.fleet import WorkerOptions
+from bench.peers import PeerResult, Workload, compare, run_peers
 from bench.records import handoffs_ms
 from bench.results import Report, Row, Sizes
 from bench.user_path import ProductRates
@@ -48,7 +49,10 @@ SERVER_HOT = "1p. server cost per hot request"
 SERVER_COLD = "2p. server cost per cold key"
 R3_RAW = "raw on R3: fetch(200)+ack"
 R3_HOT = "1p. hot keys, product path, 3 nodes R3"
-PEERS = "peers: hot keys, 1 process"
+PEERS_HOT = "peers: hot keys, 1 process"
+PEERS_COLD = "peers: cold keys, 1 process"
+VERSUS_HOT = "1p. hot keys, product path, vs best peer"
+VERSUS_COLD = "2p. cold keys, product path, vs best peer"
 
 RAW_PUBLISH = "raw: publish_async"
 RAW_FETCH = "raw: fetch(200)+ack"
@@ -107,14 +111,16 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
         finally:
             await nc.close()
 
-        per_key = sizes.product_per_key or sizes.hot_per_key
+        per_key = sizes.product_hot_per_key
         product_total = sizes.hot_keys * per_key
         say(f"1p/2p. the product path: keyqueue worker + @app.task, plugins on: {sizes.hot_keys} keys x "
-            f"{per_key}, then {sizes.cold_keys} keys x 1 ...")
+            f"{per_key}, then {sizes.product_cold} keys x 1 ...")
         from bench.user_path import measure
 
-        product = await measure(server.url, sizes.hot_keys, per_key, sizes.cold_keys,
+        product = await measure(server.url, sizes.hot_keys, per_key, sizes.product_cold,
                                 monitoring=server.monitoring_url, loop=options.loop)
+        # The peers right after the product path, so that on a shared machine both meet the same load.
+        peer_results = await _run_peers(sizes, scratch, say) if peers else None
         _ratio(report.add(Row(PRODUCT_HOT, KQ, product.hot, "req/s",
                               f"{product_total:,} requests stored first; one `keyqueue worker` process (128 "
                               "slots), default processor, hooks and the events plugin; worker CPU "
@@ -138,7 +144,7 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
                               f"{two.hot_cpu_us:.0f} us/request")),
                rates.fetch_ack, RAW_FETCH, 0.8)
         _ratio(report.add(Row(PRODUCT_COLD, KQ, product.cold, "req/s",
-                              f"{sizes.cold_keys:,} keys stored first; the same worker; worker CPU "
+                              f"{sizes.product_cold:,} keys stored first; the same worker; worker CPU "
                               f"{product.cold_cpu_us:.0f} us/request; stored and served at once: "
                               f"{product.cold_end_to_end:,.0f} req/s")), rates.fetch_ack, RAW_FETCH, 0.25)
 
@@ -153,23 +159,47 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
                        f"({rb.triggers / max(rb.runs, 1):.1f} per run)"))
     say(f"{R3_RAW} / {R3_HOT}: a 3-node cluster, R3 streams ...")
     await _replicated(sizes, report, scratch, options)
-    if peers:
-        from bench.peers import run_peers
-
-        say("peers ...")
-        # Against the path users run (row 1p), not the core's row 1: the peers run their own task APIs too.
-        hot = report.find(PRODUCT_HOT)
-        for result in await run_peers(sizes.hot_keys, sizes.hot_per_key, scratch / "peers", say):
-            row = report.add(Row(PEERS, result.name, result.rate, "req/s", result.detail, check=result.check))
-            if hot is not None and not math.isnan(result.rate) and result.rate > 0:
-                row.ratio = result.rate / hot.value
-                row.baseline = "keyqueue product path (1p)"
-                row.goal = "keyqueue >= 15x"
-                row.met = hot.value >= 15 * result.rate
+    if peer_results is not None:
+        _peer_rows(report, sizes, rates.fetch_ack, product, peer_results)
     else:
-        report.add(Row(PEERS, "(skipped)", math.nan, "", "peers not run: pass --peers"))
+        say("peers: not run (pass --peers; only full mode runs them by default)")
+        report.add(Row(PEERS_HOT, "(skipped)", math.nan, "", "peers not run: pass --peers"))
     report.seconds = time.monotonic() - started
     return report
+
+
+def _workloads(sizes: Sizes) -> tuple[Workload, Workload]:
+    """The hot and the cold workload of the product path, which the peers serve too."""
+    return Workload("hot keys", sizes.hot_keys, sizes.product_hot_per_key), Workload("cold keys", sizes.product_cold, 1)
+
+
+async def _run_peers(sizes: Sizes, scratch: Path, say: Progress) -> list[PeerResult]:
+    hot, cold = _workloads(sizes)
+    say(f"peers: {hot}; {cold} ...")
+    return await run_peers([hot, cold], scratch / "peers", say)
+
+
+def _peer_rows(report: Report, sizes: Sizes, raw_rate: float, product: ProductRates,
+               results: list[PeerResult]) -> None:
+    """The peers on the product path's two workloads, each beside raw fetch+ack and keyqueue.
+
+    Against the path users run (rows 1p/2p), not the core's rows 1/2: the peers run their own task
+    APIs too. Each peer's row is taken against raw fetch+ack; one row per workload gives keyqueue
+    against the best peer that ran, with the issue's goal."""
+    hot, cold = _workloads(sizes)
+    for workload, name, keyqueue, versus_name, goal in ((hot, PEERS_HOT, product.hot, VERSUS_HOT, 15.0),
+                                                         (cold, PEERS_COLD, product.cold, VERSUS_COLD, 3.0)):
+        for result in (r for r in results if r.workload == workload):
+            _ratio(report.add(Row(name, result.name, result.rate, "req/s", f"{workload}; {result.detail}",
+                                  check=result.check)), raw_rate, RAW_FETCH, None)
+        versus = compare(workload, raw_rate, keyqueue, results)
+        report.versus.append(versus)
+        best = versus.best_peer()
+        row = report.add(Row(versus_name, KQ, versus.vs_best_peer, "x", (
+            f"{keyqueue:,.0f} req/s against {best[0]}'s {best[1]:,.0f} req/s ({workload}); "
+            f"raw fetch+ack {raw_rate:,.0f} msg/s" if best else "no peer ran: their rows say why")))
+        row.goal = f">= {goal:g}x"
+        row.met = None if best is None else versus.vs_best_peer >= goal
 
 
 def _server_rows(report: Report, product: ProductRates, rates: raw.RawRates, sizes: Sizes) -> None:
@@ -180,7 +210,7 @@ def _server_rows(report: Report, product: ProductRates, rates: raw.RawRates, siz
                        _detail(product.hot_server.text() + " per request, enqueue included", raw_text)))
     if product.cold_server is not None:
         row = report.add(Row(SERVER_COLD, KQ, product.cold_server.api_and_stored, "API calls + stored msgs",
-                             _detail(product.cold_server.text() + f" per key ({sizes.cold_keys:,} keys x 1), "
+                             _detail(product.cold_server.text() + f" per key ({sizes.product_cold:,} keys x 1), "
                                      "enqueue included", raw_text)))
         row.goal, row.met = "<= 6", product.cold_server.api_and_stored <= 6
 
@@ -197,7 +227,7 @@ async def _replicated(sizes: Sizes, report: Report, scratch: Path, options: Work
             f"{sizes.raw // 2:,} messages, R3 work-queue stream",
             rates.server.text() + " per message (API and client messages summed over the 3 servers)"
             if rates.server else "")))
-        per_key = sizes.product_per_key or sizes.hot_per_key
+        per_key = sizes.product_hot_per_key
         product = await measure(cluster.url, sizes.hot_keys, per_key, 0, end_to_end=False,
                                 monitoring=monitoring, loop=options.loop, replicas=3)
         _ratio(report.add(Row(R3_HOT, KQ, product.hot, "req/s", _detail(

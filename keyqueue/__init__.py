@@ -21,10 +21,12 @@ from __future__ import annotations
 from keyqueue.app.application import App, default_app, task
 from keyqueue.app.cancel import CancelState
 from keyqueue.app.schedules import Periodic
-from keyqueue.app.status import RequestStatus
+from keyqueue.app.status import RequestStatus, StatusReport
 from keyqueue.app.worker import Worker
+from keyqueue.core.observer import DeadLetterReason
 from keyqueue.core.processor import (
     BaseProcessor,
+    CloseReason,
     KeyProcessor,
     Reply,
     Request,
@@ -57,6 +59,7 @@ from keyqueue.errors import (
     LeaseLost,
     MalformedBody,
     MessageNotFound,
+    MissingExtra,
     MissingHeader,
     PartiallyEnqueued,
     PayloadTooLarge,
@@ -99,7 +102,7 @@ from keyqueue.tasks.canvas import (
     chord,
     group,
 )
-from keyqueue.tasks.context import Context
+from keyqueue.tasks.context import Context, Progress
 from keyqueue.tasks.task import Backoff, BatchTask, Dispatcher, Policy, Receipt, Task, TaskRequest, TaskSpec
 
 __all__ = [
@@ -114,11 +117,13 @@ __all__ = [
     "Canvas",
     "Chain",
     "Chord",
+    "CloseReason",
     "ConfigError",
     "ConnectionClosed",
     "ConnectionFailed",
     "ConsumerNotFound",
     "Context",
+    "DeadLetterReason",
     "DeadLettered",
     "Disconnected",
     "Dispatcher",
@@ -139,11 +144,13 @@ __all__ = [
     "LeaseLost",
     "MalformedBody",
     "MessageNotFound",
+    "MissingExtra",
     "MissingHeader",
     "PartiallyEnqueued",
     "PayloadTooLarge",
     "Periodic",
     "Policy",
+    "Progress",
     "QueueConfig",
     "Receipt",
     "Reject",
@@ -164,6 +171,7 @@ __all__ = [
     "Settings",
     "Signature",
     "SoftTimeout",
+    "StatusReport",
     "StepFailure",
     "StreamNotFound",
     "Superseded",

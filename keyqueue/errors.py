@@ -5,6 +5,7 @@
     │   ├── InvalidKey                   a key that is not a valid NATS subject token sequence (ValueError)
     │   ├── InvalidSchedule              a bad countdown, eta, cron or every, or a server without schedules (ValueError)
     │   ├── InvalidRequestId             a request id a Nats-Msg-Id header cannot carry (ValueError)
+    │   ├── MissingExtra                 an optional part (the dashboard, metrics) is not installed
     │   ├── ServerNotFound               the nats-server binary is not installed
     │   └── TopologyMismatch             a stream/consumer's layout differs from what this process needs
     ├── ConnectionFailed                 the NATS server could not be reached
@@ -24,7 +25,8 @@
     ├── EnqueueError                     a request could not be accepted
     │   ├── BacklogFull                  the key's per-key backlog cap is reached
     │   ├── PartiallyEnqueued            enqueue_many stored some requests and not others (results per item)
-    │   └── TokenPublishFailed           the request is stored, but its key was not scheduled
+    │   ├── TokenPublishFailed           the request is stored, but its key was not scheduled
+    │   └── EnqueueTimeout               no acknowledgement, even after a retry (also a KeyqueueTimeout)
     ├── JetStreamError                   a JetStream API error not covered above (code, err_code)
     │   ├── StreamNotFound               10059
     │   ├── ConsumerNotFound             10014
@@ -39,12 +41,12 @@
     │   └── ResultExpired                it was kept, but its result_ttl has passed
     └── TaskFailure                      the outcome of running a request
         ├── Reject                       raised by a handler: do not retry, dead-letter now
+        │   └── CallOnOwnKey             a task called a task on the key its own run holds (never retried)
         ├── SoftTimeout                  raised inside a task that passed its soft_timeout (catch it to clean up)
         ├── Retry                        raised by a handler: retry this request, after countdown seconds if given
-        │   └── CallOnOwnKey             a task called a task on the key its own run holds
         ├── RemoteError                  a request failed in a worker; re-raised to the caller
-        ├── DeadLettered                 the request went to the DLQ (reply to a caller)
-        │   └── WorkflowFailed           a step of a workflow failed for good: the workflow stopped there
+        │   └── DeadLettered             the request went to the DLQ (reply to a caller)
+        │       └── WorkflowFailed       a step of a workflow failed for good: the workflow stopped there
         ├── Cancelled                    the request was cancelled before it started
         │   └── WorkflowCancelled        the workflow was cancelled: its steps that had not started never run
         ├── Expired                      its expires= time passed before it started
@@ -70,6 +72,7 @@ __all__ = [
     "DeadLettered",
     "Disconnected",
     "EnqueueError",
+    "EnqueueTimeout",
     "Expired",
     "InvalidKey",
     "InvalidRequestId",
@@ -83,6 +86,7 @@ __all__ = [
     "LeaseLost",
     "MalformedBody",
     "MessageNotFound",
+    "MissingExtra",
     "MissingHeader",
     "PartiallyEnqueued",
     "PayloadTooLarge",
@@ -136,6 +140,35 @@ class InvalidSchedule(ConfigError, ValueError):
     """A delay or a periodic schedule that cannot be kept: a naive ``eta``, a negative ``countdown``, a due
     time past what the queue's streams keep, a cron expression the server would refuse, ``every <= 0``,
     or a server too old for message schedules (the message names the version needed)."""
+
+
+class MissingExtra(ConfigError):
+    """A feature needs one of keyqueue's optional extras (``pip install 'keyqueue[EXTRA]'``), and a
+    module it brings is not installed. The message says how to install it into this Python, from
+    the package index and, where keyqueue runs from a clone of its repository, from that checkout
+    (``pip install -e 'CHECKOUT[EXTRA]'``: the index has no copy of what the clone holds)."""
+
+    def __init__(self, feature: str, extra: str, missing: str | None) -> None:
+        import sys
+        from pathlib import Path
+
+        self.extra = extra
+        pip = f"{sys.executable} -m pip install"
+        index = f"{pip} 'keyqueue[{extra}]'"
+        root = Path(__file__).resolve().parent.parent
+        pyproject = root / "pyproject.toml"
+        try:
+            clone = pyproject.is_file() and 'name = "keyqueue"' in pyproject.read_text()
+        except OSError:
+            clone = False
+        lacking = f" ({missing} is missing)" if missing else ""
+        if clone:
+            how = (f"this keyqueue runs from a clone of its repository, so install it from the checkout: "
+                   f"{pip} -e '{root}[{extra}]' (an installed release takes {index})")
+        else:
+            how = (f"install it: {index} (in a clone of keyqueue's repository, from the checkout: "
+                   f"{pip} -e '.[{extra}]')")
+        super().__init__(f"{feature} needs keyqueue's {extra!r} extra{lacking}: {how}")
 
 
 class ServerNotFound(ConfigError):

@@ -43,6 +43,7 @@ from keyqueue.core.processor import Request
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import ConfigError, EnqueueError, InvalidSchedule, Reject, WireError
 from keyqueue.tasks.arguments import CANCELLED_BY
+from keyqueue.tasks.context import Progress
 from keyqueue.tasks.task import Receipt, TaskRequest
 from keyqueue.wire import CBOR, loads
 from keyqueue.wire import headers as H
@@ -72,6 +73,8 @@ class EagerProgress:
     key: str
     request_id: str
     value: Any
+    task: str = ""
+    attempt: int = 0
 
 
 class _EagerRuns:
@@ -114,7 +117,8 @@ class _EagerContext:
     async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
         content_type = (headers or {}).get(H.CONTENT_TYPE, CBOR)
         value = loads(data, content_type) if data else None
-        self._runner.progress.append(EagerProgress(self.queue, self.key, self.request_id, value))
+        self._runner.progress.append(EagerProgress(self.queue, self.key, self.request_id, value,
+                                                   (headers or {}).get(H.TASK, ""), self.attempt))
 
 
 @dataclass
@@ -204,6 +208,13 @@ class EagerRunner:
                                            for r in self._clock.pending):
             return "scheduled"
         return "done" if request_id in self._seen else "unknown"
+
+    async def kept_progress(self, queue: str, request_id: str) -> Progress | None:
+        """The last progress the request's task reported in this runner (every one is kept), or None."""
+        for reported in reversed(self.progress):
+            if reported.queue == queue and reported.request_id == request_id:
+                return Progress(reported.value, request_id, reported.key, reported.task, reported.attempt, None)
+        return None
 
     async def cancel(self, queue: str, request_id: str, seq: int | None, wait: float,
                      key: str | None = None) -> str:

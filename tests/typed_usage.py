@@ -58,6 +58,10 @@ def sync_view() -> None:
     assert_type(refund.call_sync(order_id="o1", timeout=2.5), None)
     assert_type(ingest.call_sync(Reading("s", 1.0)), float)
     assert_type(app.status_sync(receipt.request_id), keyqueue.RequestStatus)
+    report = app.status_sync(receipt.request_id, progress=True)
+    assert_type(report, keyqueue.StatusReport)
+    assert_type(report.progress, keyqueue.Progress | None)
+    assert_type(app.progress_sync(receipt.request_id), keyqueue.Progress | None)
     assert_type(app.cancel_sync(receipt.request_id), keyqueue.CancelState)
     charge.call_sync(order_id="o1", amount="5")  # type: ignore[call-overload]
 
@@ -66,6 +70,9 @@ async def producer() -> None:
     receipt = await charge.enqueue(order_id="o1", amount=5)
     assert_type(receipt, keyqueue.Receipt)
     assert_type(receipt.seq, int)
+    assert_type(await app.status(receipt.request_id), keyqueue.RequestStatus)
+    assert_type(await app.status(receipt.request_id, progress=True), keyqueue.StatusReport)
+    assert_type(await receipt.progress(), keyqueue.Progress | None)
     assert_type(await charge.call(order_id="o1", amount=5), dict[str, Any])
     assert_type(await charge.call("o1", 5), dict[str, Any])
     assert_type(await charge.options(timeout=10, request_id="r1").call(order_id="o1", amount=5), dict[str, Any])
@@ -113,6 +120,9 @@ def sync_producer() -> None:
     assert_type(refund.delay(order_id="o1"), keyqueue.Receipt)
     assert_type(charge.delay(order_id="o1", amount=1), keyqueue.Receipt)
     charge.delay(order_id="o1")  # type: ignore[call-overload]
+    assert_type(charge.delay_on_commit(order_id="o1", amount=1), str)
+    assert_type(charge.options(request_id="pay-o1").delay_on_commit(order_id="o1", amount=1), str)
+    charge.delay_on_commit(order_id="o1")  # type: ignore[call-overload]
 
 
 async def workflows() -> None:

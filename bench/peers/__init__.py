@@ -1,8 +1,10 @@
-"""The peers: Celery, Dramatiq and procrastinate on the same keyed workload as keyqueue's workload 1.
+"""The peers: Celery, Dramatiq and procrastinate on the keyed workloads keyqueue's product path serves.
 
-They run in their own virtual environment, ``bench/.peers-venv`` (created here on first use,
-never needed by keyqueue's tests), against Redis and PostgreSQL servers started here on
-loopback. Anything that cannot be set up becomes a row saying why, never a failed run.
+Each peer serves each :class:`Workload` (hot keys, 100 x 200; cold keys, 2,000 x 1), stored first,
+with one worker process, as keyqueue's product path is timed. They run in their own virtual
+environment, ``bench/.peers-venv`` (created here on first use, never needed by keyqueue's tests),
+against Redis (``bench.peers.services``) and PostgreSQL servers started here on loopback. Anything
+that cannot be set up is printed as it happens and becomes a row saying why, never a failed run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.peers.services import Service, Unavailable, start_postgres, start_redis
+from bench.results import Versus
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -32,11 +35,31 @@ LABELS = {
 
 
 @dataclass(frozen=True, slots=True)
+class Workload:
+    """A keyed workload: ``keys`` x ``per_key`` requests, stored round-robin over the keys before the
+    worker starts."""
+
+    name: str
+    """"hot keys" or "cold keys"."""
+    keys: int
+    per_key: int
+
+    def __str__(self) -> str:
+        return f"{self.name}, {self.keys:,} x {self.per_key:,}"
+
+
+@dataclass(frozen=True, slots=True)
 class PeerResult:
+    workload: Workload
     name: str
     rate: float
     check: str
     detail: str
+
+
+def compare(workload: Workload, raw: float, keyqueue: float, results: list[PeerResult]) -> Versus:
+    """keyqueue's rate on ``workload`` beside raw fetch+ack's and the peers' of the same run."""
+    return Versus(str(workload), raw, keyqueue, {r.name: r.rate for r in results if r.workload == workload})
 
 
 def peers_python() -> Path:
@@ -55,50 +78,59 @@ def peers_python() -> Path:
     return python
 
 
-def _drive(python: Path, peer: str, keys: int, per_key: int, work_dir: Path, redis: str, pg: str,
+def _drive(python: Path, peer: str, workload: Workload, work_dir: Path, redis: str, pg: str,
            timeout: float) -> PeerResult:
-    cmd = [str(python), "-m", "bench.peers.drive", peer, "--keys", str(keys), "--per-key", str(per_key),
-           "--concurrency", str(CONCURRENCY), "--out", str(work_dir), "--timeout", str(timeout),
-           "--redis", redis, "--pg", pg]
+    cmd = [str(python), "-m", "bench.peers.drive", peer, "--keys", str(workload.keys), "--per-key",
+           str(workload.per_key), "--concurrency", str(CONCURRENCY), "--out", str(work_dir), "--timeout",
+           str(timeout), "--redis", redis, "--pg", pg]
     try:
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout + 120, check=False)
     except subprocess.TimeoutExpired:
-        return PeerResult(LABELS[peer], math.nan, "", f"did not finish within {timeout + 120:.0f} s")
+        return PeerResult(workload, LABELS[peer], math.nan, "", f"did not finish within {timeout + 120:.0f} s")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        return PeerResult(LABELS[peer], math.nan, "", f"failed: {done.stderr.strip()[-300:]}")
+        return PeerResult(workload, LABELS[peer], math.nan, "", f"failed: {done.stderr.strip()[-300:]}")
     data = json.loads(lines[-1])
     detail = f"{data['ran']:,} of {data['total']:,} ran, {CONCURRENCY} slots, 1 process"
     if not data["finished"]:
         detail += f"; stopped at the {timeout:.0f} s limit"
     if data["detail"] != "ok":
         detail += f"; {data['detail']}"
-    return PeerResult(LABELS[peer], float(data["rate"]), data["check"], detail)
+    return PeerResult(workload, LABELS[peer], float(data["rate"]), data["check"], detail)
 
 
-def _run_all(keys: int, per_key: int, work_dir: Path, say: Callable[[str], None]) -> list[PeerResult]:
+def _run_all(workloads: list[Workload], work_dir: Path, say: Callable[[str], None]) -> list[PeerResult]:
+    def not_run(reason: str, labels: list[str]) -> list[PeerResult]:
+        say(f"  not run: {', '.join(labels)}: {reason}")
+        return [PeerResult(w, label, math.nan, "", f"not run: {reason}") for w in workloads for label in labels]
+
+    say(f"  the peers' virtual environment ({VENV.relative_to(REPO)}; the first run installs {len(REQUIREMENTS)} "
+        "packages into it) ...")
     try:
         python = peers_python()
     except (Unavailable, subprocess.SubprocessError, OSError) as e:
-        return [PeerResult(label, math.nan, "", f"not run: {e}") for label in LABELS.values()]
+        return not_run(str(e), list(LABELS.values()))
     services: dict[str, Service | str] = {}
     for name, start in (("redis", start_redis), ("postgres", start_postgres)):
         try:
             services[name] = start()
         except (Unavailable, OSError, subprocess.SubprocessError) as e:
             services[name] = str(e)
-    timeout = max(60.0, keys * per_key / 50)
+    peers = (("celery", "redis"), ("dramatiq", "redis"), ("procrastinate", "postgres"))
     results = []
     try:
-        for peer, needs in (("celery", "redis"), ("dramatiq", "redis"), ("procrastinate", "postgres")):
+        for needs in ("redis", "postgres"):
             service = services[needs]
             if isinstance(service, str):
-                results.append(PeerResult(LABELS[peer], math.nan, "", f"not run: {needs}: {service}"))
-                continue
-            say(f"  {LABELS[peer]} ...")
-            redis = services["redis"].url if isinstance(services["redis"], Service) else ""
-            pg = services["postgres"].url if isinstance(services["postgres"], Service) else ""
-            results.append(_drive(python, peer, keys, per_key, work_dir, redis, pg, timeout))
+                results += not_run(f"{needs}: {service}", [LABELS[p] for p, n in peers if n == needs])
+        redis, pg = (s.url if isinstance(s, Service) else "" for s in (services["redis"], services["postgres"]))
+        for workload in workloads:
+            timeout = max(60.0, workload.keys * workload.per_key / 50)
+            for peer, needs in peers:
+                if isinstance(services[needs], Service):
+                    say(f"  {LABELS[peer]}: {workload} ...")
+                    results.append(_drive(python, peer, workload, work_dir / workload.name.replace(" ", "-"),
+                                          redis, pg, timeout))
     finally:
         for service in services.values():
             if isinstance(service, Service):
@@ -106,6 +138,7 @@ def _run_all(keys: int, per_key: int, work_dir: Path, say: Callable[[str], None]
     return results
 
 
-async def run_peers(keys: int, per_key: int, work_dir: Path, say: Callable[[str], None]) -> list[PeerResult]:
-    """Run every peer on ``keys`` x ``per_key``; one result per peer, with a reason when it could not run."""
-    return await asyncio.to_thread(_run_all, keys, per_key, work_dir, say)
+async def run_peers(workloads: list[Workload], work_dir: Path, say: Callable[[str], None]) -> list[PeerResult]:
+    """Run every peer on each of ``workloads``; one result per peer and workload, with the reason
+    (also printed through ``say``) when it could not run."""
+    return await asyncio.to_thread(_run_all, workloads, work_dir, say)

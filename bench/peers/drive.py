@@ -107,6 +107,10 @@ def procrastinate(args: argparse.Namespace, out: Path) -> tuple[bool, int]:
     os.environ["BENCH_PG_URL"] = args.pg
     from bench.peers.procrastinate_app import app, run
 
+    with psycopg.connect(args.pg, autocommit=True) as conn:  # an empty database, as flushdb empties Redis
+        conn.execute("drop schema if exists public cascade")
+        conn.execute("create schema public")
+
     async def prepare() -> None:
         async with app.open_async():
             await app.schema_manager.apply_schema_async()

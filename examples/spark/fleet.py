@@ -1,10 +1,10 @@
-"""A stand-in for the Rebaser fleet and the events plugin (issue 8), so the example has a history.
+"""A stand-in for the Rebaser fleet and the built-in events plugin, so the example has a history.
 
 A real keyqueue worker (the core's QueueWorker) drains the queue with a processor shaped like the
 Rebaser's: it applies each change-set request in order, fails some requests once (retried),
 rejects poison ones (dead-lettered), and before releasing a key runs one DVU covering every
 request it applied since the last DVU (coalescing). ``EventRecorder`` publishes what happens
-to ``KQ_<queue>_EVENTS`` in the events-stream contract, as issue 8's plugin will.
+to ``KQ_<queue>_EVENTS`` in the events-stream contract, as the built-in events plugin does.
 """
 
 from __future__ import annotations

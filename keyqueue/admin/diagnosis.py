@@ -11,15 +11,17 @@ the same one. It is read from the server, whoever asks, in a dozen reads:
 - the key's first stored request (task, arguments, when it was stored: how long it waits);
 - the key's last lifecycle events (:mod:`keyqueue.admin.key_history`): how many attempts the head
   request made, since when it runs, its last error and when it is retried next;
-- a rate-limited task's recent runs on the key (``keyqueue.jetstream.records``).
+- a rate-limited task's recent runs on the key, and the head request's last kept progress
+  (``keyqueue.jetstream.records``, ``keyqueue.app.progress``).
 
 What blocks a key (:class:`Blocker`) is derived from those facts alone (:func:`blockers`, pure):
 no live worker serves the queue; a live worker holds it (running its head request, waiting out a
 retry backoff or a rate limit); a worker that is gone left its lease, which ends at a known time;
 the key is changing hands; it waits for a free slot; it has requests but no token.
 
-Progress messages are not stored (``ctx.progress`` is core NATS), so the last progress is what
-the asker saw: the dashboard follows it live, the command line does not have it.
+Progress *messages* are not stored (``ctx.progress`` publishes on core NATS: the dashboard follows
+them live); what is stored is each request's last progress, coalesced (``keyqueue.app.progress``),
+which both the command line and the dashboard show for the head request.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from typing import Any, Final, Literal
 from keyqueue.admin.inspection import Holder, TokenState, holder_of, parse_time
 from keyqueue.admin.key_history import StoredEvent, latest_events
 from keyqueue.admin.workers import WorkerState, queue_workers, server_time
+from keyqueue.app.progress import kept_progress
 from keyqueue.app.workflows import step_of
 from keyqueue.errors import StreamNotFound, WireError
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.records import RequestRecords
 from keyqueue.jetstream.subjects import QueueNames, validate_key
+from keyqueue.tasks.context import Progress
 from keyqueue.wire import CBOR, loads
 from keyqueue.wire import headers as H
 
@@ -125,6 +129,8 @@ class KeyDiagnosis:
     blockers: list[Blocker] = field(default_factory=list)
     checked: float = 0.0
     """When this was read (Unix seconds)."""
+    progress: Progress | None = None
+    """The last progress kept for the head request (``ctx.progress``, ``keyqueue.app.progress``)."""
 
     @property
     def state(self) -> str:
@@ -162,18 +168,25 @@ async def diagnose_key(api: JetStreamApi, queue: str, key: str, *, now: float | 
         queue_workers(api, queue, now=checked),
         latest_events(api, queue, key),
     )
+    if head_msg is not None and H.is_release_marker(head_msg.headers):
+        # A former holder's release marker (it lives a second, before any request): not a request.
+        backlog = {subject: count - 1 for subject, count in backlog.items()}
+        head_msg = await api.get_msg(names.inbox_stream, seq=head_msg.seq + 1, next_by_subject=names.inbox(key),
+                                     direct=False)
     token_state: TokenState = "none" if token is None else "held" if token.seq <= delivered else "scheduled"
     holder = holder_of(record) if record is not None else None
     holder_worker = next((w for w in workers if holder is not None and w.name == holder.worker), None)
     head = _head(head_msg, latest) if head_msg is not None else None
-    rate = await _rate_window(api, queue, key, head.task, checked) if head is not None and head.task else None
+    rate, progress = await asyncio.gather(
+        _rate_window(api, queue, key, head.task, checked) if head is not None and head.task else _nothing(),
+        _kept_progress(api, queue, head.request_id) if head is not None and head.request_id else _nothing())
     diagnosis = KeyDiagnosis(
         queue=queue, key=key, backlog=sum(backlog.values()), token=token_state,
         token_seq=token.seq if token is not None else None, holder=holder if token_state == "held" else None,
         holder_worker=holder_worker if token_state == "held" else None, head=head,
         position=token.seq - delivered if token is not None and token_state == "scheduled" else None,
         waiting_tokens=int(consumer.get("num_pending", 0)), live_workers=[w for w in workers if w.live],
-        ack_wait=ack_wait, rate=rate, checked=checked)
+        ack_wait=ack_wait, rate=rate, checked=checked, progress=progress)
     diagnosis.blockers.extend(blockers(diagnosis))
     return diagnosis
 
@@ -279,6 +292,19 @@ async def _lease_record(api: JetStreamApi, names: QueueNames, key: str) -> Any:
         return await api.get_msg(names.lease_stream, last_by_subject=names.lease(key), direct=False)
     except StreamNotFound:
         return None
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def _kept_progress(api: JetStreamApi, queue: str, request_id: str) -> Progress | None:
+    records = RequestRecords(api.nc, queue)
+    try:
+        stored = await api.get_msg(records.stream, last_by_subject=records.progress_subject(request_id), direct=False)
+    except StreamNotFound:
+        return None
+    return kept_progress(stored, request_id)
 
 
 async def _rate_window(api: JetStreamApi, queue: str, key: str, task: str, now: float) -> RateWindow | None:

@@ -38,6 +38,7 @@ from keyqueue.errors import JetStreamError, KeyqueueError, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.wire import headers as H
 
 __all__ = ["HolderAlive", "Released", "Skipped", "describe", "release_keys"]
 
@@ -211,8 +212,11 @@ async def _release(api: JetStreamApi, names: QueueNames, publisher: Publisher, r
         redelivered = True
     elif record.token_seq is not None:
         await _delete(api, names.token_stream, record.token_seq)
-    waiting = await api.get_msg(names.inbox_stream, seq=1, next_by_subject=names.inbox(record.key),
-                                direct=False) is not None
+    head = await api.get_msg(names.inbox_stream, seq=1, next_by_subject=names.inbox(record.key), direct=False)
+    if head is not None and H.is_release_marker(head.headers):  # a former holder's, before any request
+        head = await api.get_msg(names.inbox_stream, seq=head.seq + 1, next_by_subject=names.inbox(record.key),
+                                 direct=False)
+    waiting = head is not None
     # Refused (10077) while the handed-back token is there: then it is what schedules the key.
     rescheduled = waiting and await publisher.schedule(record.key)
     return Released(record.key, record.worker, record.pid, record.msg.seq, waiting, redelivered, rescheduled,

@@ -12,19 +12,29 @@
         print(await charge.call(order_id="o1", amount=5))
 
 The app's name is the default queue of its tasks. An app connects lazily, once per event loop
-(``delay`` runs on a private loop in a thread). ``@keyqueue.task`` declares a task on the
-*default app*: the first ``App`` created in the process (unless ``set_as_default=False``), else
-one named ``default``. That, and the list of such shared tasks, is the only process-wide state.
+(``delay`` runs on a private loop in a thread).
+
+``@keyqueue.task(queue=Q, ...)`` declares a *shared task*, one no ``App`` declared. It belongs to
+the app that serves its queue: the ``App`` in this process that claims ``Q`` (whose name is ``Q``,
+or which declared ``Q`` itself: a task of its own there, a processor, ``add_queue``), else the
+*default app* (the first ``App`` created, else one named ``default``). Two apps that both claim
+``Q`` make its shared tasks ambiguous: using them raises ``ConfigError`` naming both. An app created
+with ``set_as_default=False`` takes no shared task; a worker of such an app warns, naming them,
+when shared tasks of a queue it serves belong to another app (their requests would be
+dead-lettered as ``UnknownMessageType`` by it). The apps, the default app and the shared tasks are
+the only process-wide state (docs/decisions.md, "Which app a shared task belongs to").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import logging
 import warnings
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import MappingProxyType, TracebackType
@@ -33,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, cast, overload
 from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, CancelState
 from keyqueue.app.portal import SYNC_BOUND, SyncRunner, require_sync_caller
 from keyqueue.app.schedules import Periodic, make_periodic
-from keyqueue.app.status import RequestStatus
+from keyqueue.app.status import RequestStatus, StatusReport
 from keyqueue.app.transport import Connections, NatsTransport, Transport
 from keyqueue.app.workflows import (
     WorkflowView,
@@ -74,8 +84,9 @@ if TYPE_CHECKING:
     from keyqueue.app.worker import Worker
     from keyqueue.jetstream.workflows import WorkflowStore
     from keyqueue.tasks.arguments import Upgrade
+    from keyqueue.tasks.context import Progress
 
-__all__ = ["App", "default_app", "task"]
+__all__ = ["App", "default_app", "shared_task_owner", "shared_tasks_elsewhere", "task"]
 
 log = logging.getLogger("keyqueue.app")
 
@@ -86,11 +97,22 @@ T = TypeVar("T")
 
 
 class _Defaults:
-    """The default app and ``@keyqueue.task`` tasks (registered with it once it exists)."""
+    """The apps that take shared tasks, the default app, and the ``@keyqueue.task`` tasks.
+
+    Which app a shared task belongs to is decided each time it is asked (``owner``), so the
+    order of imports does not matter: an app created after the task was declared still gets it.
+    """
 
     def __init__(self) -> None:
         self.app: App | None = None
+        self.apps: list[weakref.ref[App]] = []
+        """Every live ``App`` that takes shared tasks (``set_as_default=True``), oldest first."""
         self.shared: list[AnyTask] = []
+
+    def add_app(self, app: App) -> None:
+        self.apps.append(weakref.ref(app))
+        if self.app is None:
+            self.app = app
 
     def add_shared(self, task: AnyTask) -> None:
         for other in self.shared:
@@ -99,16 +121,69 @@ class _Defaults:
                                   f"{task.fn.__module__}); give one a name= of its own")
         self.shared.append(task)
 
+    def claimants(self, queue: str) -> list[App]:
+        """The live apps taking shared tasks that claim ``queue`` (``App.claims``), oldest first."""
+        self.apps = [ref for ref in self.apps if ref() is not None]
+        return [app for ref in self.apps if (app := ref()) is not None and app.claims(queue)]
+
+    def owner(self, task: AnyTask) -> App:
+        """The app ``task`` (a shared one) belongs to: the one app claiming its queue, else the
+        default app; ``ConfigError`` naming them when several claim it."""
+        claimants = self.claimants(task.queue)
+        if len(claimants) > 1:
+            raise _ambiguous(task, claimants)
+        return claimants[0] if claimants else default_app()
+
+    def belongs_to(self, task: AnyTask, app: App) -> bool:
+        """Whether shared ``task`` belongs to ``app`` (``ConfigError`` if ``app`` is one of several
+        claiming its queue; an ambiguity between other apps is theirs)."""
+        claimants = self.claimants(task.queue)
+        if app in claimants:
+            if len(claimants) > 1:
+                raise _ambiguous(task, claimants)
+            return True
+        return not claimants and app is self.app
+
+
+def _ambiguous(task: AnyTask, claimants: Sequence[App]) -> ConfigError:
+    apps = " and ".join(f"app {a.name!r}" for a in claimants)
+    return ConfigError(
+        f"@keyqueue.task {task.name!r} (queue {task.queue!r}) could belong to {apps}, which all claim queue "
+        f"{task.queue!r}: declare it on the one that serves it (@app.task(queue={task.queue!r}, ...)), or create "
+        "the others with set_as_default=False (they then take no @keyqueue.task tasks)")
+
 
 _DEFAULTS = _Defaults()
 
 
 def default_app() -> App:
-    """The app ``@keyqueue.task`` tasks belong to: the first ``App`` created, else ``App("default")``."""
+    """The default app: the first ``App`` created (with ``set_as_default=True``, the default), else
+    ``App("default")``. It takes the ``@keyqueue.task`` tasks whose queue no other app claims."""
     if _DEFAULTS.app is None:
         App("default")
     assert _DEFAULTS.app is not None
     return _DEFAULTS.app
+
+
+def shared_task_owner(task: AnyTask) -> App:
+    """The app a ``@keyqueue.task`` task belongs to (see the module docstring)."""
+    return _DEFAULTS.owner(task)
+
+
+def shared_tasks_elsewhere(app: App, queue: str) -> list[tuple[AnyTask, str]]:
+    """The ``@keyqueue.task`` tasks of ``queue`` that ``app`` does not have, each with where it belongs
+    (an app's name, or why none): what a worker of ``app`` serving ``queue`` would dead-letter."""
+    mine = app.tasks
+    found = []
+    for shared in _DEFAULTS.shared:
+        if shared.queue != queue or mine.get(shared.name) is shared:
+            continue
+        try:
+            where = f"app {_DEFAULTS.owner(shared).name!r}"
+        except ConfigError:
+            where = "several apps (ambiguous)"
+        found.append((shared, where))
+    return found
 
 
 @overload
@@ -132,10 +207,17 @@ def task(*, queue: str, key: KeySpec, policy: Policy = "serial", name: str | Non
          merge: Merge | None = None, result_ttl: float | None = None,
          rate_limit: str | None = None, soft_timeout: float | None = None,
          retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator | BatchTaskDecorator:
-    """Declare a task on the default app (see ``App.task`` for the options; ``queue`` is required)."""
+    """Declare a shared task: it belongs to the app that claims ``queue``, else to the default app
+    (see the module docstring; ``App.task`` for the options; ``queue`` is required)."""
+    made: list[AnyTask] = []  # the task, once the decorator has made it: its app is looked up on each use
+
+    def register(declared: AnyTask) -> None:
+        _DEFAULTS.add_shared(declared)
+        made.append(declared)
+
     return declare(key=key, queue=queue, name=name, policy=policy, max_attempts=max_attempts, backoff=backoff,
                    timeout=timeout, version=version, upgrades=upgrades, max_batch=max_batch, merge=merge,
-                   register=_DEFAULTS.add_shared, dispatcher=default_app, result_ttl=result_ttl,
+                   register=register, dispatcher=lambda: _DEFAULTS.owner(made[0]), result_ttl=result_ttl,
                    rate_limit=rate_limit, soft_timeout=soft_timeout, retry_on=retry_on)
 
 
@@ -163,17 +245,23 @@ class App:
     It is the ``Dispatcher`` its tasks send through: ``publish``, ``ask`` and ``run_sync``.
     """
 
-    def __init__(self, name: str, url: str | None = None, *, settings: Settings | None = None,
+    def __init__(self, name: str, url: str | None = None, *,
+                 settings: Settings | Callable[[], Settings] | None = None,
                  plugins: Sequence[object] = (), autoload_plugins: bool | None = None,
                  data_dir: str | Path | None = None, set_as_default: bool = True,
                  result_ttl: float | None = None) -> None:
         """``name`` is the app's name and its tasks' default queue.
 
         The connection comes from ``settings`` (else ``Settings.from_env()``, i.e. ``KEYQUEUE_*``
-        variables), with ``url`` overriding its URL. With no URL at all the app uses its
+        variables), with ``url`` overriding its URL. ``settings`` may be a function returning
+        them, called when the app first needs them rather than now: for a framework whose
+        configuration is not loaded yet where the app is declared (``keyqueue.django.django_settings``
+        reads Django's settings). With no URL at all the app uses its
         embedded server (``keyqueue.server.local``), kept under ``data_dir``. ``plugins`` are
         registered after the built-in and entry-point plugins; ``autoload_plugins=False`` skips
         the entry points (default: unless ``KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD`` is set).
+        ``set_as_default=False``: this app is never the default app and takes no ``@keyqueue.task``
+        task (for a second app in a process, a producer of another service, a test's app).
         ``result_ttl``: seconds the results of tasks without a ``result_ttl`` of their own are kept
         (None: only tasks that ask keep theirs; a task opts out with ``result_ttl=0``).
         """
@@ -183,8 +271,12 @@ class App:
         self.name = name
         self.result_ttl = result_ttl
         """Default ``result_ttl`` of this app's tasks (seconds; None: keep no results by default)."""
-        settings = settings if settings is not None else Settings.from_env()
-        self.settings = settings.with_url(url) if url is not None else settings
+        self._settings: Settings | None = None
+        self._settings_source: Callable[[], Settings] = Settings.from_env if settings is None else (
+            settings if not isinstance(settings, Settings) else lambda: settings)
+        self._url_override = url
+        if settings is None or isinstance(settings, Settings):
+            self.settings  # noqa: B018 - KEYQUEUE_* variables are checked now, where the app is declared
         self._extra_plugins = list(plugins)
         self._autoload = not autoload_disabled() if autoload_plugins is None else autoload_plugins
         self._plugins: PluginManager | None = None
@@ -200,11 +292,26 @@ class App:
         self._eager: Transport | None = None
         self._sync = SyncRunner(self._after_fork, self._connections.close)
         """The private loop of sync calls (``delay``, ``call_sync``, ...), remade in a forked child."""
-        if set_as_default and _DEFAULTS.app is None:
-            _DEFAULTS.app = self
+        if set_as_default:
+            _DEFAULTS.add_app(self)
 
     def __repr__(self) -> str:
-        return f"<App {self.name} {self.settings!r}>"
+        return f"<App {self.name} {self.settings!r}>" if self._settings is not None else f"<App {self.name}>"
+
+    @property
+    def settings(self) -> Settings:
+        """How the app reaches NATS (resolved on first use when ``settings`` was given as a function)."""
+        if self._settings is None:
+            resolved = self._settings_source()
+            if not isinstance(resolved, Settings):
+                raise ConfigError(f"app {self.name}: its settings function returned {type(resolved).__name__}, "
+                                  "not keyqueue.Settings")
+            self._settings = resolved.with_url(self._url_override) if self._url_override is not None else resolved
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        self._settings = settings
 
     # --- tasks and processors ---
 
@@ -277,17 +384,25 @@ class App:
 
     def _all_tasks(self) -> dict[str, AnyTask]:
         tasks = dict(self._tasks)
-        if _DEFAULTS.app is self:
-            for shared in _DEFAULTS.shared:
-                if shared.name in tasks and tasks[shared.name] is not shared:
-                    raise ConfigError(f"@keyqueue.task {shared.name!r} clashes with app {self.name}'s task of "
-                                      "that name; give one a name= of its own")
-                tasks[shared.name] = shared
+        for shared in _DEFAULTS.shared:
+            if not _DEFAULTS.belongs_to(shared, self):
+                continue
+            if shared.name in tasks and tasks[shared.name] is not shared:
+                raise ConfigError(f"@keyqueue.task {shared.name!r} clashes with app {self.name}'s task of "
+                                  "that name; give one a name= of its own")
+            tasks[shared.name] = shared
         return tasks
+
+    def claims(self, queue: str) -> bool:
+        """Whether this app declared ``queue`` itself: its name, a task of its own there, a
+        processor, or ``add_queue``. The ``@keyqueue.task`` tasks of a queue belong to the app that
+        claims it (see the module docstring)."""
+        return (queue == self.name or queue in self._routed or queue in self._processors
+                or any(t.queue == queue for t in self._tasks.values()))
 
     @property
     def tasks(self) -> Mapping[str, AnyTask]:
-        """Every task of the app by name (including ``@keyqueue.task`` ones on the default app)."""
+        """Every task of the app by name (including the ``@keyqueue.task`` ones that belong to it)."""
         self.plugins  # noqa: B018 - plugins register their tasks when first loaded
         return MappingProxyType(self._all_tasks())
 
@@ -571,14 +686,23 @@ class App:
         state = await self.transport().cancel(queues[0], request_id, seq, CANCEL_ANSWER_WAIT, key)
         return cast("CancelState", state)
 
+    @overload
     async def status(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
-                     key: str | None = None) -> RequestStatus:
+                     key: str | None = None, progress: Literal[False] = False) -> RequestStatus: ...
+    @overload
+    async def status(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None, progress: Literal[True]) -> StatusReport: ...
+
+    async def status(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                     key: str | None = None, progress: bool = False) -> RequestStatus | StatusReport:
         """Where request ``request_id`` is: ``unknown``, ``pending``, ``scheduled``, ``running``,
         ``done``, ``failed``, ``cancelled`` or ``expired`` (``keyqueue.app.status``).
 
         Without ``queue`` the app's queues are searched. By its id alone a request is found in every
         state when its task keeps results (``result_ttl``); otherwise a pending one is found only
-        with ``seq`` (its receipt's inbox sequence) or ``key``.
+        with ``seq`` (its receipt's inbox sequence) or ``key``. ``progress=True``: a
+        ``StatusReport`` with the status and the request's last kept progress (``progress``), read
+        at the same time.
         """
         validate_request_id(request_id)
         if key is not None:
@@ -591,8 +715,27 @@ class App:
                 return cast("RequestStatus", await workflow_status(
                     view, lambda step: transport.status(step.queue or self.name, step.request_id, step.seq, step.key)))
         queues = self.lookup_queues(queue)
-        answers = await asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
-        return cast("RequestStatus", next((a for a in answers if a != "unknown"), "unknown"))
+        asked = asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
+        if progress:
+            answers, kept = await asyncio.gather(asked, self._kept_progress(queues, request_id))
+        else:
+            answers, kept = await asked, None
+        state = cast("RequestStatus", next((a for a in answers if a != "unknown"), "unknown"))
+        return StatusReport(state, kept) if progress else state
+
+    async def progress(self, request_id: str, *, queue: str | None = None) -> Progress | None:
+        """The last progress request ``request_id``'s task reported (``ctx.progress(value)``), as the
+        worker running it kept it: a ``keyqueue.Progress`` (``value``, ``task``, ``attempt``,
+        ``reported_at``), or None if none is kept (it reported none, it has not started, its task
+        has ``result_ttl=0``, or it was kept longer ago than a day). Any process may ask; without
+        ``queue`` the app's queues are searched. See ``keyqueue.app.progress``.
+        """
+        validate_request_id(request_id)
+        return await self._kept_progress(self.lookup_queues(queue), request_id)
+
+    async def _kept_progress(self, queues: Sequence[str], request_id: str) -> Progress | None:
+        found = await asyncio.gather(*(self.transport().kept_progress(q, request_id) for q in queues))
+        return next((p for p in found if p is not None), None)
 
     # --- workflows: chain, group, chord (``keyqueue.tasks.canvas``) ---
 
@@ -647,11 +790,26 @@ class App:
         return self.run_sync(lambda: self.cancel(request_id, queue=queue, seq=seq, key=key),
                              what=f"cancelling request {request_id}")
 
+    @overload
     def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
-                    key: str | None = None) -> RequestStatus:
-        """``status`` for code without a running event loop."""
+                    key: str | None = None, progress: Literal[False] = False) -> RequestStatus: ...
+    @overload
+    def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None, progress: Literal[True]) -> StatusReport: ...
+
+    def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
+                    key: str | None = None, progress: bool = False) -> RequestStatus | StatusReport:
+        """``status`` for code without a running event loop (``progress=True``: a ``StatusReport``)."""
+        if progress:
+            return self.run_sync(lambda: self.status(request_id, queue=queue, seq=seq, key=key, progress=True),
+                                 what=f"the status of request {request_id}")
         return self.run_sync(lambda: self.status(request_id, queue=queue, seq=seq, key=key),
                              what=f"the status of request {request_id}")
+
+    def progress_sync(self, request_id: str, *, queue: str | None = None) -> Progress | None:
+        """``progress`` for code without a running event loop."""
+        return self.run_sync(lambda: self.progress(request_id, queue=queue),
+                             what=f"the progress of request {request_id}")
 
     def purge_sync(self, queue: str | None = None, *, key: str | None = None, task: str | None = None) -> int:
         """``purge`` for code without a running event loop."""
@@ -684,6 +842,27 @@ class App:
         """Call ``listener()`` after every reconnect; returns a function that removes it."""
         self._reconnect_listeners.append(listener)
         return lambda: self._reconnect_listeners.remove(listener)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _server: object = None) -> AsyncIterator[None]:
+        """Connected for as long as the block runs: a web app's start-up and shutdown.
+
+        On entry, connect on the running loop now (``ConnectionFailed`` if the server cannot be
+        reached: a web server then fails its start-up instead of its first request); on exit,
+        ``close``. ``_server`` is ignored, so the method is an ASGI lifespan as it is::
+
+            api = FastAPI(lifespan=app.lifespan)         # or Starlette(lifespan=app.lifespan)
+
+            @contextlib.asynccontextmanager               # beside a lifespan of your own
+            async def lifespan(api: FastAPI):
+                async with app.lifespan():
+                    yield
+        """
+        await self.connection()
+        try:
+            yield
+        finally:
+            await self.close()
 
     # --- workers ---
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
 from keyqueue.app.heartbeat import answering_workers
@@ -48,11 +49,23 @@ from keyqueue.wire import headers as H
 if TYPE_CHECKING:
     from keyqueue.jetstream.api import JetStreamApi
     from keyqueue.jetstream.records import RequestRecords
+    from keyqueue.tasks.context import Progress
 
-__all__ = ["ASK_WAIT", "STATUSES", "RequestStatus", "in_backlog", "kept_status", "request_status"]
+__all__ = ["ASK_WAIT", "STATUSES", "RequestStatus", "StatusReport", "in_backlog", "kept_status", "request_status"]
 
 RequestStatus = Literal["unknown", "pending", "scheduled", "running", "done", "failed", "cancelled", "expired"]
 """What ``status`` says of a request (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """What ``App.status(request_id, progress=True)`` answers: where the request is, and the last
+    progress its task reported (``keyqueue.app.progress``), for a progress bar in one call."""
+
+    status: RequestStatus
+    progress: Progress | None
+    """The last ``ctx.progress`` value kept for the request (with its task, attempt and time), or None."""
+
 
 STATUSES: Final = ("unknown", "pending", "scheduled", "running", "done", "failed", "cancelled", "expired")
 

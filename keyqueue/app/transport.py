@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
 from keyqueue.app.cancel import CancelWatch, request_cancel
+from keyqueue.app.progress import read_progress
 from keyqueue.app.status import request_status
 from keyqueue.errors import (
     ConnectionFailed,
@@ -52,6 +53,8 @@ from keyqueue.wire import headers as H
 if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
+
+    from keyqueue.tasks.context import Progress
 
 log = logging.getLogger("keyqueue.app")
 
@@ -82,6 +85,9 @@ class Transport(Protocol):
 
     async def status(self, queue: str, request_id: str, seq: int | None, key: str | None) -> str:
         """The request's status (``keyqueue.app.status``)."""
+
+    async def kept_progress(self, queue: str, request_id: str) -> Progress | None:
+        """The request's last kept progress (``keyqueue.app.progress``), or None."""
 
 
 class ReplyRouter:
@@ -418,6 +424,9 @@ class NatsTransport:
         state = await self.connections.current()
         assert state.nc is not None
         return await request_status(await self.records(queue), JetStreamApi(state.nc), request_id, seq=seq, key=key)
+
+    async def kept_progress(self, queue: str, request_id: str) -> Progress | None:
+        return await read_progress(await self.records(queue), request_id)
 
 
 def _abandon(state: LoopConnection) -> None:

@@ -37,6 +37,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
+from keyqueue.app.application import shared_tasks_elsewhere
 from keyqueue.app.heartbeat import INTERVAL as HEARTBEAT_INTERVAL
 from keyqueue.app.heartbeat import Heartbeat, queue_role
 from keyqueue.app.process_pool import POOLS, ProcessPool
@@ -180,6 +181,18 @@ class Worker:
             raise ConfigError(f"app {self.app.name} has no tasks or processors to serve")
         return list(dict.fromkeys(queues))
 
+    def _warn_of_shared_tasks_elsewhere(self, queue: str) -> None:
+        """Name the ``@keyqueue.task`` tasks of ``queue`` that belong to another app: this worker
+        would dead-letter their requests (``UnknownMessageType``) whenever it takes their keys."""
+        elsewhere = shared_tasks_elsewhere(self.app, queue)
+        if elsewhere:
+            names = ", ".join(f"{task.name} (on {where})" for task, where in elsewhere)
+            log.warning("queue %s: @keyqueue.task tasks %s belong to another app, not to app %s, so this worker "
+                        "dead-letters their requests (UnknownMessageType) whenever it takes their keys: serve the "
+                        "queue with a worker of the app they belong to, or declare them on app %s with @app.task "
+                        "(docs/decisions.md, \"Which app a shared task belongs to\")",
+                        queue, names, self.app.name, self.app.name)
+
     async def start(self) -> None:
         """Set up every queue and start taking keys; ``keyqueue_worker_started`` fires last."""
         if self._started:
@@ -187,6 +200,7 @@ class Worker:
         queues = self._resolve_queues()  # a worker that cannot serve what it was asked never started
         for queue in queues:
             self._tasks_by_queue[queue] = self.app.queue_tasks(queue)
+            self._warn_of_shared_tasks_elsewhere(queue)
         self._started = True
         nc = await self._connect()
         # Delayed and periodic requests: the schedules streams, the app's periodic schedules kept on

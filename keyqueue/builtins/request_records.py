@@ -12,6 +12,8 @@ each request it
 - keeps the reply (the result, or the final error) in the queue's records stream for the task's
   ``result_ttl`` (or the app's), before the session removes the request, so a result is kept
   whenever the request is done;
+- keeps each run's last progress (``ctx.progress``) under its request ids, coalesced to about one
+  write a second and written last when the run ends (``keyqueue.app.progress``);
 - holds a rate-limited task's request (``rate_limit=``) until the key's window has room, keeping
   the key (and the lease, which the session renews meanwhile) so the key's later requests stay
   behind it in order, and records the run's start where the key's next holder reads it
@@ -34,6 +36,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
+from keyqueue.app.progress import PROGRESS_TTL, ProgressKeeper
 from keyqueue.app.transport import NatsTransport
 from keyqueue.builtins.processor import TaskProcessor
 from keyqueue.core.processor import BatchOutcome, Reply, Request, RequestContext, SessionContext
@@ -53,7 +56,7 @@ from keyqueue.events import publish_event
 from keyqueue.jetstream.api import stored_seconds
 from keyqueue.jetstream.connect import wait_connected
 from keyqueue.tasks.arguments import CANCELLED_BY, EXPIRED_BY, result_headers
-from keyqueue.tasks.context import CANCEL_CHECK
+from keyqueue.tasks.context import CANCEL_CHECK, PROGRESS_KEEP
 from keyqueue.tasks.task import Task
 from keyqueue.wire import headers as H
 
@@ -266,6 +269,46 @@ class RecordingTaskProcessor(TaskProcessor):
                 H.ERROR_TYPE: type(error).__name__, H.ERROR_MESSAGE: H.header_safe(str(error)),
                 H.DLQ_REASON: reason}
 
+    # --- progress ---
+
+    def _progress_keeper(self, ctx: RequestContext, requests: Sequence[Request]) -> ProgressKeeper | None:
+        """What keeps the progress of a run of ``requests`` (None: nothing is kept, as for a task
+        declared with ``result_ttl=0``, or without a records stream in the eager mode)."""
+        records = self.records
+        task = self._task_or_none(requests[0]) if requests else None
+        if records is None or task is None or task.spec.result_ttl == 0:
+            return None
+        ttl = max(PROGRESS_TTL, task.spec.kept_for(self.app.result_ttl) or 0)
+        ids = [r.request_id for r in requests]
+
+        async def write(body: bytes, headers: Mapping[str, str]) -> None:
+            ctx.check_lease()  # a run that lost its key writes no more
+            await _steady(ctx, lambda: asyncio.gather(
+                *(records.put_progress(i, {**headers, H.REQUEST_ID: i}, body, ttl) for i in ids)))
+
+        return ProgressKeeper(write, describe=f"request {ids[0]} (key {self.key})")
+
+    async def _keeping_progress(self, ctx: RequestContext, requests: Sequence[Request],
+                                run: Callable[[], Awaitable[T]]) -> T:
+        """``run()`` with its ``ctx.progress`` kept: the last value is written before this returns
+        (or raises), and before the run's result is kept; a run cut off writes no more."""
+        keeper = self._progress_keeper(ctx, requests)
+        if keeper is None:
+            return await run()
+        token = PROGRESS_KEEP.set(keeper.offer)
+        try:
+            outcome = await run()
+        except asyncio.CancelledError:
+            await keeper.close(flush=False)
+            raise
+        except BaseException:
+            await keeper.close()
+            raise
+        finally:
+            PROGRESS_KEEP.reset(token)
+        await keeper.close()
+        return outcome
+
     # --- cancels ---
 
     def _skipped_reply(self, request: Request, by: str) -> Reply:
@@ -385,7 +428,10 @@ class RecordingTaskProcessor(TaskProcessor):
     async def _handle_keeping(self, ctx: RequestContext, request: Request) -> Reply | None:
         began = time.monotonic()
         try:
-            reply = await super().handle(ctx, request)
+            if self._serial(request):  # other policies keep their progress in handle_batch
+                reply = await self._keeping_progress(ctx, [request], functools.partial(super().handle, ctx, request))
+            else:
+                reply = await super().handle(ctx, request)
         except Exception as exc:
             if self._serial(request) or self._task_or_none(request) is None:  # others were kept in handle_batch
                 await self._keep_failure(ctx, [request], exc)
@@ -435,7 +481,8 @@ class RecordingTaskProcessor(TaskProcessor):
     async def _batch_keeping(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
         began = time.monotonic()
         try:
-            outcomes = await super().handle_batch(ctx, requests)
+            outcomes = await self._keeping_progress(ctx, requests,
+                                                    functools.partial(super().handle_batch, ctx, requests))
         except Exception as exc:
             await self._keep_failure(ctx, requests, exc)
             raise

@@ -172,14 +172,23 @@ class Fleet:
 
     async def supervise(self, ending: asyncio.Event) -> None:
         """Start again every worker that exited while no fault injector was handling it (one
-        that could not start while its server was electing leaders, say), until ``ending``."""
+        that could not start while its server was electing leaders, say), until ``ending``; then
+        once more, and wait until those started last are ready (a worker that died just before the
+        end is back, its ``ready`` in the log, when the soak judges it)."""
         while not ending.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ending.wait(), 1.0)
-            for name in self.names():
-                if name not in self.busy and not self.alive(name) and not ending.is_set():
-                    self.note("soak", "restart", target=name)
-                    self.start(name)
+            if not ending.is_set():
+                self._start_dead()
+        self._start_dead()
+        with contextlib.suppress(TimeoutError, RuntimeError):
+            await self.wait_ready(self.names(), timeout=60)
+
+    def _start_dead(self) -> None:
+        for name in self.names():
+            if name not in self.busy and not self.alive(name):
+                self.note("soak", "restart", target=name)
+                self.start(name)
 
     def stop_all(self) -> None:
         self._closing = True

@@ -21,7 +21,8 @@ each fault's start and end through :class:`~keyqueue.chaos.fleet.Faults` (networ
   stream, or of the token consumer, steps down).
 
 A node-level fault ends (``fault_end``) once the cluster is whole again: the node restarted and
-healthy, the cut healed and the node healthy, a new leader elected.
+healthy, the cut healed and the node healthy, a new leader elected (after a leader's kill -9: of every
+group of the queue, since the node may have led more than the one aimed at).
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ async def node_faults(cluster: EmbeddedCluster, api: JetStreamApi, config: Queue
                 await _cut_off(cluster, faults, rng)
             else:
                 target = rng.choice(sorted(t for t in targets if kind == "stepdown" or t != "dlq"))
-                await _leader_fault(cluster, api, kind, target, targets[target], faults, rng, ending)
+                await _leader_fault(cluster, api, kind, target, targets, faults, rng, ending)
         except KeyqueueError as e:
             faults.fleet.note("soak", "fault_error", fault=kind, error=repr(e))
 
@@ -214,9 +215,9 @@ async def _cut_off(cluster: EmbeddedCluster, faults: Faults, rng: random.Random)
 
 
 async def _leader_fault(cluster: EmbeddedCluster, api: JetStreamApi, kind: str, target: str,
-                        where: tuple[str, str | None], faults: Faults, rng: random.Random,
+                        targets: Mapping[str, tuple[str, str | None]], faults: Faults, rng: random.Random,
                         ending: asyncio.Event) -> None:
-    stream, consumer = where
+    stream, consumer = targets[target]
     leader = await _leader(api, stream, consumer)
     index = next((i for i, server in enumerate(cluster.servers) if server.name == leader), None)
     if index is None:
@@ -226,7 +227,11 @@ async def _leader_fault(cluster: EmbeddedCluster, api: JetStreamApi, kind: str, 
         cluster.kill(index)
         await asyncio.sleep(rng.uniform(1.0, 3.0))
         await cluster.restart(index, timeout=60)
-        faults.end(fault)
+        # The dead node led more groups than the target, maybe: the fault lasts until every group of
+        # the queue has a leader again. An election can take more than one round (4-9 s each), and
+        # nothing of a leaderless group can be read or written meanwhile, whatever keyqueue does.
+        leaders = {name: await _until_leader(api, *group, ending) for name, group in sorted(targets.items())}
+        faults.end(fault, leaders=leaders)
         return
     fault = faults.begin(f"stepdown-{target}", leader)
     subject = (f"CONSUMER.LEADER.STEPDOWN.{stream}.{consumer}" if consumer else f"STREAM.LEADER.STEPDOWN.{stream}")

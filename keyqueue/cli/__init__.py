@@ -5,7 +5,7 @@
 - ``common``: what commands share: ``--url``, loading an app, a connection, output, logging.
 - ``worker``: serve an app's queues (``supervisor``: ``--processes N``, a parent of N workers).
 - ``enqueue``: enqueue a task by name.
-- ``queues``: ``inspect``, ``configure``, ``unpin``, ``recreate-consumer``.
+- ``queues``: ``inspect``, ``configure``, ``unpin``, ``recreate-consumer``, ``delete-queue``, ``purge``.
 - ``release``: hand on the keys of a worker that is gone.
 - ``dlq``: list, show, replay, delete, purge.       ``watch``: follow a key's progress.
 - ``plugins``: loaded plugins and their hooks.      ``server``: ``dev-server``, a local nats-server.

@@ -9,7 +9,7 @@ import socket
 import click
 
 from keyqueue.cli.common import configure_logging, connection, load_app, url_option
-from keyqueue.errors import ConfigError
+from keyqueue.errors import MissingExtra
 
 __all__ = ["dashboard"]
 
@@ -76,8 +76,7 @@ def dashboard(app_spec: str | None, url: str | None, host: str, port: int, read_
         from keyqueue.dashboard.state import Monitor
         from keyqueue.dashboard.web import DashboardOptions, create_app
     except ImportError as exc:
-        raise ConfigError(f"the dashboard needs its extra ({exc.name} is missing): "
-                          "pip install 'keyqueue[dashboard]'") from None
+        raise MissingExtra("the dashboard", "dashboard", exc.name) from None
     access = Access(token=token or None, user=user or None, password=password or None,
                     viewer_token=viewer_token or None, viewer_user=viewer_user or None,
                     viewer_password=viewer_password or None)

@@ -16,7 +16,15 @@ from keyqueue.cli.dashboard import dashboard
 from keyqueue.cli.dlq import dlq
 from keyqueue.cli.enqueue import enqueue
 from keyqueue.cli.plugins import plugins
-from keyqueue.cli.queues import configure, inspect_command, permissions_command, purge, recreate_consumer, unpin
+from keyqueue.cli.queues import (
+    configure,
+    delete_queue_command,
+    inspect_command,
+    permissions_command,
+    purge,
+    recreate_consumer,
+    unpin,
+)
 from keyqueue.cli.release import release
 from keyqueue.cli.requests import cancel, result, status
 from keyqueue.cli.schedules import schedules
@@ -77,7 +85,8 @@ class KeyqueueClickError(click.ClickException):
 
 @click.group(
     cls=KeyqueueGroup,
-    commands=[worker, enqueue, inspect_command, unpin, configure, recreate_consumer, purge, permissions_command, dlq,
+    commands=[worker, enqueue, inspect_command, unpin, configure, recreate_consumer, delete_queue_command, purge,
+              permissions_command, dlq,
               watch, plugins, dev_server, dashboard, result, status, cancel, schedules, release, workflow],
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
@@ -90,9 +99,10 @@ def main() -> None:
 
     \b
     Start here:
-      keyqueue dev-server            run a local nats-server with JetStream
-      export KEYQUEUE_URL=...        point everything else at it (the URL it prints)
-      keyqueue worker shop:app       serve the tasks of `app` in shop.py
+      keyqueue dev-server --store-dir nats-data   run a local nats-server with JetStream,
+                                                  its data kept in nats-data/ across restarts
+      export KEYQUEUE_URL=...                     point everything else at it (the URL it prints)
+      keyqueue worker shop:app                    serve the tasks of `app` in shop.py
 
     The connection is configured with KEYQUEUE_* environment variables (KEYQUEUE_URL,
     KEYQUEUE_CREDS, KEYQUEUE_TLS_CA, ...) or --url. Run `keyqueue COMMAND --help` for a

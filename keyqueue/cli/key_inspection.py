@@ -11,8 +11,9 @@ from typing import Any
 from keyqueue.admin.diagnosis import KeyDiagnosis
 from keyqueue.admin.key_history import Run, fields_of
 from keyqueue.cli.common import table, to_json
+from keyqueue.tasks.context import Progress
 
-__all__ = ["key_fields", "key_text"]
+__all__ = ["key_fields", "key_text", "progress_fields", "progress_text"]
 
 
 def key_fields(d: KeyDiagnosis, runs: list[Run]) -> dict[str, Any]:
@@ -33,7 +34,8 @@ def key_fields(d: KeyDiagnosis, runs: list[Run]) -> dict[str, Any]:
             "stored": _iso(head.stored), "attempts": head.attempts, "running_since": _iso(head.running_since),
             "last_error": head.last_error, "next_retry": _iso(head.next_retry),
             "workflow": None if head.workflow is None else {
-                "workflow_id": head.workflow[0], "step": head.workflow[1], "queue": head.workflow[2]}},
+                "workflow_id": head.workflow[0], "step": head.workflow[1], "queue": head.workflow[2]},
+            "progress": None if d.progress is None else progress_fields(d.progress)},
         "blockers": [{"kind": b.kind, "text": b.text, "until": _iso(b.until)} for b in d.blockers],
         "live_workers": len(d.live_workers),
         "runs": [{**fields_of(r), "started": _iso(r.started), "ended": _iso(r.ended)} for r in runs],
@@ -73,7 +75,8 @@ def key_text(d: KeyDiagnosis, runs: list[Run]) -> str:
         lines.append(f"  position: {d.position} of {d.waiting_tokens} waiting key(s)")
     if d.waited is not None:
         lines.append(f"  waited: {d.waited:.1f}s since its head request was stored")
-    lines.append("  last progress: not stored by the server (keyqueue watch QUEUE KEY and the dashboard follow it)")
+    if head is not None:
+        lines.append(f"  last progress of {head.request_id}: {progress_text(d.progress)}")
     if runs:
         rows = [[_iso(r.started or r.ended) or "-", r.outcome, r.request_id or "-", r.task or "-",
                  r.attempt if r.attempt is not None else "-", r.worker or "-", r.fence or "-",
@@ -81,6 +84,20 @@ def key_text(d: KeyDiagnosis, runs: list[Run]) -> str:
         lines += ["", "Runs, newest first:",
                   table(["WHEN", "OUTCOME", "REQUEST", "TASK", "ATTEMPT", "HOLDER", "FENCING", "DURATION"], rows)]
     return "\n".join(lines)
+
+
+def progress_fields(p: Progress) -> dict[str, Any]:
+    """A kept progress as JSON fields (``keyqueue inspect --json``, ``keyqueue status --progress --json``)."""
+    return {"value": p.value, "task": p.task, "attempt": p.attempt,
+            "reported_at": _iso(p.reported_at.timestamp() if p.reported_at else None)}
+
+
+def progress_text(p: Progress | None) -> str:
+    """A kept progress in one line: its value as JSON, the attempt that reported it and when."""
+    if p is None:
+        return "none kept (it reported none yet; keyqueue watch QUEUE KEY follows it live)"
+    when = _iso(p.reported_at.timestamp()) if p.reported_at else "?"
+    return f"{to_json(p.value)} (attempt {p.attempt}, {when})"
 
 
 def _iso(ts: float | None) -> str | None:

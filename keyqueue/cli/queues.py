@@ -1,5 +1,5 @@
-"""Commands on a queue as a whole: ``inspect`` what it holds, ``unpin``, ``configure`` its settings
-and ``recreate-consumer``.
+"""Commands on a queue as a whole: ``inspect`` what it holds, ``unpin``, ``configure`` its settings,
+``recreate-consumer`` and ``delete-queue``.
 
 The work happens in ``keyqueue.admin`` (and, for the consumer and settings, the topology); these
 commands format its results. A queue that does not exist is one line naming it and the queues
@@ -20,6 +20,7 @@ from keyqueue.admin.inspection import KEY_LIMIT, Holder, KeyState, QueueReport, 
 from keyqueue.admin.key_history import key_events, runs_of
 from keyqueue.admin.permissions import ROLES, server_block
 from keyqueue.admin.permissions import permissions as role_permissions
+from keyqueue.admin.queue_removal import QueueContents, delete_queue, queue_contents
 from keyqueue.admin.workers import WorkerState, queue_workers
 from keyqueue.app.purge import PurgeFilter, count_pending, purge_pending
 from keyqueue.cli.common import connection, load_app, table, to_json, url_option
@@ -29,7 +30,8 @@ from keyqueue.errors import ConfigError, ConsumerNotFound, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.topology import QueueConfig, Topology
 
-__all__ = ["configure", "inspect_command", "permissions_command", "purge", "recreate_consumer", "unpin"]
+__all__ = ["configure", "delete_queue_command", "inspect_command", "permissions_command", "purge", "recreate_consumer",
+           "unpin"]
 
 
 async def _report(api: JetStreamApi, queue: str) -> QueueReport:
@@ -325,6 +327,53 @@ async def _server_config(api: JetStreamApi, queue: str) -> QueueConfig:
         return await Topology(api, QueueConfig(queue)).server_config()
     except ConsumerNotFound:
         return QueueConfig(queue)
+
+
+@click.command("delete-queue")
+@click.argument("queue")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--force", is_flag=True, help="Delete it even while the worker registry lists live workers.")
+@url_option
+def delete_queue_command(queue: str, yes: bool, force: bool, url: str | None) -> None:
+    """Delete a queue and everything it holds: pending requests, dead letters, kept results and
+    progress, cancels, schedules, events, the dashboard's history of it. It cannot be undone.
+
+    For a queue nobody uses any more (a test's, a renamed one's), which otherwise stays on the
+    server, listed by `keyqueue inspect` and the dashboard, and failing /health while it holds
+    requests no worker serves. It refuses while the worker registry lists live workers of the queue
+    (a heartbeat within the last few intervals), unless --force; stop its workers and producers
+    first (a producer that enqueues again creates the queue again, empty).
+
+    \b
+    Example:
+      $ keyqueue delete-queue smoke-test          # says what it holds, asks first
+      $ keyqueue delete-queue smoke-test --yes
+      deleted queue smoke-test: 7 stream(s), 12 request(s), 3 dead letter(s)
+    """
+
+    async def contents() -> QueueContents:
+        async with connection(url) as nc:
+            api = JetStreamApi(nc)
+            found = await queue_contents(api, queue)
+            if not found.streams:
+                raise await _no_such_queue(api, queue)
+            live = [w.name for w in await queue_workers(api, queue) if w.live]
+            if live and not force:
+                raise ConfigError(f"queue {queue!r} has {len(live)} live worker(s) ({', '.join(live[:5])}): stop them "
+                                  "first, or pass --force")
+            return found
+
+    async def deleted(found: QueueContents) -> list[str]:
+        async with connection(url) as nc:
+            return await delete_queue(JetStreamApi(nc), found)
+
+    found = asyncio.run(contents())
+    held = f"{found.requests} request(s), {found.dead_letters} dead letter(s)"
+    if not yes:
+        click.echo(f"queue {queue}: {held}; streams {', '.join(found.streams)}")
+        click.confirm(f"Delete queue {queue!r} and everything it holds? This cannot be undone", abort=True)
+    gone = asyncio.run(deleted(found))
+    click.echo(f"deleted queue {queue}: {len(gone)} stream(s), {held}")
 
 
 @click.command()

@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from keyqueue.app.cancel import CANCEL_ANSWER_WAIT, request_cancel
+from keyqueue.app.progress import read_progress
 from keyqueue.app.status import request_status
 from keyqueue.cli.common import connection, require_queue, to_json, url_option
+from keyqueue.cli.key_inspection import progress_fields, progress_text
 from keyqueue.cli.workflows import cancel_workflow_by_id, result_of_workflow, status_of_workflow
 from keyqueue.errors import KeyqueueTimeout, RequestNotFound, ResultExpired
 from keyqueue.jetstream.api import JetStreamApi
@@ -79,9 +81,13 @@ _KEY_HELP = "The request's key: its backlog is searched for the id (a pending re
 @click.argument("request_id")
 @click.option("--seq", type=click.IntRange(1), help=_SEQ_HELP)
 @click.option("--key", default=None, help=_KEY_HELP)
+@click.option("--progress", "with_progress", is_flag=True,
+              help="Also print the last progress its task reported (ctx.progress), as kept, on a second line.")
+@click.option("--json", "as_json", is_flag=True, help='One JSON object: {"status": ..., "progress": ... or null}.')
 @url_option
-def status(queue: str, request_id: str, seq: int | None, key: str | None, url: str | None) -> None:
-    """Print where a request (or a workflow: REQUEST_ID is its wf-... id) is.
+def status(queue: str, request_id: str, seq: int | None, key: str | None, with_progress: bool, as_json: bool,
+           url: str | None) -> None:
+    """Print where a request (or a workflow: REQUEST_ID is its wf-... id) is (with --progress, also how far it got).
 
     \b
     unknown    no trace of it (a pending request of a task without result_ttl needs --seq or --key)
@@ -94,9 +100,12 @@ def status(queue: str, request_id: str, seq: int | None, key: str | None, url: s
     expired    its kept result's result_ttl has passed, or it expired (expires=) before it started
 
     \b
-    Example:
+    Examples:
       $ keyqueue status shop charge-o17-1
       running
+      $ keyqueue status shop import-7 --progress
+      running
+      progress: {"done": 420, "of": 1000} (attempt 1, 2026-11-27T10:04:31Z)
     """
     validate_request_id(request_id)
     if key is not None:
@@ -105,12 +114,25 @@ def status(queue: str, request_id: str, seq: int | None, key: str | None, url: s
     async def run() -> None:
         async with connection(url) as nc:
             if is_workflow_id(request_id) and await _kept_workflow(nc, queue, request_id):
-                click.echo(await status_of_workflow(nc, queue, request_id))
+                found = await status_of_workflow(nc, queue, request_id)  # a workflow: its steps' progress is theirs
+                click.echo(to_json({"status": found, "progress": None}) if as_json else found)
                 return
             api, records = await _queue_records(nc, queue)
-            click.echo(await request_status(records, api, request_id, seq=seq, key=key))
+            state, kept = await asyncio.gather(
+                request_status(records, api, request_id, seq=seq, key=key),
+                read_progress(records, request_id) if with_progress or as_json else _none())
+        if as_json:
+            click.echo(to_json({"status": state, "progress": None if kept is None else progress_fields(kept)}))
+            return
+        click.echo(state)
+        if with_progress:
+            click.echo(f"progress: {progress_text(kept)}")
 
     asyncio.run(run())
+
+
+async def _none() -> None:
+    return None
 
 
 @click.command()

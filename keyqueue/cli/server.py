@@ -26,7 +26,8 @@ __all__ = ["dev_server"]
 @click.option(
     "--store-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Keep JetStream data in this directory across runs (default: a temporary one, deleted on exit).",
+    help="Keep JetStream data (stored requests, results, dead letters) in this directory across runs "
+         "(default: a temporary one, deleted on exit with everything stored in it).",
 )
 @click.option(
     "--sync",
@@ -63,7 +64,8 @@ async def _serve(server: EmbeddedServer, *, persistent: bool) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         async with server:
-            kept = "kept" if persistent else "temporary, deleted on exit"
+            kept = ("kept" if persistent else
+                    "temporary: deleted on exit, with every request stored in it; --store-dir DIR keeps them")
             click.echo(f"nats-server with JetStream on {server.url}")
             click.echo(f"store: {server.store_dir} ({kept}); log: {server.log_file}")
             sync = server.sync_interval or "the server's default, every 2 minutes"

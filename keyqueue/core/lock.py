@@ -17,11 +17,18 @@ compare-and-set (``Nats-Expected-Last-Subject-Sequence``) with a per-message TTL
   carries this claim's nonce, so no orphan outlives the holder.
 - *expire*: the server removes a record ``ttl`` seconds after it was stored, so a holder that
   died or was cut off frees the key without anyone's help. nats-server 2.15 does not always do so
-  after a kill -9 and restart (found by the chaos soak: records outlived their TTL by minutes; see
-  nats-server issue 7256), so a worker kept waiting by a record deletes it by its sequence once it
+  after a kill -9 and restart (the chaos soak saw records outlive their TTL by minutes after a
+  restart: a nats-server bug, not ours), so a worker kept waiting by a record deletes it by its sequence once it
   has itself seen the *same* record (same sequence) for twice its TTL on its own monotonic clock
   (:class:`StaleRecordWatch`): a live holder rewrites its record every ``ttl/3``, so an unchanged
-  sequence means nobody renewed it. No wall clock of any host is compared with another's.
+  sequence means nobody renewed it. No wall clock of any host is compared with another's. Its
+  former holder does better: once its session ended with the lease lost (its work over), its
+  worker removes the record itself when connected (``QueueWorker.remove_leftover``).
+- *waiting on a gone holder*: a waiter kept from a key by a record whose holder looks gone (its
+  process on this host has exited, or the record has not been rewritten for longer than a live
+  holder's renewal interval) says so at INFO, once per record: the holder, why it looks gone, and
+  the most the record can still last. A worker killed without a supervisor leaves its keys locked
+  for a lease; without this line the other workers' logs said nothing about why keys paused.
 
 The holder's :class:`~keyqueue.core.lease.Lease` runs from when each confirmed write was *sent*,
 on its own clock, less a margin; the server keeps the record at least ``ttl`` >= ``ack_wait``
@@ -36,23 +43,45 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
+import os
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Final, Protocol
 
 from keyqueue.core.lease import Lease
-from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout, LeaseLost, ReplyLost, WrongLastSequence
+from keyqueue.core.outage import RETRIED, ride_out
+from keyqueue.errors import KeyqueueTimeout, LeaseLost, ReplyLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
+
+log = logging.getLogger("keyqueue.session")
 
 _UNANSWERED = (ReplyLost, KeyqueueTimeout)
 """A write was sent but its reply never came: it may or may not have been stored."""
 
-RETRY_PAUSE: Final = (0.02, 1.0)
-"""First and longest pause, in seconds, before a NATS step that got no answer on a live connection
-(a replicated stream electing a leader, say) is tried again."""
+
+RENEWAL_SLACK: Final = 1.0
+"""Seconds past a live holder's renewal interval (a third of the record's TTL) before a record not
+rewritten meanwhile makes its holder look gone (in a log line; nothing is decided by it)."""
+
+_HOST: Final = socket.gethostname()
+
+
+def _process_exited(pid: object) -> bool:
+    """Whether process ``pid`` of this host is known to have exited (False when unknown)."""
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists, as another user's
+        return False
+    return False
 
 
 class RecordStore(Protocol):
@@ -66,6 +95,11 @@ class RecordStore(Protocol):
     async def remove_record(self, seq: int) -> None: ...
 
     async def wait_connected(self, timeout: float) -> bool: ...
+
+    @property
+    def closed(self) -> bool:
+        """The connection is closed for good."""
+        ...
 
 
 class StaleRecordWatch:
@@ -96,8 +130,8 @@ class StaleRecordWatch:
 class KeyLock:
     """One worker's claim on one key (or on a fleet role such as the reconciler's)."""
 
-    __slots__ = ("ack_wait", "clock", "expiry", "fence", "holder", "lease", "nonce", "seq", "since", "store", "subject",
-                 "ttl", "unsettled")
+    __slots__ = ("ack_wait", "clock", "expiry", "fence", "holder", "lease", "nonce", "reported", "seq", "since",
+                 "store", "subject", "ttl", "unsettled")
 
     def __init__(self, store: RecordStore, subject: str, ack_wait: float, *, holder: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -120,6 +154,8 @@ class KeyLock:
         """A write of this claim was sent and its reply never came: a newer record of ours may exist."""
         self.expiry = StaleRecordWatch(clock)
         """What this claim saw of another holder's record while it waited (see :meth:`clear_expired`)."""
+        self.reported = 0
+        """The sequence of the last record in the way whose holder was logged as looking gone."""
 
     @property
     def held(self) -> bool:
@@ -180,20 +216,19 @@ class KeyLock:
         out on our clock, the record is removed. Another's: our write cannot land any more. None:
         ours may still land, so the claim stays unsettled (the release looks again)."""
         patience = Lease(self.ack_wait, sent, clock=self.clock)
-        pause, longest = RETRY_PAUSE
-        while True:
-            try:
-                async with asyncio.timeout(max(0.001, patience.remaining())):
-                    current = await self.store.last_record(self.subject)
-                break
-            except (ConnectionFailed, KeyqueueTimeout, TimeoutError) as e:
-                if patience.remaining() <= 0 or not await self.store.wait_connected(patience.remaining()):
-                    raise KeyqueueTimeout(f"could not learn whether a write to {self.subject} was stored "
-                                          "before the lease it would give ended") from e
-                if not isinstance(e, Disconnected | ReplyLost):
-                    # Connected, yet no answer (no responders: the stream has no leader yet): not at once.
-                    await asyncio.sleep(min(pause, max(0.0, patience.remaining())))
-                    pause = min(longest, pause * 2)
+
+        async def look() -> StoredMsg | None:
+            async with asyncio.timeout(max(0.001, patience.remaining())):
+                try:
+                    return await self.store.last_record(self.subject)
+                except TimeoutError as e:
+                    raise KeyqueueTimeout(f"no answer from {self.subject}'s stream in time") from e
+
+        try:
+            current = await ride_out(look, patience, self.store)
+        except (LeaseLost, *RETRIED) as e:
+            raise KeyqueueTimeout(f"could not learn whether a write to {self.subject} was stored "
+                                  "before the lease it would give ended") from e
         if current is None:
             return False
         stored_sent = self._sent_if_mine(current)
@@ -251,13 +286,41 @@ class KeyLock:
         if record is None:
             return False
         try:
-            ttl = float(json.loads(record.data).get("ttl", self.ttl))
-        except (ValueError, AttributeError):
-            ttl = float(self.ttl)
+            body = json.loads(record.data)
+            ttl = float(body.get("ttl", self.ttl))
+        except (ValueError, AttributeError, TypeError):
+            body, ttl = {}, float(self.ttl)
         if not self.expiry.stale(record.seq, ttl):
+            self._report_gone_holder(record.seq, body if isinstance(body, dict) else {}, ttl)
             return False
         await self.store.remove_record(record.seq)
         return True
+
+    def _report_gone_holder(self, seq: int, holder: dict[str, Any], ttl: float) -> None:
+        """Log, once per record, that this waiter waits on a key whose holder looks gone, with the most
+        its record can still last (from what this waiter saw, and, for a holder on this host, from
+        when the holder sent the record by the host's monotonic clock: no wall clock is read)."""
+        parts = self.subject.split(".", 3)
+        if seq == self.reported or len(parts) < 4 or parts[2] != "lease":
+            return  # logged already, or a fleet role's record rather than a key's
+        seen_for = self.clock() - self.expiry.since
+        here = holder.get("host") == _HOST
+        if here and _process_exited(holder.get("pid")):
+            why = f"its process {holder.get('pid')} on this host has exited"
+        elif seen_for > ttl / 3 + RENEWAL_SLACK:
+            why = f"it has not renewed its record for {seen_for:.0f}s (a live holder renews it every {ttl / 3:.0f}s)"
+        else:
+            return
+        self.reported = seq
+        sent = holder.get("sent")
+        age = self.clock() - sent if here and isinstance(sent, int | float) and self.clock is time.monotonic else 0.0
+        left = max(0.0, ttl - max(seen_for, age))
+        worker = holder.get("worker") or "?"
+        log.info("queue %s key %s waits for the lease record of worker %s (pid %s on %s), which looks gone: %s; the "
+                 "key is free when the record expires, in at most %.0fs, or at once with `keyqueue release %s "
+                 "--worker %s` (a `keyqueue worker --processes` parent releases its children's keys itself)",
+                 parts[1], parts[3], worker, holder.get("pid", "?"), holder.get("host", "?"), why, left, parts[1],
+                 worker)
 
     async def release(self) -> None:
         """Remove this holder's record so the key can be acquired at once (not after the TTL); and,

@@ -36,7 +36,8 @@ from typing import Protocol
 
 from keyqueue.core.processor import Request, RequestContext
 
-__all__ = ["KeyHold", "NullObserver", "Outcome", "RequestAttempt", "SessionEnd", "SessionObserver", "describe"]
+__all__ = ["DeadLetterReason", "KeyHold", "NullObserver", "Outcome", "RequestAttempt", "SessionEnd", "SessionObserver",
+           "describe"]
 
 
 class Outcome(enum.StrEnum):
@@ -54,6 +55,20 @@ class Outcome(enum.StrEnum):
     """Cut off (the drain deadline, or a second signal): the request in hand runs again elsewhere."""
     CONTENDED = "contended"
     """Never acquired: the key's lease record stayed held by another worker until this worker began draining."""
+
+
+class DeadLetterReason(enum.StrEnum):
+    """Why a key session dead-lettered a request (its ``X-KQ-DLQ-Reason``)."""
+
+    REJECTED = "rejected"
+    """The processor rejected it (``Reject``; also an unknown type, a body that does not decode, a
+    subject that cannot be replied to): it runs no more."""
+    NOT_RETRIED = "not-retried"
+    """It failed with an error its retry policy does not retry."""
+    MAX_ATTEMPTS = "max-attempts"
+    """It failed on every attempt its retry policy allows (killed attempts count too)."""
+    CRASH_LOOP = "crash-loop"
+    """Workers kept dying or losing the lease while it was the key's head request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +149,7 @@ class SessionObserver(Protocol):
         newer request that replaced it without running it (policy ``latest``), else None.
         ``elapsed``: the attempt's seconds."""
 
-    def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+    def request_dead_lettered(self, request: RequestAttempt, reason: DeadLetterReason, error: BaseException) -> None:
         """The request was moved to the dead-letter queue: ``reason`` is ``rejected``,
         ``max-attempts`` or ``crash-loop``."""
 
@@ -178,7 +193,7 @@ class NullObserver:
     def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
         return None
 
-    def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+    def request_dead_lettered(self, request: RequestAttempt, reason: DeadLetterReason, error: BaseException) -> None:
         return None
 
     def worker_pinned(self, queue: str, pin_id: str) -> None:

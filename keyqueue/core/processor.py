@@ -8,6 +8,7 @@ background work such as a DVU), and ``close`` last.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,17 @@ from keyqueue.errors import InvalidSubject
 from keyqueue.jetstream.subjects import MAX_REQUEST_ID_LENGTH, validate_subject
 
 T = TypeVar("T")
+
+
+class CloseReason(enum.StrEnum):
+    """Why a processor is closed (``KeyProcessor.close``)."""
+
+    QUIESCENT = "quiescent"
+    """The key had no more requests; it is given back."""
+    SHUTDOWN = "shutdown"
+    """The worker is draining; the key goes to another worker with whatever is left."""
+    LEASE_LOST = "lease-lost"
+    """The lease ended: another worker may own the key now, so write nothing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +156,7 @@ class KeyProcessor(Protocol):
     async def idle(self, ctx: SessionContext) -> None:
         """The key has no more requests: finish owed background work before the key is released."""
 
-    async def close(self, ctx: SessionContext, reason: str) -> None: ...
+    async def close(self, ctx: SessionContext, reason: CloseReason) -> None: ...
 
     def retry_policy(self, request: Request) -> RetryPolicy | None:
         """The retry policy for this request, or None for the worker's default."""
@@ -167,7 +179,7 @@ class BaseProcessor:
     async def idle(self, ctx: SessionContext) -> None:
         return None
 
-    async def close(self, ctx: SessionContext, reason: str) -> None:
+    async def close(self, ctx: SessionContext, reason: CloseReason) -> None:
         return None
 
     def retry_policy(self, request: Request) -> RetryPolicy | None:

@@ -7,8 +7,9 @@
                                        │  handle ─► ok: delete, reply ─┐
                                        │         └► fail: backoff, retry in place, or DLQ
                                        └──────────────────────────────┘
-    quiescent ─► processor.idle() ─► settle deletes ─► remove record + ack ─► re-check inbox
-                                                                         ─► re-publish token?
+    quiescent ─► processor.idle() ─► ack ─► release marker ─► remove record
+                                                  └ refused (a request arrived): settle deletes,
+                                                    remove record, re-check inbox, re-publish token
 
 The token only says the key has work; the lease record (core/lock.py) says who may do it. A
 lost lease ends the session at once: no ack, no nak, no delete, no reply. Renewals run beside
@@ -26,31 +27,30 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import logging
 import os
 import socket
 import time
-import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
 
+from keyqueue.core.dead_lettering import DeadLettering
+from keyqueue.core.hand_back import FAILED_SESSION_DELAY, HandBack
 from keyqueue.core.lease import Lease
-from keyqueue.core.lock import RETRY_PAUSE, KeyLock
-from keyqueue.core.observer import KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
-from keyqueue.core.processor import KeyProcessor, ProcessorFactory, Reply, Request
+from keyqueue.core.lease_keeper import LeaseKeeper
+from keyqueue.core.lock import KeyLock
+from keyqueue.core.observer import DeadLetterReason, KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
+from keyqueue.core.outage import RETRIED, RETRY_PAUSE, ride_out
+from keyqueue.core.processor import CloseReason, KeyProcessor, ProcessorFactory, Reply, Request
+from keyqueue.core.removals import Removals
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.slots import Slots
 from keyqueue.core.turns import Turns
 from keyqueue.errors import (
-    ConnectionFailed,
     Disconnected,
     InvalidSubject,
-    JetStreamUnavailable,
     KeyqueueError,
-    KeyqueueTimeout,
     LeaseLost,
     Reject,
     ReplyLost,
@@ -59,7 +59,6 @@ from keyqueue.errors import (
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.queue_io import QueueIO, Watch
-from keyqueue.jetstream.subjects import validate_subject
 from keyqueue.wire import headers as H
 
 log = logging.getLogger("keyqueue.session")
@@ -70,30 +69,8 @@ READ_AHEAD: Final = 32
 ARRIVAL_GRACE: Final = 0.1
 """Seconds to keep re-reading after an arrival on the key's subject found no stored request."""
 
-MAX_UNCONFIRMED_DELETES: Final = 8
-"""Deletes (and purges) in flight before the session waits for their confirmations."""
-
-PURGE_EVERY: Final = 8
-"""Requests done one after another that one purge removes at most."""
-
-PURGE_WINDOW: Final = 0.002
-"""Seconds a later request may run before the requests done before it are purged."""
-
 ACQUIRE_BACKOFF: Final = (0.002, 0.5)
 """First and longest wait, in seconds, between tries to acquire a key another worker holds."""
-
-FAILED_SESSION_DELAY: Final = 1.0
-"""Seconds before a key whose session failed is delivered again (so a failure cannot spin)."""
-
-HAND_BACK_TIMEOUT: Final = 5.0
-"""Bound, in seconds, on each step of giving a key back (settling deletes, the ack)."""
-
-RENEW_AGAIN: Final = 0.05
-"""Seconds before a renewal is tried again after it lost a race to the record (which is still ours)."""
-
-_RETRIED: Final = (ConnectionFailed, KeyqueueTimeout, JetStreamUnavailable)
-"""What a session's NATS steps are tried again after: the connection down or dropped (``Disconnected``,
-``ReplyLost``), no responders, no reply in time, JetStream temporarily unavailable (10008)."""
 
 T = TypeVar("T")
 
@@ -144,7 +121,7 @@ class _Context:
 
     def hold_removal(self, confirm: Callable[[], Awaitable[None]]) -> None:
         """Await ``confirm()`` before any removal of the requests handled so far (``HoldsRemoval``)."""
-        self._session.owed.append(confirm)
+        self._session.removals.hold(confirm)
 
     async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
         """A processor's own NATS step, retried within the lease as the session's are (``RetriesSteps``)."""
@@ -166,38 +143,32 @@ class KeySession:
 
     # A worker may hold ten thousand keys: no per-instance dict.
     __slots__ = (
-        "_cut_by_renewal",
-        "_giving_back",
         "_hurrying",
         "_in_hand",
-        "_purge_timer",
-        "_purging",
-        "_renewal",
-        "_renewal_failure",
-        "_renewal_timer",
-        "_unpurged",
         "_waiter",
         "_work_task",
         "buffer",
         "counted_head",
         "ctx",
         "cursor",
-        "deletes",
+        "dead_letters",
         "draining",
         "ending",
         "factory",
+        "hand_back",
         "idle",
         "io",
+        "keeper",
         "key",
         "lease",
         "lock",
+        "marker_seq",
         "more",
         "observer",
         "on_running",
-        "owed",
         "processed",
         "recheck_later",
-        "republished",
+        "removals",
         "settings",
         "should_yield",
         "slots",
@@ -241,44 +212,40 @@ class KeySession:
         self.lease.lose("the key's lease record is not acquired yet")
         self.cursor = 1
         """The inbox sequence to read the next request from."""
+        self.marker_seq = 0
+        """The inbox sequence of the release marker read on the key's subject, if any: a former
+        holder's (it lives a second, before every request of the key); read past, never handled."""
         self.processed = 0
-        self.republished = False
         self.buffer: list[StoredMsg] = []
         """Requests read ahead and not yet processed, in stream order (a list: an empty deque
         costs 600 bytes, for each of thousands of held keys)."""
         self.more = True
         """Whether the inbox may hold requests past the read-ahead buffer (until a read says no;
         after that, an arrival on the key's subject says yes again)."""
-        self.deletes: list[asyncio.Future[Any]] = []
-        """Deletes (and purges) sent and not yet confirmed."""
-        self.owed: list[Callable[[], Awaitable[None]]] = []
-        """Confirmations of the processor's writes (kept results) that must settle before the requests
-        handled so far are removed (``ctx.hold_removal``)."""
-        self._unpurged = 0
-        """Requests done and not yet removed: the next purge of the key's subject removes them."""
-        self._purge_timer: asyncio.TimerHandle | None = None
-        self._purging: asyncio.Future[None] | None = None
-        """The purge the timer sent while the session worked on (see :meth:`_purge_soon`)."""
         self.counted_head = False
         """Whether this session has counted its first request as a crash-loop suspect."""
         self._in_hand = 0
         """The inbox sequence of the request being processed (0 between requests)."""
+        self.removals = Removals(io, self.key, lease=lambda: self.lease, cursor=lambda: self.cursor,
+                                 in_hand=lambda: self._in_hand, steady=self._steady)
+        """The removals of the requests handled (core/removals.py)."""
         self.ctx = _Context(self)
         self.ending: SessionEnd | None = None
         """How the session ends, once that is decided (the counts are filled in when it is told)."""
-        self._giving_back: asyncio.Task[None] | None = None
         self._hurrying = False
         self._waiter: asyncio.Future[None] | None = None
         """What the session awaits while it waits for a request (see :meth:`wake`)."""
         self._work_task: asyncio.Task[Any] | None = None
         """The task running the work while the lease is renewed beside it."""
-        self._renewal_timer: asyncio.TimerHandle | None = None
-        self._renewal: asyncio.Future[None] | None = None
-        self._cut_by_renewal = False
-        """A renewal found the lease lost and cancelled the work."""
-        self._renewal_failure: Exception | None = None
-        """Why the last renewal failed, if it did (each failure is retried and logged at debug; the
-        lease-lost warning says it: without it a lost lease reads "expired" alone)."""
+        self.keeper = LeaseKeeper(self.lock, io, self.key, lease=lambda: self.lease, token=lambda: self.token)
+        """Renews the lease record beside the work (core/lease_keeper.py)."""
+        self.dead_letters = DeadLettering(io, self.key, self.removals, lease=lambda: self.lease, steady=self._steady)
+        """Moves requests that will not run again to the DLQ; keeps the crash-loop counts (core/dead_lettering.py)."""
+        self.hand_back = HandBack(io, self.key, self.lock, self.removals, lease=lambda: self.lease,
+                                  token=lambda: self.token, cursor=lambda: self.cursor, marker=lambda: self.marker_seq,
+                                  steady=self._steady, forgive_head=self._forgive_head,
+                                  recheck_later=self._recheck_by_worker, ack_wait=settings.ack_wait)
+        """Gives the key back at the session's end (core/hand_back.py)."""
 
     def _hurry(self, on: bool) -> None:
         """Whether this session is on its way to its first request: busy sessions let it go first
@@ -294,6 +261,11 @@ class KeySession:
             self._waiter.set_result(None)
 
     @property
+    def republished(self) -> bool:
+        """Whether the give-back published the key's token again (a request remained)."""
+        return self.hand_back.republished
+
+    @property
     def acquired(self) -> bool:
         return self.lock.lease is not None
 
@@ -306,7 +278,7 @@ class KeySession:
         """Take a newer delivery of the same token (the server redelivered it to this worker while
         this session holds the key's lease record): keepalives and the ack go to it from now on.
         False if this session can no longer use it (it lost its lease or is giving the key back)."""
-        if token.stream_seq != self.token.stream_seq or self._giving_back is not None:
+        if token.stream_seq != self.token.stream_seq or self.hand_back.task is not None:
             return False
         if self.acquired and not self.lease.valid():
             return False
@@ -341,15 +313,15 @@ class KeySession:
         except asyncio.CancelledError:
             # Cut off by the drain deadline (or a second signal): the request in hand stays
             # stored and runs again on the next holder, who may start at once.
-            if self._giving_back is None and self.acquired and self.lease.valid():
-                self._giving_back = asyncio.ensure_future(self._give_back(Outcome.HANDED_OFF))
+            if self.hand_back.task is None and self.acquired and self.lease.valid():
+                self.hand_back.begin(Outcome.HANDED_OFF)
                 self.ending = SessionEnd(Outcome.INTERRUPTED)
             elif self.ending is None and self.acquired and not self.lease.valid():
-                self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self._lost_reason())
-            if self._giving_back is not None:
+                self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self.keeper.lost_reason())
+            if self.hand_back.task is not None:
                 # Even when cut off, a session that acked its token re-checks the inbox.
                 with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await asyncio.shield(self._giving_back)
+                    await asyncio.shield(self.hand_back.task)
             elif not self.acquired:
                 # Cut off while waiting for the key: hand the token back for another worker now
                 # (and remove our record, should the acquire cut off have been stored).
@@ -361,7 +333,7 @@ class KeySession:
             if self.acquired:
                 ending = self.ending or SessionEnd(Outcome.FAILED, reason="the session ended unexpectedly")
                 self.observer.key_released(self.hold(), dataclasses.replace(
-                    ending, processed=self.processed, republished=self.republished))
+                    ending, processed=self.processed, republished=self.hand_back.republished))
 
     async def _acquire(self) -> bool:
         """Acquire the key's lease record, waiting while another worker holds it."""
@@ -394,7 +366,7 @@ class KeySession:
             first = False
             try:
                 acquired = await self.lock.try_acquire()
-            except _RETRIED as e:
+            except RETRIED as e:
                 if first_read is not None:
                     first_read.cancel()
                     first_read.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -422,7 +394,7 @@ class KeySession:
                 if first_read is not None:
                     with contextlib.suppress(Exception):  # read again in the session
                         msgs, self.more = await self._first_read_result(first_read)
-                        self.buffer.extend(msgs)
+                        self.buffer.extend(self._requests(msgs))
                 return True
             if first_read is not None:
                 first_read.cancel()
@@ -470,29 +442,29 @@ class KeySession:
         self._work_task = work
         if self.on_running is not None:
             self.on_running(self, True)
-        self._schedule_renewal()
+        self.keeper.start(work)
         error: Exception | None = None
         outcome: Outcome | None = None
         try:
             outcome = await self._work()
         except asyncio.CancelledError:
-            if not self._cut_by_renewal or work.uncancel() > 0:
+            if not self.keeper.cut or work.uncancel() > 0:
                 raise  # cancelled from outside (the drain deadline, a second signal)
         except LeaseLost:
-            if self._cut_by_renewal:
+            if self.keeper.cut:
                 work.uncancel()  # the renewal's cancel was turned into this on the way
         except Exception as e:
             error = e
-            if self._cut_by_renewal:
+            if self.keeper.cut:
                 work.uncancel()
         else:
-            if self._cut_by_renewal:
+            if self.keeper.cut:
                 work.uncancel()  # the renewal's cancel was swallowed on the way
         finally:
             await self._stop_renewals()
-        if self._cut_by_renewal or (outcome is None and error is None):
+        if self.keeper.cut or (outcome is None and error is None):
             # A renewal found the lease lost (and cancelled the work), or the work found it lost.
-            self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self._lost_reason())
+            self.ending = SessionEnd(Outcome.LEASE_LOST, reason=self.keeper.lost_reason())
             return Outcome.LEASE_LOST
         if error is not None:
             # A processor or NATS failure: give the key back now, not after ack_wait, with a short
@@ -505,79 +477,12 @@ class KeySession:
         await self._give_back_shielded(outcome)
         return outcome
 
-    def _schedule_renewal(self, after: float | None = None) -> None:
-        delay = min(self.lease.interval if after is None else after, max(0.0, self.lease.remaining()))
-        self._renewal_timer = asyncio.get_running_loop().call_later(delay, self._start_renewal)
-
-    def _start_renewal(self) -> None:
-        self._renewal_timer = None
-        self._renewal = asyncio.ensure_future(self._renew())
-
-    async def _renew(self) -> None:
-        """One renewal of the lease record (and a ``+WPI`` for the token); the next is scheduled
-        after it. A lost lease cancels the work.
-
-        A renewal that could not be sent, or whose reply never came, is tried again as soon as the
-        connection is up (within the lease): a holder that reconnects while its lease is valid
-        keeps its key under its own record. One that lost a race to its still-own record (a
-        replicated stream's 10164) is tried again shortly."""
-        again: float | None = None
-        while True:
-            try:
-                extended = await self.lock.renew()
-                again = None if extended else RENEW_AGAIN
-                self._renewal_failure = None
-                break
-            except LeaseLost:
-                break
-            except Exception as e:
-                log.debug("lease renewal for %s failed: %r", self.key, e)
-                self._renewal_failure = e
-                if not isinstance(e, _RETRIED) or not self.lease.valid():
-                    break
-                connected = await self.io.wait_connected(self.lease.remaining())
-                if not self.lease.valid():
-                    break
-                if connected and not isinstance(e, Disconnected | ReplyLost):
-                    again = RENEW_AGAIN  # the server did not answer in time: soon, not at once
-                    break
-        if not self.lease.valid():
-            self._cut_by_renewal = True
-            if self._work_task is not None:
-                self._work_task.cancel()
-            return
-        if again is None:
-            with contextlib.suppress(Exception):
-                await self.io.keepalive(self.token)
-        if self._work_task is not None:
-            self._schedule_renewal(again)
-
-    def _lost_reason(self) -> str:
-        """Why the lease was lost, with why its last renewal failed if it did."""
-        reason = self.lease.lost_reason or "lease lost"
-        if self._renewal_failure is not None:
-            reason += f"; the last renewal failed: {type(self._renewal_failure).__name__}: {self._renewal_failure}"
-        return reason
-
     async def _steady(self, step: Callable[[], Awaitable[T]]) -> T:
         """Run an idempotent NATS step of this session, and again after a lost connection, a lost
         reply or no answer (a replicated stream electing a leader) for as long as the lease holds.
         Raises :class:`~keyqueue.errors.LeaseLost` once it does not: an outage shorter than the
-        lease costs a pause, not the key."""
-        pause, longest = RETRY_PAUSE
-        while True:
-            try:
-                return await step()
-            except _RETRIED as e:
-                self.lease.check()
-                if self.io.closed:
-                    raise  # it never comes back
-                while not await self.io.wait_connected(self.lease.remaining()):
-                    self.lease.check()  # the lease ended while the connection was down
-                if not isinstance(e, Disconnected | ReplyLost):  # connected, yet no answer: not at once
-                    await asyncio.sleep(min(pause, max(0.0, self.lease.remaining())))
-                    pause = min(longest, pause * 2)
-                self.lease.check()
+        lease costs a pause, not the key (core/outage.py)."""
+        return await ride_out(step, self.lease, self.io)
 
     @property
     def running(self) -> bool:
@@ -587,16 +492,10 @@ class KeySession:
         return self._work_task is not None
 
     async def _stop_renewals(self) -> None:
-        self._work_task = None  # no renewal is scheduled after this
+        self._work_task = None
         if self.on_running is not None:
             self.on_running(self, False)
-        renewal, self._renewal = self._renewal, None
-        if renewal is not None and not renewal.done():
-            renewal.cancel()
-            await asyncio.wait([renewal])
-        if self._renewal_timer is not None:
-            self._renewal_timer.cancel()
-            self._renewal_timer = None
+        await self.keeper.stop()
 
     async def _work(self) -> Outcome:
         await self.observer.wait_for_room()
@@ -606,12 +505,12 @@ class KeySession:
         # keys wait) never pays for it. Opening it is followed by one more read, since a request
         # may have landed between the last read and the subscription.
         watch: Watch | None = None
-        reason = "quiescent"
+        reason = CloseReason.QUIESCENT
         try:
             await processor.open(self.ctx)
             while True:
                 if self.draining.is_set():
-                    reason = "shutdown"
+                    reason = CloseReason.SHUTDOWN
                     break
                 self.lease.check()
                 if self.buffer or self.more or (watch is not None and watch.arrived):
@@ -640,9 +539,9 @@ class KeySession:
                     watch = await self.io.watch(self.key)
                     self.more = True
                     continue
-                # A key waiting for requests keeps no replies: drop the deletes confirmed by now
-                # (the read just above was answered after them); the release settles the rest.
-                self.deletes = [d for d in self.deletes if not self.io.confirmed(d)]
+                # A key waiting for requests keeps no replies: the deletes confirmed by now go (the
+                # read just above was answered after them); the release settles the rest.
+                await self.removals.before_wait(self.settings.linger, ARRIVAL_GRACE)
                 if not await self._await_arrival(watch):
                     break
             return await self._release(processor, reason)
@@ -651,7 +550,7 @@ class KeySession:
                 await watch.close()
             # Always closed, so a processor can stop its background work; a processor must not
             # write anything on "lease-lost" (another worker may own the key now).
-            await processor.close(self.ctx, reason if self.lease.valid() else "lease-lost")
+            await processor.close(self.ctx, reason if self.lease.valid() else CloseReason.LEASE_LOST)
 
     async def _build_processor(self) -> KeyProcessor:
         built = self.factory(self.key)
@@ -708,15 +607,23 @@ class KeySession:
         """
         want = max(1, getattr(processor, "batch_size", 0))
         while len(self.buffer) < want:
-            start = self.buffer[-1].seq + 1 if self.buffer else self.cursor
+            start = self.buffer[-1].seq + 1 if self.buffer else max(self.cursor, self.marker_seq + 1)
             read = functools.partial(self.io.read, self.key, start, max(want - len(self.buffer), READ_AHEAD))
             msgs, self.more = await self._steady(read)
-            self.buffer.extend(msgs)
+            self.buffer.extend(self._requests(msgs))
             if not self.more:
                 break
         batch = self.buffer[:want]
         del self.buffer[:want]
         return batch
+
+    def _requests(self, msgs: list[StoredMsg]) -> list[StoredMsg]:
+        """The requests among messages read from the key's subject: a release marker (which can
+        only come first) is noted, so that reads go past it and the release knows it is there."""
+        if msgs and H.is_release_marker(msgs[0].headers):
+            self.marker_seq = max(self.marker_seq, msgs[0].seq)
+            return msgs[1:]
+        return msgs
 
     # --- processing with retries -----------------------------------------------------------------
 
@@ -730,7 +637,7 @@ class KeySession:
                 self.buffer[0:0] = batch[1:]
                 error = KeyqueueError(f"this request was at the head of {runs} sessions of redelivered tokens: "
                                       "workers keep dying or losing the lease on it")
-                await self._dead_letter([batch[0]], error, runs, reason="crash-loop")
+                await self._dead_letter([batch[0]], error, runs, reason=DeadLetterReason.CRASH_LOOP)
                 return
             head_policy = processor.retry_policy(Request(self.key, batch[0].seq, batch[0].subject, batch[0].headers,
                                                          batch[0].data)) or self.settings.retry
@@ -741,7 +648,7 @@ class KeySession:
                 error = KeyqueueError(f"its attempt blocked the event loop past the lease, or outlived a lost lease "
                                       f"in a thread, {killed} time(s), and the worker was stopped each time (the "
                                       "worker's log says which)")
-                await self._dead_letter([batch[0]], error, killed, reason="max-attempts")
+                await self._dead_letter([batch[0]], error, killed, reason=DeadLetterReason.MAX_ATTEMPTS)
                 return
         self._hurry(False)
         requests = [Request(self.key, m.seq, m.subject, m.headers, m.data) for m in batch]
@@ -751,15 +658,14 @@ class KeySession:
             except InvalidSubject as e:
                 if n == 0:  # it never runs: its reply or records could not be sent (docs/decisions.md)
                     self.buffer[0:0] = batch[1:]
-                    await self._dead_letter([batch[0]], e, 0, reason="rejected")
+                    await self._dead_letter([batch[0]], e, 0, reason=DeadLetterReason.REJECTED)
                     return
                 self.buffer[0:0] = batch[n:]  # the batch runs up to it; it is the head of the next
                 batch, requests = batch[:n], requests[:n]
                 break
         head = requests[0]
         self._in_hand = head.seq
-        if self._unpurged and self._purge_timer is None:
-            self._purge_timer = asyncio.get_running_loop().call_later(PURGE_WINDOW, self._purge_soon)
+        self.removals.arm()
         policy = processor.retry_policy(head) or self.settings.retry
         attempt = killed  # attempts a watchdog stopped count as made
         while True:
@@ -785,13 +691,13 @@ class KeySession:
             except Exception as e:
                 self.observer.attempt_failed(this, e)
                 if isinstance(e, WireError | Reject):
-                    await self._dead_letter(batch, e, attempt, reason="rejected")
+                    await self._dead_letter(batch, e, attempt, reason=DeadLetterReason.REJECTED)
                     return
                 if not policy.retries(e):  # the task's retry_on does not list it
-                    await self._dead_letter(batch, e, attempt, reason="not-retried")
+                    await self._dead_letter(batch, e, attempt, reason=DeadLetterReason.NOT_RETRIED)
                     return
                 if policy.exhausted(attempt):
-                    await self._dead_letter(batch, e, attempt, reason="max-attempts")
+                    await self._dead_letter(batch, e, attempt, reason=DeadLetterReason.MAX_ATTEMPTS)
                     return
                 delay = policy.delay_after(attempt, e)
                 self.observer.request_retried(this, delay, e)
@@ -805,7 +711,7 @@ class KeySession:
             batch, requests = batch[:handled], requests[:handled]
             for msg, outcome in zip(batch, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
-                    await self._dead_letter([msg], outcome, attempt, reason="rejected")
+                    await self._dead_letter([msg], outcome, attempt, reason=DeadLetterReason.REJECTED)
             done = [(m, r, o) for m, r, o in zip(batch, requests, outcomes, strict=True)
                     if o is None or isinstance(o, Reply)]
             if done:
@@ -844,21 +750,10 @@ class KeySession:
         self.cursor = through + 1
         if len(batch) == 1 and batch[0].seq == through:
             # Pipelined and coalesced: the next request starts without waiting for this one's
-            # removal; requests done one after another are removed together, by one purge of the
-            # key's subject up to the last, sent after PURGE_EVERY of them, before the session
-            # waits for I/O, or once a later request has run for PURGE_WINDOW (so a slow request
-            # after fast ones does not keep them stored). Every removal is confirmed before the
-            # token is acked.
-            self._unpurged += 1
-            if self._unpurged >= PURGE_EVERY or not self.buffer:
-                await self._purge_after_beside()
-                await self._purge()
-                if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
-                    await self._settle_deletes()
+            # removal (core/removals.py).
+            await self.removals.done_one(more_read=bool(self.buffer))
         else:
-            await self._purge_after_beside()
-            await self._settle_owed()
-            await self._steady(functools.partial(self.io.purge_through, self.key, through))
+            await self.removals.done_through(through)
         self._in_hand = 0
         self.processed += len(batch)
         for request, reply in zip(requests, replies, strict=False):
@@ -873,131 +768,31 @@ class KeySession:
             self.observer.request_succeeded(self._attempt(request.seq, request.headers, attempt, len(requests)),
                                             elapsed, superseded_by)
 
-    async def _purge(self) -> None:
-        """Send the purge of the requests done and not yet removed (all stored below the cursor)."""
-        if self._purge_timer is not None:
-            self._purge_timer.cancel()
-            self._purge_timer = None
-        done, self._unpurged = self._unpurged, 0  # requests done while the purge is sent count for the next
-        if not done:
-            return
-        through = self.cursor - 1
-        try:
-            await self._settle_owed()
-            self.deletes.append(await self._steady(functools.partial(self.io.purge_soon, self.key, through)))
-        except BaseException:
-            self._unpurged += done  # still stored: the settle sends it again
-            raise
-
-    async def _purge_after_beside(self) -> None:
-        """Wait for the purge sent beside the work, if one is in flight: it is still confirming the
-        kept results of the requests it removes, and a later removal covers those requests too."""
-        if self._purging is not None:
-            await asyncio.shield(self._purging)
-
-    async def _settle_owed(self) -> None:
-        """Await what the processor stores before its requests leave the inbox (kept results): sent
-        beside the work, confirmed here, before the removal of every request handled so far."""
-        if not self.owed:
-            return
-        # Those owed now cover every request handled so far (a processor holds the removal while it
-        # handles the request); one held later, by the request in hand, waits for the next removal.
-        owed, self.owed = self.owed, []
-        while owed:
-            await owed.pop(0)()  # a confirmation that raises (a lost lease) ends the session
-        self.lease.check()
-
-    def _purge_soon(self) -> None:
-        """A request has run for PURGE_WINDOW while requests done before it are still stored: send
-        their purge beside it, if this worker still holds the key. (Fired between requests, it
-        does nothing: the session goes on to its next removal, or arms it again.)"""
-        self._purge_timer = None
-        if self._unpurged and self._in_hand and self._purging is None and self.lease.valid():
-            self._purging = asyncio.ensure_future(self._purge_beside())
-
-    async def _purge_beside(self) -> None:
-        try:
-            await self._purge()
-        except Exception as e:  # sent again by the settle, or the requests run again (at least once)
-            log.debug("queue %s key %s: purge not sent: %r", self.io.names.queue, self.key, e)
-        finally:
-            self._purging = None
-
-    async def _settle_deletes(self) -> None:
-        """Send what is done and not yet removed, then wait until every removal is confirmed."""
-        await self._purge_after_beside()
-        if self.lease.valid():
-            await self._purge()
-        elif self._purge_timer is not None:
-            self._purge_timer.cancel()
-            self._purge_timer = None
-        deletes, self.deletes = self.deletes, []
-        try:
-            await self.io.settle(deletes)
-        except _RETRIED:
-            # A removal's reply was lost with the connection, or is late: remove everything done
-            # again, in one purge, once connected (a purge is safe to repeat).
-            if self.cursor > 1:
-                await self._steady(functools.partial(self.io.purge_through, self.key, self.cursor - 1))
-
     async def _dead_letter(self, batch: list[StoredMsg], error: BaseException, attempts: int, *,
-                           reason: str) -> None:
+                           reason: DeadLetterReason) -> None:
         for msg in batch:
-            self.lease.check()
-            why = {
-                H.DLQ_REASON: reason,
-                H.DLQ_ERROR_TYPE: type(error).__name__,
-                H.ERROR_MESSAGE: H.header_safe(str(error)),
-                H.DLQ_ATTEMPTS: str(attempts),
-                H.DLQ_ORIGINAL_SUBJECT: msg.subject,
-                H.DLQ_ORIGINAL_SEQ: str(msg.seq),
-                H.DLQ_TIME: datetime.now(UTC).isoformat(),
-            }
-            if reason != "rejected":  # a rejection is expected input: its traceback says nothing
-                why[H.DLQ_TRACEBACK] = _traceback_header(error)
-            # The copy is stored once however often it is sent (its id is the inbox sequence), and
-            # the delete is safe to repeat: both are tried again after a lost connection.
-            await self._steady(functools.partial(self.io.dead_letter, self.key, msg, why))
-            await self._settle_owed()
-            self.lease.check()
-            await self._steady(functools.partial(self.io.delete, msg.seq))
+            await self.dead_letters.move(msg, error, attempts, reason)
             self.cursor = msg.seq + 1
             self._in_hand = 0
-            inbox = msg.headers.get(H.REPLY_INBOX)
-            if inbox and _answerable(inbox):
-                self.lease.check()
-                answer = {H.STATUS: "dead-lettered", H.REQUEST_ID: msg.headers.get(H.MSG_ID, ""),
-                          H.ERROR_TYPE: type(error).__name__, H.ERROR_MESSAGE: H.header_safe(str(error)),
-                          H.DLQ_REASON: reason}
-                await self._steady(functools.partial(self.io.reply, inbox, answer, b""))
             self.observer.request_dead_lettered(self._attempt(msg.seq, msg.headers, attempts, len(batch)), reason,
                                                 error)
 
     async def _count_head_run(self, head: StoredMsg) -> tuple[int, int]:
         """Count one more session that starts with ``head`` on a redelivered token; the counts of
         such sessions and of its attempts a loop watchdog stopped."""
-        return await self._add_head_runs(head.seq, +1)
+        return await self.dead_letters.add_head_runs(head.seq, +1)
 
     async def _forgive_head(self) -> None:
         """This session hands the key back with a request in hand (a drain, a failure): it did not
         die on it, so the session of the redelivered token must not count it as a crash."""
         if self._in_hand:
-            await self._add_head_runs(self._in_hand, -1)
-
-    async def _add_head_runs(self, seq: int, delta: int) -> tuple[int, int]:
-        """Add ``delta`` to the crash-loop count of request ``seq`` (a count of another request
-        starts over); the new counts. A counter is a heuristic: a failure never blocks the key."""
-        try:
-            return await self.io.add_head_runs(self.key, seq, runs=delta)
-        except (KeyqueueError, ValueError) as e:
-            log.debug("crash-loop counter for %s: %r", self.key, e)
-            return max(1, delta), 0
+            await self.dead_letters.add_head_runs(self._in_hand, -1)
 
     # --- release ---------------------------------------------------------------------------------
 
-    async def _release(self, processor: KeyProcessor, reason: str) -> Outcome:
-        """Finish owed work; :meth:`_give_back` then gives the key back."""
-        if reason == "shutdown":
+    async def _release(self, processor: KeyProcessor, reason: CloseReason) -> Outcome:
+        """Finish owed work; the hand-back (core/hand_back.py) then gives the key back."""
+        if reason == CloseReason.SHUTDOWN:
             try:
                 async with asyncio.timeout(self.settings.drain_timeout):
                     await processor.idle(self.ctx)
@@ -1009,96 +804,11 @@ class KeySession:
         return Outcome.RELEASED
 
     async def _give_back_shielded(self, outcome: Outcome) -> None:
-        self._giving_back = asyncio.ensure_future(self._give_back(outcome))
-        await asyncio.shield(self._giving_back)
+        await asyncio.shield(self.hand_back.begin(outcome))
 
-    async def _give_back(self, outcome: Outcome) -> None:
-        """Settle deletes, remove the lease record, release (or, after a failure, nak) the token,
-        and re-check the inbox. Each step is tried again after a lost connection while the lease
-        holds. Never raises: whatever fails here, the record's TTL frees the key, and a key whose
-        token may be gone with a request left is handed to the worker to re-check."""
-        if not self.lease.valid():
-            return  # another worker may own the key now: nothing more is sent for it
-        try:
-            await self._settle_deletes()
-        except LeaseLost:
-            return
-        except Exception as e:
-            # Unconfirmed deletes may land or not: a request not deleted runs again (at least once).
-            log.warning("queue %s key %s: %d delete(s) unconfirmed at release: %r", self.io.names.queue,
-                        self.key, len(self.deletes), e)
-        if not self.lease.valid():
-            return
-        if outcome in (Outcome.FAILED, Outcome.HANDED_OFF):
-            # The key may still have work that only its processor knows of (an owed DVU): the
-            # token goes back as it is, for another worker at once (a drain) or after a short
-            # delay (a failure, so that it cannot spin).
-            await self._forgive_head()
-            delay = FAILED_SESSION_DELAY if outcome == Outcome.FAILED else 0.0
-            await asyncio.gather(self._steady(self.lock.release),
-                                 self._steady(functools.partial(self.io.nak, self.token, delay)),
-                                 return_exceptions=True)
-            return
-        released, gone = await asyncio.gather(
-            self._steady(self.lock.release),
-            self._steady(functools.partial(self.io.release_token, self.token, HAND_BACK_TIMEOUT)),
-            return_exceptions=True)
-        for what, result in (("lease record", released), ("token", gone)):
-            if isinstance(result, BaseException):
-                log.debug("queue %s key %s: releasing the %s: %r", self.io.names.queue, self.key, what, result)
-        if isinstance(gone, BaseException):
-            # The token may still be stored (then it comes back), or our ack may have removed it
-            # unconfirmed: the worker removes it for sure and re-checks once it can.
-            self._recheck_later()
-            return
-        await self._recheck()
-
-    async def _recheck(self) -> None:
-        """A request stored after our last read had its token publish refused (ours still existed):
-        look again now that our token is gone, and schedule the key if one remains. Harmless at any
-        time (a token is a hint), so it is tried again after a lost connection, lease or not, and
-        handed to the worker if the connection stays down."""
-        give_up = time.monotonic() + self.settings.ack_wait
-        pause, longest = RETRY_PAUSE
-        while True:
-            try:
-                if await self.io.request_remains(self.key, self.cursor):
-                    self.republished = await self.io.schedule(self.key)
-                    if not self.republished and self.io.replicated and await self.io.token_stored(self.token):
-                        # Refused by our own token: on R3 it was seen still stored (rarely, under load)
-                        # after release_token returned. Remove it again and publish the key's token.
-                        await self.io.delete_token(self.token)
-                        self.republished = await self.io.schedule(self.key)
-                return
-            except _RETRIED as e:
-                left = give_up - time.monotonic()
-                if left <= 0 or not await self.io.wait_connected(left):
-                    log.warning("queue %s key %s: re-check after release failed (%r); the worker re-checks the "
-                                "key once connected", self.io.names.queue, self.key, e)
-                    self._recheck_later()
-                    return
-                if not isinstance(e, Disconnected | ReplyLost):
-                    await asyncio.sleep(pause)
-                    pause = min(longest, pause * 2)
-            except Exception as e:
-                log.warning("queue %s key %s: re-check after release failed (the worker re-checks the key): %r",
-                            self.io.names.queue, self.key, e)
-                self._recheck_later()
-                return
-
-    def _recheck_later(self) -> None:
+    def _recheck_by_worker(self, token: Token, cursor: int) -> None:
         if self.recheck_later is not None:
-            self.recheck_later(self.token, self.cursor)
-
-
-def _answerable(inbox: str) -> bool:
-    """Whether a reply may be published to ``inbox``: one NATS cannot carry is never answered (the
-    server would close the connection)."""
-    try:
-        validate_subject(inbox, "a reply inbox")
-    except InvalidSubject:
-        return False
-    return True
+            self.recheck_later(token, cursor)
 
 
 def _message_type(headers: Mapping[str, str]) -> str:
@@ -1108,14 +818,3 @@ def _message_type(headers: Mapping[str, str]) -> str:
         wanted = H.MESSAGE_TYPE.lower()
         found = next((v for k, v in headers.items() if k.lower() == wanted), "")
     return found
-
-
-TRACEBACK_KEPT: Final = 8000
-"""Characters of a dead request's traceback kept in its DLQ copy (the end, where the error is)."""
-
-
-def _traceback_header(error: BaseException) -> str:
-    text = "".join(traceback.format_exception(error))
-    if len(text) > TRACEBACK_KEPT:
-        text = "...\n" + text[-TRACEBACK_KEPT:]
-    return json.dumps(text)

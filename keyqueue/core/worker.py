@@ -38,7 +38,9 @@ from nats.aio.client import Client
 
 from keyqueue.core.alarm import LeaseAlarm
 from keyqueue.core.lease import Lease
+from keyqueue.core.lock import KeyLock
 from keyqueue.core.observer import (
+    DeadLetterReason,
     KeyHold,
     NullObserver,
     Outcome,
@@ -153,6 +155,8 @@ class QueueWorker:
         """Keys whose session could not finish its release (the connection was down): the token it
         released (maybe unconfirmed) and the inbox sequence to re-check from."""
         self._recheck_wanted = asyncio.Event()
+        self._leftovers: list[tuple[KeyLock, float]] = []
+        """Lease records of sessions that lost their lease, to remove once connected (:meth:`remove_leftover`)."""
 
     # --- slots -----------------------------------------------------------------------------------
 
@@ -236,7 +240,10 @@ class QueueWorker:
         try:
             if previous is not None:
                 await asyncio.wait([previous])
-            return await session.run()
+            outcome = await session.run()
+            if outcome == Outcome.LEASE_LOST:
+                self.remove_leftover(session.lock)
+            return outcome
         except Exception:
             # A session reports its own failures; one that escapes must not take the worker down.
             log.exception("queue %s key %s: session ended with an unexpected error", self.config.name, session.key)
@@ -299,9 +306,10 @@ class QueueWorker:
         began = time.monotonic()
         while True:
             try:
-                lease = await Topology(JetStreamApi(self.nc), self.config).ensure_worker(
-                    None if self.follow_lease else self.settings.ack_wait)
+                topology = Topology(JetStreamApi(self.nc), self.config)
+                lease = await topology.ensure_worker(None if self.follow_lease else self.settings.ack_wait)
                 self._use_lease(lease)
+                self.io.release_markers = await topology.allow_release_markers()
                 return
             except (KeyqueueTimeout, ConnectionFailed) as e:
                 # "No responders" that lasts is a server without JetStream, not an election.
@@ -375,17 +383,46 @@ class QueueWorker:
         self._rechecks[token.key] = (token, cursor)
         self._recheck_wanted.set()
 
+    def remove_leftover(self, lock: KeyLock) -> None:
+        """A session lost its lease, and its work has ended: remove its lease record once connected.
+        The server expires it by itself after its TTL, but not always after a kill -9 and restart
+        (core/lock.py), and then the next holder waits until it has watched it for twice the TTL.
+        Safe at any time: a record is removed by its sequence (one written since by anyone else is
+        untouched), and nothing of the session runs any more. Given up after twice the TTL."""
+        if lock.seq or lock.unsettled:
+            self._leftovers.append((lock, time.monotonic() + 2 * lock.ttl))
+            self._recheck_wanted.set()
+
+    async def _remove_leftovers(self) -> None:
+        while self._leftovers:
+            lock, give_up = self._leftovers.pop(0)
+            if time.monotonic() >= give_up:
+                continue
+            try:
+                await lock.release()
+            except Exception as e:  # a bug too: it must not end the key sessions (one task group)
+                log.log(logging.DEBUG if isinstance(e, KeyqueueError) else logging.ERROR,
+                        "queue %s: removing a lost lease's record failed, trying again: %r", self.config.name, e,
+                        exc_info=not isinstance(e, KeyqueueError))
+                self._leftovers.append((lock, give_up))
+                await asyncio.sleep(0.5)
+
     async def _recheck_keys(self) -> None:
         while True:
             await self._recheck_wanted.wait()
             self._recheck_wanted.clear()
+            if self._leftovers:
+                if await self.io.wait_connected(self.settings.ack_wait):
+                    await self._remove_leftovers()
+                else:
+                    self._recheck_wanted.set()  # later (each entry is given up after twice its TTL)
             while self._rechecks:
                 if not await self.io.wait_connected(self.settings.ack_wait):
                     continue
                 key, (token, cursor) = next(iter(self._rechecks.items()))
                 try:
                     await self.io.delete_token(token)
-                    if await self.io.next_request(key, cursor) is not None:
+                    if await self.io.next_request(key, cursor, requests_only=True) is not None:
                         await self.io.schedule(key)
                 except Exception as e:  # a bug too: it must not end the key sessions (one task group)
                     log.log(logging.DEBUG if isinstance(e, KeyqueueError) else logging.ERROR,
@@ -567,16 +604,16 @@ class _Report:
                       message_type=request.message_type)
         self._tell(self.observer.request_succeeded, request, elapsed, superseded_by)
 
-    def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
+    def request_dead_lettered(self, request: RequestAttempt, reason: DeadLetterReason, error: BaseException) -> None:
         fields: dict[str, Any] = {"request_id": request.request_id, "seq": request.seq, "reason": reason,
                                   "attempts": request.attempt, "error": describe(error),
                                   "message_type": request.message_type}
         what, where = _what(request), self._where(request)
-        if reason == "rejected":
+        if reason == DeadLetterReason.REJECTED:
             # Bad input (Reject, an unreadable message): expected, and its message says why.
             self._log("dead_lettered", logging.WARNING, request.key, "%s rejected, moved to the dead-letter queue: "
                       "%s (%s)", what, describe(error), where, **fields)
-        elif reason == "max-attempts":
+        elif reason == DeadLetterReason.MAX_ATTEMPTS:
             last = request.attempt
             self._log("dead_lettered", logging.ERROR, request.key, "%s failed on attempt %d of %d, moved to the "
                       "dead-letter queue: %s (%s)", what, last, last, describe(error), where, exc_info=error, **fields)

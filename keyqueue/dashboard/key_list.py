@@ -22,7 +22,7 @@ from keyqueue.admin.workers import WorkerState
 from keyqueue.dashboard.search import key_pattern
 from keyqueue.dashboard.state import HeadAttempt, Monitor, QueueView
 
-__all__ = ["KINDS", "PAGE", "SORTS", "KeyPage", "KeyRow", "key_page"]
+__all__ = ["KINDS", "PAGE", "SORTS", "KeyCounts", "KeyPage", "KeyRow", "key_page"]
 
 PAGE: Final = 100
 """Keys per page."""
@@ -58,12 +58,31 @@ class KeyRow:
 
 
 @dataclass(frozen=True)
+class KeyCounts:
+    """A queue's keys counted from the same read as the page's rows, so the two always agree (the
+    queue's live counts, read at every refresh, can be newer than its last read of every key)."""
+
+    with_backlog: int
+    held: int
+    """Tokens held (a key changing hands included)."""
+    waiting: int
+    """Keys whose token waits for a worker."""
+
+    @classmethod
+    def of(cls, keys: list[KeyState]) -> KeyCounts:
+        return cls(sum(1 for k in keys if k.backlog), sum(1 for k in keys if k.token == "held"),
+                   sum(1 for k in keys if k.condition == "waiting"))
+
+
+@dataclass(frozen=True)
 class KeyPage:
     rows: list[KeyRow]
     total: int
     """Keys that match, on every page."""
     page: int
     pages: int
+    counts: KeyCounts | None = None
+    """Every key of the queue (not only those that match), counted from the read the rows come from."""
 
 
 def key_page(monitor: Monitor, queue: str, view: QueueView, *, search: str, kind: str, sort: str, page: int,
@@ -71,6 +90,7 @@ def key_page(monitor: Monitor, queue: str, view: QueueView, *, search: str, kind
     """The ``page``-th page of ``view``'s keys that match ``search`` and ``kind``, sorted by ``sort``."""
     workers = {w.name: w for w in view.workers}
     keys = view.report.keys
+    counts = KeyCounts.of(keys)
     if search:
         if any(c in search for c in "*?["):
             matches = key_pattern(search)
@@ -106,12 +126,13 @@ def key_page(monitor: Monitor, queue: str, view: QueueView, *, search: str, kind
             ordered = keys if sort == "backlog" else sorted(keys, key=lambda k: k.key)
             pages = max(1, -(-len(ordered) // size))
             page = min(max(1, page), pages)
-            return KeyPage([row(k) for k in ordered[(page - 1) * size: page * size]], len(ordered), page, pages)
+            return KeyPage([row(k) for k in ordered[(page - 1) * size: page * size]], len(ordered), page, pages,
+                           counts)
         rows = [row(k) for k in keys]
     rows.sort(key=_SORTS.get(sort, _SORTS["backlog"]))
     pages = max(1, -(-len(rows) // size))
     page = min(max(1, page), pages)
-    return KeyPage(rows[(page - 1) * size: page * size], len(rows), page, pages)
+    return KeyPage(rows[(page - 1) * size: page * size], len(rows), page, pages, counts)
 
 
 _SORTS: Final[dict[str, Callable[[KeyRow], Any]]] = {

@@ -419,6 +419,8 @@ async def _pending(monitor: Monitor, queue: str, key: str) -> list[_Pending]:
     found: list[_Pending] = []
     async for page in monitor.api.pages(names.inbox_stream, names.inbox(key), limit=PENDING_LIMIT, batch=PENDING_LIMIT):
         for msg in page:
+            if H.is_release_marker(msg.headers):  # a former holder's, not a request
+                continue
             stored = parse_time(msg.timestamp)
             try:
                 arguments: Any = loads(msg.data, msg.headers.get(H.CONTENT_TYPE, CBOR)) if msg.data else None

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from nats.aio.client import Client
@@ -29,7 +30,54 @@ from keyqueue.errors import ConnectionFailed, KeyqueueTimeout, ReplyLost
 from keyqueue.jetstream.connect import CONNECTION_DOWN, link_of, not_sent
 from keyqueue.jetstream.fastpub import header_block, publish_block
 
+log = logging.getLogger("keyqueue.connection")
+
 STATUS = "Status"
+
+
+class SyncDispatch:
+    """Stands in for a nats-py subscription's message queue so that each message is handed to
+    ``handle`` at once, from the connection's read loop: no queue entry, no task wake-up and no
+    coroutine per message (nats-py would put each one on an ``asyncio.Queue`` that a task of the
+    subscription drains, awaiting its callback for each). ``handle`` must not block or raise.
+
+    It relies on what nats-py 2.x does with a subscription (``Client._process_msg``: adds the size
+    to ``sub._pending_size``, then ``sub._pending_queue.put_nowait(msg)``; the subscription's task
+    awaits ``_pending_queue.get()``; ``unsubscribe`` asks ``empty()``, ``drain`` awaits ``join()``):
+    tests/integration/test_sync_dispatch.py pins it, so an upgrade that changes it fails loudly."""
+
+    __slots__ = ("handle", "sub")
+
+    def __init__(self, sub: Any, handle: Callable[[Msg], None]) -> None:
+        self.sub = sub
+        self.handle = handle
+
+    @classmethod
+    def install(cls, sub: Any, handle: Callable[[Msg], None]) -> None:
+        sub._pending_queue = cls(sub, handle)
+
+    def put_nowait(self, msg: Msg) -> None:
+        self.sub._pending_size -= len(msg.data)  # handled now: nothing of it is pending
+        try:
+            self.handle(msg)
+        except Exception:  # a bug: it must not reach nats-py's read loop (the connection would end)
+            log.exception("a reply on %s could not be handled", msg.subject)
+
+    async def get(self) -> Msg:
+        await asyncio.get_running_loop().create_future()  # never: every message went to handle
+        raise AssertionError("unreachable")
+
+    def empty(self) -> bool:
+        return True
+
+    def qsize(self) -> int:
+        return 0
+
+    def task_done(self) -> None:
+        return None
+
+    async def join(self) -> None:
+        return None
 
 EXPIRE_AFTER: Final = 60.0
 """Seconds after which a request with no reply is forgotten (longer than any caller waits)."""
@@ -71,7 +119,8 @@ class RequestMux:
             async with self._lock:
                 if self._sub is None:
                     self._prefix = self.nc.new_inbox() + "."
-                    self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._on_reply)
+                    self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._on_reply_async)
+                    SyncDispatch.install(self._sub, self._on_reply)
                     link = link_of(self.nc)
                     if link is not None:
                         self._unlisten = link.on_down(self._dropped)
@@ -85,7 +134,10 @@ class RequestMux:
                     f"the connection to NATS dropped before the reply to a request to {entry.subject} came"))
                 entry.future.exception()  # retrieved: a future nobody awaits must not log it
 
-    async def _on_reply(self, msg: Msg) -> None:
+    async def _on_reply_async(self, msg: Msg) -> None:
+        self._on_reply(msg)  # never called while SyncDispatch stands in (nats-py wants a coroutine callback)
+
+    def _on_reply(self, msg: Msg) -> None:
         pending = self._pending.get(msg.subject)
         if pending is None or pending.future.done():
             return

@@ -22,8 +22,10 @@ from keyqueue.errors import (
     KeyqueueError,
     KeyqueueTimeout,
     MessageNotFound,
+    WrongLastSequence,
     from_api_error,
 )
+from keyqueue.jetstream.acks import AckBarrier
 from keyqueue.jetstream.api import (
     API_TIMEOUT,
     DESCRIPTION,
@@ -42,7 +44,9 @@ from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.rechecks import InboxRechecks
+from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.jetstream.topology import QueueConfig
+from keyqueue.wire.headers import RELEASED, is_release_marker
 
 log = logging.getLogger("keyqueue.session")
 
@@ -54,6 +58,10 @@ EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
 
 TTL: Final = "Nats-TTL"
 """Publish header: seconds until the server removes the message (nats-server >= 2.11)."""
+
+ROLLUP: Final = "Nats-Rollup"
+"""Publish header: ``sub`` removes the subject's earlier messages once this one is stored (the
+stream must allow it: ``allow_rollup_hdrs``)."""
 
 STEP_TIMEOUT_MIN: Final = 0.5
 """Shortest wait for a key session step's reply (a lease of 5 s waits 0.5 s; 30 s waits 3 s)."""
@@ -150,13 +158,26 @@ class QueueIO:
         self._subscribing = asyncio.Lock()
         self.rechecks = InboxRechecks(self.last_sequences)
         """The releasing sessions' re-checks, many keys per read (:meth:`request_remains`)."""
+        self.acks = AckBarrier(self._plain_ack, self._double_ack)
+        """The releasing sessions' token acks, many per reply (:meth:`release_token`, one server)."""
+        self.release_markers = False
+        """Whether the inbox stream takes release markers (:meth:`mark_released`): set by the worker
+        once its topology check has found (or made) ``allow_rollup_hdrs`` and ``allow_msg_ttl`` on
+        it. A queue whose inbox cannot have them is given back the older way (purge, then re-check)."""
 
     # --- the key's requests ----------------------------------------------------------------------
 
-    async def next_request(self, key: str, from_seq: int) -> StoredMsg | None:
-        """The key's first stored request at or after ``from_seq``, or None. On a replicated inbox
-        the stream leader answers (a lagging follower could hide a request from the release's
-        re-check)."""
+    async def next_request(self, key: str, from_seq: int, *, requests_only: bool = False) -> StoredMsg | None:
+        """The key's first stored message at or after ``from_seq``, or None; with ``requests_only``,
+        its first request (a release marker skipped: one lives only before the key's requests).
+        On a replicated inbox the stream leader answers (a lagging follower could hide a request
+        from the release's re-check)."""
+        found = await self._next_message(key, from_seq)
+        if requests_only and found is not None and is_release_marker(found.headers):
+            found = await self._next_message(key, found.seq + 1)
+        return found
+
+    async def _next_message(self, key: str, from_seq: int) -> StoredMsg | None:
         if not self.direct:
             # STREAM.MSG.GET, answered by the leader, through the read mux (no inbox and timer per read).
             payload = b'{"seq":%d,"next_by_subj":%s}' % (max(1, from_seq), json.dumps(self.names.inbox(key)).encode())
@@ -173,12 +194,12 @@ class QueueIO:
                                             f"a read of key {key}'s inbox"))
 
     async def request_remains(self, key: str, from_seq: int) -> bool:
-        """Whether the key's inbox holds a request at or after ``from_seq``: the releasing session's
-        re-check. With direct gets, the re-checks asked in one turn of the loop go out as one read
-        (:class:`~keyqueue.jetstream.rechecks.InboxRechecks`); on a replicated inbox the stream
-        leader answers each."""
+        """Whether the key's inbox holds a request (not a release marker) at or after ``from_seq``:
+        the releasing session's re-check. With direct gets, the re-checks asked in one turn of the
+        loop go out as one read (:class:`~keyqueue.jetstream.rechecks.InboxRechecks`); on a
+        replicated inbox the stream leader answers each."""
         if not self.direct:
-            return await self.next_request(key, from_seq) is not None
+            return await self.next_request(key, from_seq, requests_only=True) is not None
         return await self.rechecks.remains(key, from_seq)
 
     async def last_sequences(self, keys: list[str]) -> dict[str, int]:
@@ -189,7 +210,9 @@ class QueueIO:
         sent = await self.read_mux.send(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}", payload,
                                         multi=True)
         found, _ = batch_read(await wait(sent, self.timeout, "a re-check of the inboxes of keys given back"))
-        return {subjects[m.subject]: m.seq for m in found if m.subject in subjects}
+        # A subject whose last message is a release marker holds nothing else (the marker rolled up
+        # everything before it): no request there.
+        return {subjects[m.subject]: m.seq for m in found if m.subject in subjects and not is_release_marker(m.headers)}
 
     async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
         """Up to ``limit`` of the key's requests from ``from_seq`` on, in one round trip where the
@@ -267,6 +290,28 @@ class QueueIO:
     async def purge_through(self, key: str, seq: int) -> int:
         """Remove the key's requests up to and including ``seq``."""
         return await self.api.purge(self.names.inbox_stream, subject=self.names.inbox(key), up_to_seq=seq + 1)
+
+    async def mark_released(self, key: str, last_seq: int, timeout: float | None = None) -> bool:
+        """Store the key's release marker if the last message on its inbox subject is still
+        ``last_seq`` (0: the subject is empty): one write that removes every message before it
+        (``Nats-Rollup: sub``: the requests handled, which all lie at or below ``last_seq``) and
+        lives one second (``Nats-TTL``). True if stored; False if a request arrived after
+        ``last_seq`` (the compare-and-set lost, nothing was removed). Both checks and the removal
+        are one step on the server, under its stream lock: a request stored after the marker is
+        never removed by it, and one stored before it makes it fail.
+
+        A marker that lands late (its holder cut off) is harmless: it is stored only if nothing was
+        stored after ``last_seq``, and what it removes then are requests its holder handled."""
+        subject = self.names.inbox(key)
+        self._require_connection(subject)
+        future = await self.read_mux.send(subject, b"", headers={
+            ROLLUP: "sub", EXPECTED_LAST_SUBJECT_SEQ: str(last_seq), TTL: "1", RELEASED: "1"})
+        try:
+            parse_pub_ack((await wait(future, self.timeout if timeout is None else timeout,
+                                      f"the release marker of key {key}"))[0])
+        except WrongLastSequence:
+            return False
+        return True
 
     async def watch(self, key: str) -> Watch:
         """Watch the key's inbox subject for the next request that lands (once)."""
@@ -383,6 +428,13 @@ class QueueIO:
         then; on a replicated stream not yet: see :meth:`release_token`)."""
         await self._ask(token.reply, b"+ACK", f"the ack of key {token.key}'s token", timeout)
 
+    async def _plain_ack(self, subject: str) -> None:
+        self._require_connection(subject)
+        await self.nc.publish(subject, b"+ACK")
+
+    async def _double_ack(self, subject: str, timeout: float) -> None:
+        await self._ask(subject, b"+ACK", "the ack of released tokens", timeout)
+
     async def delete_token(self, token: Token) -> None:
         """Remove the token's message from the token stream by its sequence; returns once the stream
         leader has removed it (a message already gone is fine). The consumer takes a removed
@@ -407,12 +459,15 @@ class QueueIO:
         """Ack the token, returning once it is gone from the token stream, so that a token published
         from now on for the key is stored (not refused with 10077 by the one being released).
 
-        One server removes the token before it answers a double ack. A replicated stream answers
+        One server removes the token before it answers a double ack, and handles a consumer's acks in
+        order: the tokens released in one turn of the loop are acked together, all but the last with
+        a plain ack, and the last one's reply confirms them all (:class:`~keyqueue.jetstream.acks.AckBarrier`).
+        A replicated stream answers
         once the consumer's group has applied the ack and removes the token after: a token
         published in between is refused. So there the token is also deleted by its sequence, a
         stream operation the leader answers only once it has applied it."""
         if not self.replicated:
-            await self.ack(token, timeout)
+            await self.acks.ack(token.reply, timeout)
             return
         acked, deleted = await asyncio.gather(self.ack(token, timeout), self.delete_token(token),
                                               return_exceptions=True)
@@ -454,6 +509,15 @@ class QueueIO:
         """Tokens not yet delivered to any worker (the consumer's num_pending)."""
         info = await self.fleet_api.consumer_info(self.names.token_stream, self.names.consumer)
         return int(info.get("num_pending", 0))
+
+
+async def requests_waiting(api: JetStreamApi, names: QueueNames) -> int:
+    """How many requests a queue's inbox holds, release markers (which live a second after a key is
+    given back) left out: the messages are read, so call it on a small or draining inbox."""
+    waiting = 0
+    async for page in api.pages(names.inbox_stream, names.inbox_prefix + ">"):
+        waiting += sum(1 for msg in page if not is_release_marker(msg.headers))
+    return waiting
 
 
 def count_killed_attempts(nc: Client, config: QueueConfig, marks: Sequence[tuple[str, int]], budget: float) -> None:

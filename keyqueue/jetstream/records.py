@@ -10,6 +10,10 @@ One stream per queue ``Q``, ``KQ_Q_RECORDS``, holds at most one message per subj
   the task's ``result_ttl``. When that TTL passes the server replaces it with a *subject delete
   marker* (a message without ``X-KQ-Status``) that lives for :data:`EXPIRED_MARKER_TTL`, so a
   reader can tell "expired" from "not there yet".
+- ``kq.Q.result.<id>.progress``: the last progress the request's task reported
+  (``ctx.progress``), written by the worker running it, coalesced to about one write a second
+  (``keyqueue.app.progress``), with a TTL of a day (or the task's ``result_ttl`` if longer). Under
+  the results' wildcard, so it needs no subject, permission or reader of its own.
 - ``kq.Q.cancel.<id>``: a cancel request and its answer (``X-KQ-Cancel``: ``requested``, then
   ``cancelled``, ``running`` or ``done`` from the worker that holds the request's key), kept for
   :data:`CANCEL_TTL`; ``withdrawn`` when the canceller found no such request (the id stays usable).
@@ -93,6 +97,10 @@ class RequestRecords:
 
     def result_subject(self, request_id: str) -> str:
         return f"kq.{self.queue}.result.{request_id_token(request_id)}"
+
+    def progress_subject(self, request_id: str) -> str:
+        """Where the request's last progress is kept: beside its result, under the results' wildcard."""
+        return f"{self.result_subject(request_id)}.progress"
 
     def cancel_subject(self, request_id: str) -> str:
         return f"kq.{self.queue}.cancel.{request_id_token(request_id)}"
@@ -280,6 +288,16 @@ class RequestRecords:
             yield arrivals
         finally:
             await sub.unsubscribe()
+
+    # --- progress ---
+
+    async def put_progress(self, request_id: str, headers: Mapping[str, str], body: bytes, ttl: float) -> int:
+        """Keep ``body`` as the request's last progress for ``ttl`` seconds (it replaces the one before)."""
+        return await self._publish(self.progress_subject(request_id), headers, body, ttl)
+
+    async def get_progress(self, request_id: str) -> StoredMsg | None:
+        """The request's last kept progress (or the server's marker where it expired), or None."""
+        return await self._last(self.progress_subject(request_id))
 
     # --- rate limits ---
 

@@ -20,6 +20,7 @@ Producers call :meth:`Topology.ensure`, which never looks at the consumer's sett
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, NamedTuple
@@ -27,6 +28,8 @@ from typing import Any, Final, Literal, NamedTuple
 from keyqueue.errors import ConfigError, ConsumerNotFound, JetStreamError, StreamNotFound, TopologyMismatch
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.subjects import QueueNames
+
+log = logging.getLogger("keyqueue.topology")
 
 NS: Final = 1_000_000_000
 """Nanoseconds per second: JetStream durations are integers in nanoseconds."""
@@ -98,6 +101,10 @@ class QueueConfig:
             # Direct gets may be served by a lagging follower, which could hide a request at the
             # quiescence re-check: on replicated inboxes keyqueue reads from the leader.
             "allow_direct": self.replicas == 1,
+            # A worker gives a key back with one write, a release marker (docs/architecture.md,
+            # "Giving a key back"): a rollup that lives a second.
+            "allow_rollup_hdrs": True,
+            "allow_msg_ttl": True,
             **backlog_cap(self.max_backlog_per_key),
         }
 
@@ -206,6 +213,8 @@ _STREAM_LAYOUT: Final = ("subjects", "retention", "max_msgs_per_subject", "disca
                          "allow_msg_ttl")
 """Stream fields that are keyqueue's layout (but for the inbox's backlog cap, a setting)."""
 _BACKLOG_CAP: Final = ("max_msgs_per_subject", "discard", "discard_new_per_subject")
+_RELEASE_MARKERS: Final = ("allow_msg_ttl",)
+"""Inbox fields a worker sets in place on an older queue (:meth:`Topology.allow_release_markers`)."""
 _CONSUMER_LAYOUT: Final = ("ack_policy", "max_deliver")
 _PULL_PROTOCOL: Final = ("priority_policy", "priority_groups")
 
@@ -256,6 +265,25 @@ class Topology:
             return Change("ack_wait", before, before)
         [change] = await self.configure(ack_wait=ack_wait)
         return change
+
+    async def allow_release_markers(self) -> bool:
+        """Whether the inbox takes release markers (``allow_rollup_hdrs`` and ``allow_msg_ttl``), set
+        in place on an inbox made by an older keyqueue (both can be turned on, never off: a newer
+        keyqueue's workers use them, an older one's never write them). False if the server refused
+        (the workers then give keys back the older way, a purge then a re-check)."""
+        name = self.config.names.inbox_stream
+        inbox = (await self.api.stream_info(name))["config"]
+        if inbox.get("allow_rollup_hdrs") and inbox.get("allow_msg_ttl"):
+            return True
+        try:
+            await self.api.request(f"STREAM.UPDATE.{name}", {**inbox, "allow_rollup_hdrs": True, "allow_msg_ttl": True})
+        except JetStreamError as e:
+            log.warning("queue %s: could not allow release markers on stream %s (%s); keys are given back with a "
+                        "purge and a re-check instead", self.config.name, name, e)
+            return False
+        log.info("queue %s: stream %s now allows release markers (allow_rollup_hdrs, allow_msg_ttl)",
+                 self.config.name, name)
+        return True
 
     # --- the queue's settings --------------------------------------------------------------------
 
@@ -338,7 +366,7 @@ class Topology:
     async def _ensure_streams(self) -> None:
         config = self.config
         await self._ensure_stream(config.inbox_config(),
-                                  tuple(f for f in _STREAM_LAYOUT if f not in _BACKLOG_CAP))
+                                  tuple(f for f in _STREAM_LAYOUT if f not in _BACKLOG_CAP + _RELEASE_MARKERS))
         await self._ensure_stream(config.token_config(), _STREAM_LAYOUT)
         await self._ensure_stream(config.dlq_config(), _STREAM_LAYOUT)
         await self._ensure_lease_stream()

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
-from keyqueue.errors import ConfigError
+from keyqueue.errors import ConfigError, MissingExtra
 from keyqueue.plugins.manager import hookimpl
 
 if TYPE_CHECKING:
@@ -43,11 +43,11 @@ INSTRUMENTS: Final = {
 
 
 def require_client() -> None:
-    """Raise a ``ConfigError`` saying how to install prometheus-client, if it is missing."""
+    """Raise ``MissingExtra`` (a ``ConfigError``) saying how to install prometheus-client, if it is missing."""
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
-        raise ConfigError("metrics need prometheus-client: pip install 'keyqueue[metrics]'") from None
+        raise MissingExtra("Prometheus metrics", "metrics", "prometheus-client") from None
 
 
 def prometheus_name(otel_name: str, kind: str) -> str:

@@ -12,6 +12,13 @@ so stored requests are kept for the next run). For a server independent of any a
 
 The data dir is ``$KEYQUEUE_DATA_DIR``, else ``$XDG_DATA_HOME/keyqueue``, else
 ``~/.local/share/keyqueue``.
+
+Not in a pre-forking web server's processes (gunicorn, uWSGI): there, the process that started the
+server is one web worker, which the web server recycles (``max_requests``, a timeout, a reload);
+its server stops with it, and the other web workers, and the keyqueue workers, are left with a
+server that is gone, or split across the old one and a new one. So there an app without a URL
+raises ``ConfigError`` saying to run one server for all of them and set ``KEYQUEUE_URL``
+(docs/decisions.md, "No embedded server under a pre-forking web server").
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ import json
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Final
 from urllib.parse import urlsplit
 
+from keyqueue.errors import ConfigError
 from keyqueue.server.embedded import EmbeddedServer
 
 try:
@@ -42,6 +51,15 @@ DATA_DIR_ENV: Final = "KEYQUEUE_DATA_DIR"
 """Where embedded servers keep their stores and discovery files (one directory per app)."""
 
 _SERVER_FILE: Final = "server.json"
+
+WEB_SERVERS: Final = (("gunicorn.arbiter", "gunicorn"), ("uwsgi", "uWSGI"))
+"""(module, name) of the pre-forking web servers whose processes get no embedded server: the module
+is loaded in every process of that server (its master, and the workers it forks)."""
+
+
+def web_server() -> str | None:
+    """The pre-forking web server this process is part of, if any (see the module docstring)."""
+    return next((name for module, name in WEB_SERVERS if module in sys.modules), None)
 
 
 def data_root(environ: Mapping[str, str] | None = None) -> Path:
@@ -124,6 +142,14 @@ class LocalServer:
         return await asyncio.to_thread(self._find_or_start)
 
     def _find_or_start(self) -> str:
+        server_name = web_server()
+        if server_name is not None:
+            raise ConfigError(
+                f"no KEYQUEUE_URL configured, and this process is part of {server_name}: an embedded nats-server "
+                f"would belong to one web worker and stop when {server_name} recycles it, leaving the other web "
+                "workers and the keyqueue workers on a server that is gone, or split across two. Run one server "
+                "for all of them (in development: keyqueue dev-server --store-dir ./nats-data) and set "
+                f"KEYQUEUE_URL=nats://127.0.0.1:4222 for {server_name} and for keyqueue worker")
         directory = self.directory
         with _locked(directory / "server.lock"):
             info = _read(directory / _SERVER_FILE)

@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import datetime
 import functools
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 from keyqueue.core.processor import RequestContext
 from keyqueue.wire import CBOR, dumps
 from keyqueue.wire import headers as H
 
-__all__ = ["CANCEL_CHECK", "PROGRESS_TYPE", "Context"]
+__all__ = ["CANCEL_CHECK", "PROGRESS_KEEP", "PROGRESS_TYPE", "Context", "Progress"]
 
 PROGRESS_TYPE: Final = "keyqueue.Progress"
 """``X-MESSAGE-TYPE`` of progress messages (version 1; the body is one CBOR plain value)."""
@@ -32,6 +34,27 @@ _PROGRESS_TIMEOUT: Final = 10.0
 
 CANCEL_CHECK: Final = contextvars.ContextVar[Callable[[], bool] | None]("keyqueue_cancel_check", default=None)
 """Set by the worker around a run: whether a cancel was asked for the running request (``Context.cancel_requested``)."""
+
+PROGRESS_KEEP: Final = contextvars.ContextVar[Callable[[bytes, Mapping[str, str]], None] | None](
+    "keyqueue_progress_keep", default=None)
+"""Set by the worker around a run: keeps the run's last progress (its body and headers) under each of
+its request ids, at most about once a second (``keyqueue.app.progress``); None where nothing is kept."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The last progress a request's task reported (``ctx.progress(value)``), as kept by request id:
+    what ``App.progress`` and ``App.status(..., progress=True)`` return."""
+
+    value: Any
+    """The value the task passed to ``ctx.progress``."""
+    request_id: str
+    key: str
+    task: str
+    attempt: int
+    """The attempt that reported it (1 for the first; a retry starts from its own progress)."""
+    reported_at: datetime.datetime | None
+    """When it was stored (the server's clock), None where unknown (the eager test mode)."""
 
 
 class Context:
@@ -46,6 +69,7 @@ class Context:
         self._core = core
         self._loop = asyncio.get_running_loop()
         self._cancel_check = CANCEL_CHECK.get()
+        self._keep_progress = PROGRESS_KEEP.get()
         self.task = task
         """The task's name."""
         self.queue = core.queue
@@ -94,16 +118,21 @@ class Context:
         self._core.check_lease()
 
     async def progress(self, value: Any = None, headers: Mapping[str, str] | None = None) -> None:
-        """Publish ``value`` (a plain value: map, list, text, number...) on the key's progress subject.
+        """Publish ``value`` (a plain value: map, list, text, number...) on the key's progress subject,
+        and keep it as the request's last progress.
 
-        ``keyqueue watch QUEUE KEY`` shows it live. Raises ``LeaseLost`` if the key was lost and
-        ``MalformedBody`` if ``value`` is not plain.
+        ``keyqueue watch QUEUE KEY`` shows it live; ``App.progress(request_id)`` (and
+        ``App.status(request_id, progress=True)``) returns the last one kept, from any process.
+        Keeping is coalesced: at most about one write a second per run, and the last value is
+        always kept when the run ends (``keyqueue.app.progress``). Raises ``LeaseLost`` if the key
+        was lost and ``MalformedBody`` if ``value`` is not plain.
         """
         body = dumps(value, CBOR)
-        await self._core.progress(
-            body,
-            {H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: PROGRESS_TYPE, H.MESSAGE_VERSION: "1", **(headers or {})},
-        )
+        sent = {H.CONTENT_TYPE: CBOR, H.MESSAGE_TYPE: PROGRESS_TYPE, H.MESSAGE_VERSION: "1", H.TASK: self.task,
+                H.ATTEMPT: str(self.attempt), **(headers or {})}
+        await self._core.progress(body, sent)
+        if self._keep_progress is not None:
+            self._keep_progress(body, {**sent, H.KEY: self.key})
 
     def progress_sync(self, value: Any = None, headers: Mapping[str, str] | None = None) -> None:
         """``progress`` for sync task functions, which run in a thread: blocks until published."""

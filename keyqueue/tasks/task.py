@@ -1,5 +1,6 @@
 """Tasks: ``@app.task`` / ``@keyqueue.task``, and ``enqueue`` / ``call`` / ``delay`` / ``enqueue_many``
-(``call_sync`` / ``enqueue_many_sync``: the sync forms).
+(``call_sync`` / ``enqueue_many_sync``: the sync forms; ``delay_on_commit``: ``delay`` once the
+current Django transaction commits).
 
 ``Task[F]`` is generic over the function ``F`` it wraps: its methods are typed by ``F``'s
 parameters (less the optional context) and result, so mypy checks
@@ -57,7 +58,7 @@ from keyqueue.jetstream.subjects import validate_queue_name, validate_request_id
 from keyqueue.tasks.argument_types import check_value, type_check
 from keyqueue.tasks.arguments import ArgumentCodec, KeyMaker, Upgrade, check_upgrades, decode_result, takes_context
 from keyqueue.tasks.canvas import Signature
-from keyqueue.tasks.context import Context
+from keyqueue.tasks.context import Context, Progress
 from keyqueue.tasks.delay import Delay
 from keyqueue.tasks.invoke import invoke
 from keyqueue.tasks.rate_limit import RateLimit
@@ -249,6 +250,14 @@ class Receipt:
         """``status`` for code without a running event loop."""
         return self._lookup().status_sync(self.request_id, queue=self.queue, seq=self._inbox_seq, key=self.key)
 
+    async def progress(self) -> Progress | None:
+        """The last progress the request's task reported, as kept (see ``App.progress``)."""
+        return await self._lookup().progress(self.request_id, queue=self.queue)
+
+    def progress_sync(self) -> Progress | None:
+        """``progress`` for code without a running event loop."""
+        return self._lookup().progress_sync(self.request_id, queue=self.queue)
+
 
 class RequestLookup(Protocol):
     """Finding a stored request by id: what a ``Receipt`` asks its app (``keyqueue.App`` implements this)."""
@@ -276,6 +285,12 @@ class RequestLookup(Protocol):
     def status_sync(self, request_id: str, *, queue: str | None = None, seq: int | None = None,
                     key: str | None = None) -> str:
         """``status`` from code without a running event loop."""
+
+    async def progress(self, request_id: str, *, queue: str | None = None) -> Progress | None:
+        """The request's last kept progress."""
+
+    def progress_sync(self, request_id: str, *, queue: str | None = None) -> Progress | None:
+        """``progress`` from code without a running event loop."""
 
 
 @dataclass
@@ -457,6 +472,19 @@ class _TaskBase:
     def _delay(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Receipt:
         return self.app.run_sync(lambda: self._enqueue(opts, args, kwargs), what=f"{self.spec.name}.delay()")
 
+    def _delay_on_commit(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        try:
+            from django.db import transaction
+        except ImportError:
+            raise ConfigError("delay_on_commit enqueues when the current Django transaction commits: it needs "
+                              "Django (pip install 'keyqueue[django]'); elsewhere use delay()") from None
+        self.fields_for(args, kwargs)  # bad arguments raise here, in the view, rather than after the commit
+        if opts.request_id is None:
+            opts = dataclasses.replace(opts, request_id=new_request_id())
+        transaction.on_commit(lambda: self._delay(opts, args, kwargs))
+        assert opts.request_id is not None
+        return opts.request_id
+
     def _enqueue_many_sync(self, items: Iterable[Any], as_mapping: bool, delay: Delay | None = None,
                            opts: CallOptions | None = None) -> list[Receipt]:
         listed = list(items)  # read in the caller's thread, not on the portal's loop
@@ -609,6 +637,17 @@ class Task(_TaskBase, Generic[F]):
         return self._delay(CallOptions(), args, kwargs)
 
     @overload
+    def delay_on_commit(self: Task[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> str: ...
+    @overload
+    def delay_on_commit(self: Task[Callable[P, Any]], *args: P.args, **kwargs: P.kwargs) -> str: ...
+
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> str:
+        """``delay`` once the current Django transaction commits (at once outside one; never if it
+        rolls back), so a worker never runs it before the rows it reads are committed. Bad arguments
+        raise now. Returns the request's id (``options(request_id=...)`` chooses it)."""
+        return self._delay_on_commit(CallOptions(), args, kwargs)
+
+    @overload
     def call_sync(self: Task[_AsyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
     @overload
     def call_sync(self: Task[_SyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
@@ -683,6 +722,15 @@ class TaskCall(Generic[F]):
 
     def delay(self, *args: Any, **kwargs: Any) -> Receipt:
         return self.task._delay(self.call_options, args, kwargs)
+
+    @overload
+    def delay_on_commit(self: TaskCall[_WithContext[P]], *args: P.args, **kwargs: P.kwargs) -> str: ...
+    @overload
+    def delay_on_commit(self: TaskCall[Callable[P, Any]], *args: P.args, **kwargs: P.kwargs) -> str: ...
+
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> str:
+        """``Task.delay_on_commit`` with these options."""
+        return self.task._delay_on_commit(self.call_options, args, kwargs)
 
     @overload
     def call_sync(self: TaskCall[_AsyncWithContext[P, R]], *args: P.args, **kwargs: P.kwargs) -> R: ...
@@ -802,6 +850,10 @@ class BatchTask(_TaskBase, Generic[T, R]):
         """``enqueue`` for code without a running event loop."""
         return self._delay(CallOptions(), (item,), {})
 
+    def delay_on_commit(self, item: T) -> str:
+        """``delay`` once the current Django transaction commits (see ``Task.delay_on_commit``)."""
+        return self._delay_on_commit(CallOptions(), (item,), {})
+
     def call_sync(self, item: T, *, timeout: float | None = None) -> R:
         """``call`` for code without a running event loop."""
         result: R = self._call_sync(CallOptions(timeout=timeout), (item,), {})
@@ -834,6 +886,9 @@ class BatchTaskCall(Generic[T, R]):
 
     def delay(self, item: T) -> Receipt:
         return self.task._delay(self.call_options, (item,), {})
+
+    def delay_on_commit(self, item: T) -> str:
+        return self.task._delay_on_commit(self.call_options, (item,), {})
 
     def call_sync(self, item: T, *, timeout: float | None = None) -> R:
         opts = self.call_options if timeout is None else dataclasses.replace(self.call_options, timeout=timeout)

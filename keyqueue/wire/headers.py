@@ -8,11 +8,13 @@ written exactly as below; readers also accept them in another letter case.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Final
 
 from keyqueue.errors import ConfigError
 
 __all__ = [
+    "ATTEMPT",
     "CBOR",
     "CONTENT_TYPE",
     "DLQ_ATTEMPTS",
@@ -29,9 +31,11 @@ __all__ = [
     "ERROR_TYPE",
     "EXPIRES",
     "JSON",
+    "KEY",
     "MESSAGE_TYPE",
     "MESSAGE_VERSION",
     "MSG_ID",
+    "RELEASED",
     "REPLAY_OF",
     "REPLY_INBOX",
     "REQUEST_ID",
@@ -41,12 +45,14 @@ __all__ = [
     "STATUS_OK",
     "STATUS_SUPERSEDED",
     "SUPERSEDED_BY",
+    "TASK",
     "TRACEPARENT",
     "TRACESTATE",
     "WORKFLOW_ID",
     "WORKFLOW_QUEUE",
     "WORKFLOW_STEP",
     "header_safe",
+    "is_release_marker",
 ]
 
 # --- every request and reply -------------------------------------------------------------------
@@ -124,6 +130,31 @@ SUPERSEDED_BY: Final = "X-KQ-Superseded-By"
 
 REQUEST_ID: Final = "X-KQ-Request-Id"
 """On a reply: the request id (``Nats-Msg-Id``) of the request it answers."""
+
+# --- the key's inbox -----------------------------------------------------------------------------
+
+RELEASED: Final = "X-KQ-Released"
+"""On a *release marker*, not a request: the message a worker stores on a key's inbox subject when it
+gives the key back with nothing left to do (docs/architecture.md, "Giving a key back"). It rolls up
+(removes) the key's handled requests, is stored only if no request arrived after the last one the
+worker handled, and expires a second later. Every reader of the inbox skips it."""
+
+
+def is_release_marker(headers: Mapping[str, str] | None) -> bool:
+    """Whether a message read from a key's inbox is a release marker (see :data:`RELEASED`)."""
+    return headers is not None and RELEASED in headers
+
+
+# --- progress ----------------------------------------------------------------------------------
+
+TASK: Final = "X-KQ-Task"
+"""On a progress message and a kept progress record: the task that reported it."""
+
+ATTEMPT: Final = "X-KQ-Attempt"
+"""On a progress message and a kept progress record: the attempt that reported it (1 for the first)."""
+
+KEY: Final = "X-KQ-Key"
+"""On a kept progress record: the key of the request it belongs to."""
 
 # --- dead-letter queue -------------------------------------------------------------------------
 

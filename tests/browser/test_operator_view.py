@@ -1,4 +1,4 @@
-"""The operator's view in a real browser (issue 25): loopback safety, why a key waits, actions with care,
+"""The operator's view (the dashboard) in a real browser: loopback safety, why a key waits, actions with care,
 search, history, roles and the audit log, health, and the smaller items. A real nats-server, real
 ``keyqueue worker`` and ``keyqueue dashboard`` processes, headless Chromium; each test waits for what
 the page shows, never for a fixed time."""
@@ -184,7 +184,7 @@ async def test_why_a_key_waits_running_backing_off_rate_limited_or_in_line(brows
     shot(browser, "key")
 
     # Four slots: o-run works in one; o-ship's backoff and o-inv's rate-limit wait hold their keys
-    # but not a slot (issue 24). Three more long holds fill the worker.
+    # but not a slot (a parked key). Three more long holds fill the worker.
     for n in range(3):
         await tasks["hold"].enqueue(order_id=f"o-fill-{n}", seconds=40)
     await tasks["hold"].enqueue(order_id="o-line", seconds=0)

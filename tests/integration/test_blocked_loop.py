@@ -1,4 +1,5 @@
-"""A handler that blocks the event loop past the lease cannot run beside the next holder (issue 22).
+"""A handler that blocks the event loop past the lease cannot run beside the next holder: the loop
+watchdog ends its process first.
 
 Two ``keyqueue worker`` processes serve a task whose ``async def`` calls ``time.sleep`` for longer
 than the lease. Before, each blocked attempt outlived its lease: the other worker acquired the key

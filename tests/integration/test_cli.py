@@ -244,7 +244,7 @@ def test_plugin_commands_are_listed_at_the_top_level_only() -> None:
     assert runner.invoke(main, ["dlq", "events", "--help"]).exit_code == 2  # no such command
 
 
-# --- first hour with keyqueue (issue 15) ------------------------------------------------------------
+# --- a new user's first hour: one-line errors and help that say what to do ---------------------------
 
 
 NATS_SCHEMES = "NATS URLs use nats://, tls://, ws://, wss:// (e.g. nats://127.0.0.1:4222)"
@@ -311,7 +311,7 @@ def test_the_dlq_delete_and_purge_commands_have_an_example_in_their_help() -> No
         assert result.exit_code == 0 and "Example" in result.output, command
 
 
-# --- one owner per setting (issue 15) ----------------------------------------------------------------
+# --- one owner per setting: a queue's lease and caps live on its streams, changed in place -----------
 
 
 async def token_consumer(nats_url: str, queue: str = "shop") -> dict[str, object]:

@@ -11,7 +11,7 @@ import signal
 import nats.errors
 import pytest
 from nats.aio.client import Client
-from queue_workers import running
+from queue_workers import running, stored_requests
 
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.session import SessionSettings
@@ -171,7 +171,7 @@ async def test_nothing_published_while_disconnected_is_sent_after_the_reconnect(
         await nats_server.start()
         await watched.up.wait()
         await nc.flush()  # anything nats-py had kept would be with the server by now
-        assert (await api.stream_info(config.names.inbox_stream))["state"]["messages"] == 0
+        assert await stored_requests(nc, config.names) == []
         assert (await api.stream_info(config.names.token_stream))["state"]["messages"] == 0
     finally:
         await nc.close()

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.aio.client import Client
 from queue_workers import running as running_worker
+from queue_workers import stored_requests
 
 from keyqueue.core.observer import KeyHold, NullObserver, RequestAttempt, SessionEnd
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
@@ -72,8 +73,7 @@ async def test_requests_run_in_order_and_are_deleted(nats_url: str) -> None:
         await wait_until(lambda: not worker.sessions)
     assert [d for k, d in log if k == "a"] == [b"%d" % i for i in range(20)]
     assert [d for k, d in log if k == "b.c"] == [b"%d" % i for i in range(20)]
-    info = await JetStreamApi(nc).stream_info(config.names.inbox_stream)
-    assert info["state"]["messages"] == 0
+    assert await stored_requests(nc, config.names) == []
     tokens = await JetStreamApi(nc).stream_info(config.names.token_stream)
     assert tokens["state"]["messages"] == 0
     await nc.close()
@@ -109,7 +109,7 @@ async def test_a_request_done_before_a_slow_one_is_removed_while_the_slow_one_ru
         assert left is not None and left.data == b"slow"
         finish.set()
         await wait_until(lambda: worker.counts.get("released", 0) >= 1)
-    assert (await api.stream_info(config.names.inbox_stream))["state"]["messages"] == 0
+    assert await stored_requests(nc, config.names) == []
     await nc.close()
 
 
@@ -143,7 +143,7 @@ async def test_a_failing_observer_is_logged_and_never_breaks_a_session(nats_url:
                            settings=SessionSettings(ack_wait=2, linger=0.05)) as worker:
             await wait_until(lambda: len(log) == 3 and worker.counts.get("released", 0) >= 1)
     assert log == [("k", b"0"), ("k", b"1"), ("k", b"2")]
-    assert (await JetStreamApi(nc).stream_info(config.names.inbox_stream))["state"]["messages"] == 0
+    assert await stored_requests(nc, config.names) == []
     for step in ("key_acquired", "wait_for_room", "request_started", "request_succeeded", "key_released"):
         assert f"session observer failed in {step}" in caplog.text
     await nc.close()
@@ -228,5 +228,5 @@ async def test_batch_processor_handles_a_prefix_and_rejects_one_request(nats_url
     assert calls[2] == [b"5"]
     dead = await api.get_msg(config.names.dlq_stream, seq=1)
     assert dead is not None and dead.data == b"bad" and dead.headers[H.DLQ_REASON] == "rejected"
-    assert (await api.stream_info(config.names.inbox_stream))["state"]["messages"] == 0
+    assert await stored_requests(nc, config.names) == []
     await nc.close()

@@ -1,4 +1,4 @@
-"""The Celery habits keyqueue had not (issue 24, item 9), each against a real server and, where it
+"""Habits users bring from Celery that keyqueue lacked, each against a real server and, where it
 is about a worker, ``keyqueue worker`` processes: purge, ``expires``, ``options(queue=)`` and
 ``--max-requests-per-child`` (``retry_on`` and ``Retry(countdown=)``: test_time_limits.py)."""
 

@@ -1,5 +1,5 @@
 """Keys held while they wait for requests: what each costs, and that each still wakes on every
-arrival (the arrival watch wakes once and is opened again; issue 14, memory per held key)."""
+arrival (the arrival watch wakes once and is opened again, so a waiting key costs one task)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the operator's view reads and stores on a real nats-server (issue 25): batched reads of a stream,
+"""What the operator's view (the dashboard) reads and stores on a real nats-server: batched reads of a stream,
 every key of a queue, a key's stored history, the search index, history minutes and the audit log."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Keys and producers ride out a short outage (issue 22): a holder that reconnects while its lease is
+"""Keys and producers ride out a short outage of the server: a holder that reconnects while its lease is
 valid resumes under its own record, and a producer's publish waits for the connection instead of
 raising. Before, every key held during a 5 s server restart made no progress for the whole lease
 (30 s) and the producer got ``Disconnected`` errors to retry itself.

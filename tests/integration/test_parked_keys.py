@@ -1,4 +1,4 @@
-"""A retry's backoff and a rate limit's wait hold the key, not a worker slot (issue 24, item 6).
+"""A retry's backoff and a rate limit's wait hold the key, not a worker slot (a parked key).
 
 A ``keyqueue worker --concurrency 2``: two keys wait (a backoff, a rate limit) while an unrelated
 key must run at once; the waiting keys stay held and ordered (nothing behind their requests runs

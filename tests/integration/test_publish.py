@@ -139,7 +139,7 @@ async def test_an_unacknowledged_enqueue_is_retried_with_its_id_and_says_how_to_
 
 
 async def test_enqueue_many_rides_out_a_dropped_connection_and_keeps_each_keys_order(nc: Client, nats_url: str) -> None:
-    """Issue 22: before, a bulk enqueue cut by a dropped connection raised (or sent a lost publish
+    """Before, a bulk enqueue cut by a dropped connection raised (or sent a lost publish
     again after later ones were stored). Now it waits for the connection and sends again, in order,
     what got no acknowledgement: every request is stored once, in each key's order."""
     from keyqueue.jetstream.connect import connect

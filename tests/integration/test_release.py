@@ -1,4 +1,4 @@
-"""``keyqueue release``: hand on the keys of a gone worker now (issue 22), refusing while it looks alive.
+"""``keyqueue release``: hand on the keys of a gone worker now, not a lease later, refusing while it looks alive.
 
 Each test makes a holder by hand, as a worker that died right after taking its key would leave it:
 its token delivered and never acked, its lease record live, a request waiting behind it. Before,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import pytest
@@ -12,6 +13,7 @@ from keyqueue.core.observer import Outcome
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
+from keyqueue.errors import KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
@@ -54,3 +56,43 @@ async def test_a_lease_lost_to_failed_renewals_is_logged_with_why_they_failed(
     [lost] = [r for r in caplog.records if "lease lost" in r.getMessage()]
     assert lost.levelno == logging.WARNING
     assert "the last renewal failed: ConnectionFailed" in lost.getMessage(), lost.getMessage()
+
+
+async def test_a_lost_lease_s_record_is_removed_by_its_holder_once_its_work_ended(nats_server: EmbeddedServer) -> None:
+    """nats-server does not always expire a lease record by its TTL after a kill -9 and restart; a
+    waiter then deletes it only once it has watched it for twice the TTL. Its former holder knows
+    better: once its session ended with the lease lost (its work over), it removes its own record.
+    Here the server keeps the record for 60 s (its TTL, where the lease is 3 s), and a waiter (the
+    same worker, once the token comes back) would wait 120 s: only the former holder removes it sooner."""
+    nc = await connect(nats_server.url)
+    config = QueueConfig("leftover", ack_wait=3)
+    api = JetStreamApi(nc)
+    await Topology(api, config).ensure()
+    arrived = asyncio.Event()
+    worker = QueueWorker(nc, config, lambda key: Hold(arrived), concurrency=2,
+                         settings=SessionSettings(ack_wait=3, linger=0.05))
+    real_write = worker.io.compare_and_set
+    failing = False
+
+    async def kept_long_then_unrenewable(subject: str, expected: int, body: bytes, ttl: int,
+                                         timeout: float | None = None) -> int:
+        if failing:
+            raise KeyqueueTimeout("the renewal is not answered")
+        kept = {**json.loads(body), "ttl": 60}  # what a waiter's watch (twice the TTL) reads too
+        return await real_write(subject, expected, json.dumps(kept).encode(), 60, timeout)
+
+    worker.io.compare_and_set = kept_long_then_unrenewable  # type: ignore[method-assign]
+    try:
+        async with running(worker):
+            await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r1"}, b"", "r1"))
+            await arrived.wait()
+            session = worker.sessions["k"]
+            record = await worker.io.last_record(config.names.lease("k"))
+            assert record is not None
+            failing = True
+            assert await session == Outcome.LEASE_LOST
+            async with asyncio.timeout(30):  # well inside the record's 60 s TTL
+                while await worker.io.last_record(config.names.lease("k")) is not None:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+    finally:
+        await nc.close()

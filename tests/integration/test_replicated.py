@@ -1,4 +1,4 @@
-"""The key session on a 3-node cluster with R3 streams, where users deploy (issue 22).
+"""The key session on a 3-node cluster with R3 streams, as users deploy it.
 
 On a replicated stream the server answers some requests before it has done their work (a double
 ack before the token is removed), and a compare-and-set that loses may get 10164 instead of
@@ -14,6 +14,7 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -176,10 +177,10 @@ class Done(BaseProcessor):
 
 
 async def test_a_release_re_checks_the_inbox_only_once_its_token_is_gone(cluster: EmbeddedCluster) -> None:
-    """The release's re-check must come after its token is removed, or a request stored just
-    before it has its token publish refused (10077) by the token being released. On R3 the double
-    ack's reply comes before the removal (fact 7): before, at the re-check the released token was
-    often still stored."""
+    """The release's re-check (the release marker, or the read after it) must come after its token
+    is removed, or a request stored just before it has its token publish refused (10077) by the
+    token being released. On R3 the double ack's reply comes before the removal (fact 7): before,
+    at the re-check the released token was often still stored."""
     keys = [f"k{i}" for i in range(200)]
     async with connections(cluster, 2) as (producer_nc, worker_nc):
         config = await replicated_queue(producer_nc, "recheck")
@@ -189,14 +190,14 @@ async def test_a_release_re_checks_the_inbox_only_once_its_token_is_gone(cluster
         rechecked: list[str] = []
         worker = QueueWorker(worker_nc, config, lambda key: Done(), settings=SessionSettings(ack_wait=10, linger=0),
                              reconcile_interval=3600, concurrency=32)
-        real_next_request, real_ack = worker.io.next_request, worker.io.ack
+        real_next_request, real_mark, real_ack = worker.io.next_request, worker.io.mark_released, worker.io.ack
         acked: dict[str, int] = {}
 
         async def ack(token: Token, timeout: float = 5.0) -> None:
             await real_ack(token, timeout)
             acked[token.key] = token.stream_seq
 
-        async def looks_for_the_token_first(key: str, from_seq: int) -> object:
+        async def token_gone_first(key: str) -> None:
             if key in acked:  # the release's re-check (not one of the session's reads)
                 released = acked.pop(key)
                 token = await api.get_msg(config.names.token_stream, last_by_subject=config.names.token(key),
@@ -206,13 +207,22 @@ async def test_a_release_re_checks_the_inbox_only_once_its_token_is_gone(cluster
                 if token is not None and token.seq == released:
                     still_there.append(key)
                 rechecked.append(key)
-            return await real_next_request(key, from_seq)
+
+        async def looks_for_the_token_first(key: str, from_seq: int, **options: Any) -> object:
+            await token_gone_first(key)
+            return await real_next_request(key, from_seq, **options)
+
+        async def marks_after_the_token(key: str, last_seq: int, **options: Any) -> bool:
+            await token_gone_first(key)
+            return await real_mark(key, last_seq, **options)
 
         worker.io.ack = ack  # type: ignore[method-assign]
         worker.io.next_request = looks_for_the_token_first  # type: ignore[method-assign,assignment]
+        worker.io.mark_released = marks_after_the_token  # type: ignore[method-assign]
         task = asyncio.create_task(worker.run())
         try:
             await worker.started()
+            assert worker.io.release_markers
             await producer.enqueue_many([request(k, b"only") for k in keys])
             deadline = time.monotonic() + 60
             while len(set(rechecked)) < len(keys):
@@ -300,3 +310,25 @@ async def test_every_other_compare_and_set_rides_out_a_lost_race_on_r3(cluster: 
         reconcilers = [Reconciler(QueueIO(nc, config), interval=30.0, worker=f"w{i}") for i, nc in enumerate(ncs)]
         elected = await asyncio.gather(*(r.elected() for r in reconcilers))
         assert elected.count(True) == 1, elected
+
+
+async def test_the_release_marker_on_r3_is_refused_after_an_arrival_alone_otherwise(cluster: EmbeddedCluster) -> None:
+    """The release marker's server facts on R3 (one server: test_release_marker.py): refused, with every
+    request kept, when a request arrived after the last one handled; otherwise stored alone."""
+    async with connections(cluster, 1) as (nc,):
+        config = await replicated_queue(nc, "marker")
+        io = QueueIO(nc, config)
+        producer = Publisher(nc, config.names)
+        for n in range(3):
+            await producer.enqueue(request("k", b"%d" % n))
+        stored = [await io.next_request("k", 1)]
+        for _ in range(2):
+            last = stored[-1]
+            assert last is not None
+            stored.append(await io.next_request("k", last.seq + 1))
+        seqs = [m.seq for m in stored if m is not None]
+        assert await io.mark_released("k", seqs[1]) is False
+        assert await io.next_request("k", 1) == stored[0]
+        assert await io.mark_released("k", seqs[2]) is True
+        assert await io.next_request("k", 1, requests_only=True) is None
+        assert await io.request_remains("k", 1) is False

@@ -1,4 +1,4 @@
-"""A locked-down NATS (issue 24, item 11): a real nats-server that requires TLS (a certificate made
+"""A locked-down NATS, as production runs it: a real nats-server that requires TLS (a certificate made
 here) or each kind of credential, used the way a user does (``keyqueue worker`` and ``keyqueue
 enqueue`` configured by ``KEYQUEUE_*`` variables), and the permission set of each role
 (``keyqueue permissions``): a producer with only its own enqueues and can neither read nor purge."""

@@ -1,4 +1,4 @@
-"""Defects of the key session and worker reviewed in issue 12, each against a real nats-server.
+"""Defects a review found in the key session and worker, each against a real nats-server.
 
 Each test failed on the main before the lease-record change (noted per test) and passes after it.
 """
@@ -134,17 +134,17 @@ async def test_a_session_cut_off_after_its_ack_still_rechecks(nc: Client) -> Non
     await pub.enqueue(request("k", b"first"))
     log: list[tuple[str, bytes]] = []
     worker = QueueWorker(nc, config, lambda key: Recorder(log), settings=SessionSettings(ack_wait=5, linger=0.01))
-    real_ack = worker.io.ack
+    real_release = worker.io.release_token
     at_ack, go, acked = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def slow_ack(token, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
         at_ack.set()
         await go.wait()
-        await real_ack(token, timeout)
+        await real_release(token, timeout)
         acked.set()
         await asyncio.sleep(1.0)  # the confirmation is slow: the session is cut off meanwhile
 
-    worker.io.ack = slow_ack  # type: ignore[method-assign]
+    worker.io.release_token = slow_ack  # type: ignore[method-assign]
     task = asyncio.create_task(worker.run())
     await worker.started()
     await asyncio.wait_for(at_ack.wait(), 10)

@@ -1,5 +1,5 @@
 """The sync face against a ``keyqueue worker`` process, from threads as a Django view calls it
-(issue 24, items 2, 5 and 7): call, result by id, cancel and status without an event loop; a
+(docs/web.md): call, result by id, cancel and status without an event loop; a
 status that tells every state apart; lookups without the queue name; cancelling an unknown id;
 ``call`` with a kept result made again."""
 

@@ -1,4 +1,4 @@
-"""Sync producers in forked processes (issue 24, item 1): ``delay`` and every sync entry point
+"""Sync producers in forked processes (a pre-forking web server's workers): ``delay`` and every sync entry point
 work in a child forked from a process that already used them, and never wait without a bound."""
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from keyqueue.admin.dead_letters import dead_letters
 from keyqueue.builtins.processor import DECODE_OFF_LOOP_BYTES
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
+from keyqueue.jetstream.queue_io import requests_waiting
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.wire import CBOR, dumps, loads
 from keyqueue.wire import headers as H
@@ -152,8 +153,7 @@ async def test_batch_takes_every_available_request_in_one_call(make_app: MakeApp
     assert results == [0, 10, 20, 30, 40]  # each caller gets its own item's result
     assert events == ["started"] + ["succeeded:ingest"] * 5
     assert worker.queue_workers["batching"].counts["started"] == 1
-    info = await JetStreamApi(await app.connection()).stream_info("KQ_batching_INBOX")
-    assert info["state"]["messages"] == 0
+    assert await requests_waiting(JetStreamApi(await app.connection()), QueueNames("batching")) == 0
 
 
 async def test_latest_runs_the_newest_and_tells_the_others_who_replaced_them(make_app: MakeApp) -> None:
@@ -480,7 +480,7 @@ async def test_a_worker_that_cannot_start_raises_why(make_app: MakeApp) -> None:
             pass
 
 
-# --- a task calling a task on the key its own run holds (issue 15) ---------------------------------
+# --- a task calling a task on the key its own run holds: CallOnOwnKey, never a wait ----------------
 
 
 async def inbox_last_seq(app: keyqueue.App, queue: str) -> int:

@@ -1,5 +1,6 @@
-"""Limits that stop work, and a drain that keeps its deadline (issue 24, item 4), and the retry
-habits (item 9: ``retry_on``, ``Retry(countdown=...)``), against ``keyqueue worker`` processes.
+"""Limits that stop work (``timeout``, ``soft_timeout``), a drain that keeps its deadline, and the
+retry habits users bring from Celery (``retry_on``, ``Retry(countdown=...)``), against ``keyqueue
+worker`` processes.
 
 The app (written to ``tmp_path``) logs each run's start and end to a file, so the tests see how
 often a request ran, whichever process ran it."""

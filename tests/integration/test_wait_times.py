@@ -1,4 +1,4 @@
-"""Wait times come from the stored message, whatever the request id (issue 24, item 3).
+"""Wait times come from the stored message, whatever the request id (a caller's own, a digest).
 
 A request's wait is measured from the server's timestamp of its inbox message, not from its id:
 the ids here are a caller's own (the idempotency practice) and a Spark backfill's (sha256 digests

@@ -1,18 +1,17 @@
-"""The sync face under a real pre-forking server (issue 24, item 1 and docs/web.md): gunicorn
-``--preload`` imports the app in its master, which enqueues before it forks its workers; each worker
-then enqueues, calls and asks for statuses from its own requests."""
+"""The sync face under a real pre-forking server (docs/web.md): gunicorn ``--preload`` imports the
+app in its master, which enqueues before it forks its workers; each worker then enqueues, calls and
+asks for statuses from its own requests. Without ``KEYQUEUE_URL`` a gunicorn process gets no
+embedded server (it would die with the web worker that started it): the error says what to do."""
 
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 from command_output import Command
+from web_client import get, request
 
 BIN = Path(sys.executable).parent
 
@@ -44,28 +43,25 @@ def application(environ, start_response):
 '''
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=60)
-        self.path = path
+NO_URL = '''
+import keyqueue
 
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
-        self.sock.connect(self.path)
+app = keyqueue.App("web")
 
 
-def get(path: str, url: str) -> dict[str, object]:
-    connection = UnixHTTPConnection(path)
+@app.task(key="{order}")
+def charge(order: str) -> None: ...
+
+
+def application(environ, start_response):
     try:
-        connection.request("GET", url)
-        response = connection.getresponse()
-        body = response.read()
-        assert response.status == 200, body
-        decoded: dict[str, object] = json.loads(body)
-        return decoded
-    finally:
-        connection.close()
+        charge.delay(order="o1")
+        status, body = "200 OK", b"stored"
+    except keyqueue.ConfigError as exc:
+        status, body = "500 Internal Server Error", str(exc).encode()
+    start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+    return [body]
+'''
 
 
 async def test_gunicorn_preload_workers_enqueue_call_and_read_results(tmp_path: Path, nats_url: str) -> None:
@@ -88,3 +84,24 @@ async def test_gunicorn_preload_workers_enqueue_call_and_read_results(tmp_path: 
     finally:
         assert await server.stop() == 0
         await worker.stop()
+
+
+async def test_without_keyqueue_url_a_gunicorn_worker_starts_no_embedded_server_and_says_what_to_do(
+        tmp_path: Path) -> None:
+    (tmp_path / "no_url.py").write_text(NO_URL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEYQUEUE_")}
+    env.update(KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD="1", KEYQUEUE_DATA_DIR=str(tmp_path / "data"),
+               PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(tmp_path)])))
+    sock = str(tmp_path / "web.sock")
+    server = await Command.start(str(BIN / "gunicorn"), "--workers", "1", "--bind", f"unix:{sock}",
+                                 "no_url:application", env=env, cwd=tmp_path)
+    try:
+        await server.wait_for(r"Booting worker with pid")
+        status, body = await asyncio.to_thread(request, sock, "/")
+        assert status == 500, body
+        message = str(body)
+        assert message.startswith("no KEYQUEUE_URL configured, and this process is part of gunicorn: ")
+        assert "keyqueue dev-server --store-dir" in message and "KEYQUEUE_URL=nats://127.0.0.1:4222" in message
+        assert not (tmp_path / "data" / "web" / "server.json").exists(), "no server was started"
+    finally:
+        assert await server.stop() == 0

@@ -170,7 +170,7 @@ async def test_a_killed_child_is_restarted_and_its_keys_move_on(
 
 async def test_the_parent_releases_a_dead_childs_keys_at_once(
         app_dir: Path, nats_url: str, producer: ModuleType) -> None:
-    """Issue 22: the parent saw its child die, yet the child's keys waited out its leases (30 s
+    """Before, the parent saw its child die, yet the child's keys waited out its leases (30 s
     here). Now the parent releases them as it reaps the child, and another child takes them."""
     async with parent("--processes", "2", "--ack-wait", "30", cwd=app_dir,
                       env=environment(KEYQUEUE_URL=nats_url), ready=2) as proc:

@@ -120,7 +120,7 @@ def test_the_command_refuses_a_public_address_without_credentials() -> None:
     assert "beyond this machine: give it a token" in result.output
 
 
-# --- issue 25: rebinding, origin, derived cookie, roles ----------------------------------------------
+# --- DNS rebinding, foreign origins, the derived session cookie, roles --------------------------------
 
 
 @pytest.mark.parametrize(("host", "served"), [

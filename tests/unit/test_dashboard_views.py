@@ -93,3 +93,23 @@ async def test_the_head_request_is_failing_from_its_first_retry_until_it_finishe
 ])
 def test_role_text(role: dict[str, Any], text: str) -> None:
     assert role_text(role) == text
+
+
+def test_the_keys_pages_counts_come_from_the_read_its_rows_come_from() -> None:
+    """The live counts are refreshed more often than every key is read: a page that mixed them said
+    "0 waiting" above 8 rows marked waiting."""
+    from starlette.testclient import TestClient
+
+    from keyqueue.admin.inspection import KeyState, QueueReport
+    from keyqueue.dashboard.state import QueueView
+    from keyqueue.dashboard.web import create_app
+
+    keys = [KeyState(f"o{n}", 1, "scheduled") for n in range(8)]
+    # Counts read after the keys: by then a worker took every waiting key.
+    report = QueueReport("shop", keys, requests=8, keys_with_backlog=0, keys_held=8, pending_tokens=0, dlq_size=0,
+                         consumer={}, workers={}, keys_total=8)
+    monitor = Monitor(None, queues=["shop"])  # type: ignore[arg-type]  # fed a snapshot by hand
+    monitor.snapshot.queues["shop"] = QueueView(report, [], keys_read=1000.0)
+    page = TestClient(create_app(monitor), base_url="http://127.0.0.1").get("/queues/shop/keys").text
+    assert 'data-testid="key-counts">8 key(s) with backlog, 0 held, 8 waiting; 8 match' in page
+    assert page.count('<tr data-key="o') == page.count('" class="waiting">') == 8

@@ -9,6 +9,8 @@ layer or a higher one fails the test, unless one of the two exceptions below all
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,7 @@ LAYERS: Final = (
     ("builtins", "admin", "metrics"),  # metrics: Prometheus instruments and the plugin counting into them
     ("ext",),  # the public extension API: the layers below, as plugins may build on them
     ("dashboard",),  # keyqueue dashboard: the web app over admin, metrics and the events
-    ("cli", "testing", "chaos"),
+    ("cli", "testing", "chaos", "django"),  # django: keyqueue in a Django project, and Django's Tasks backend
     ("keyqueue", "__main__"),  # the public API in keyqueue/__init__.py, and python -m keyqueue
 )
 """keyqueue's packages (and top-level modules), lowest first; packages of one layer are independent."""
@@ -148,6 +150,64 @@ def test_every_module_imports_only_from_the_layers_below() -> None:
         for v in violations(module, path.read_text(encoding="utf-8"), is_package=path.name == "__init__.py")
     ]
     assert not found, "imports against the layering:\n" + "\n".join(found)
+
+
+# --- what a package's docstring says it may import --------------------------------------------------
+
+STATED: Final = ("core", "jetstream")
+"""Packages whose ``__init__`` docstring has a ``May import ...`` sentence naming, in double
+backquotes, every keyqueue package and every distribution outside the standard library that
+the package imports: held to it exactly, stricter than the layer order (core is below tasks,
+plugins and the app, and needs none of the layer's other packages either)."""
+
+MAY_IMPORT: Final = re.compile(r"May import (.*?)\.(?:\s|$)", re.S)
+"""The sentence, up to its full stop."""
+
+
+def stated(package: str) -> tuple[set[str], set[str]]:
+    """The keyqueue packages and the other distributions ``package``'s docstring says it may import."""
+    doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text(encoding="utf-8"))) or ""
+    match = MAY_IMPORT.search(doc)
+    assert match is not None, f"keyqueue/{package}/__init__.py's docstring has no 'May import ...' sentence"
+    names = set(re.findall(r"``([\w.]+)``", match.group(1)))
+    return {n for n in names if layer_of(n) is not None}, {n for n in names if layer_of(n) is None}
+
+
+def outside_imports(source: str) -> set[str]:
+    """The top-level names of the modules ``source`` imports from outside keyqueue and the standard library."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return {name for name in found if name != "keyqueue" and name not in sys.stdlib_module_names}
+
+
+@pytest.mark.parametrize("package", STATED)
+def test_a_package_imports_only_what_its_docstring_states(package: str) -> None:
+    packages, outside = stated(package)
+    assert packages, f"{package}'s docstring names no keyqueue package it may import"
+    below = {p for p in packages if (layer_of(p) or 0) < (layer_of(package) or 0)}
+    assert packages == below, f"{package}'s docstring allows packages that are not below it: {packages - below}"
+    found = []
+    for module, path in _modules():
+        if package_of(module) != package:
+            continue
+        source = path.read_text(encoding="utf-8")
+        found += [f"{imp}, and {package}'s docstring allows only {sorted(packages)}"
+                  for imp in imports(module, source, is_package=path.name == "__init__.py")
+                  if package_of(imp.target) not in {package, *packages}]
+        found += [f"{module} imports {name}, and {package}'s docstring allows only {sorted(outside)} "
+                  "outside the standard library" for name in sorted(outside_imports(source) - outside)]
+    assert not found, "imports against the package's docstring:\n" + "\n".join(found)
+
+
+def test_the_core_stays_below_tasks_plugins_the_app_and_the_tools() -> None:
+    packages, outside = stated("core")
+    assert packages.isdisjoint({"tasks", "plugins", "app", "builtins", "cli", "dashboard", "admin", "chaos"})
+    assert outside == {"nats"}
+    assert stated("jetstream") == ({"wire", "errors"}, {"nats"})
 
 
 TASK_MODULE: Final = ROOT / "tasks" / "task.py"

@@ -105,6 +105,9 @@ class Unanswered(Store):
     async def wait_connected(self, timeout: float) -> bool:
         return True  # connected all along: only the stream does not answer
 
+    closed = False
+    """The connection is never closed for good here."""
+
 
 async def test_a_claim_whose_reads_get_no_responders_looks_again_after_a_growing_pause() -> None:
     store = Unanswered(Clock())
@@ -114,3 +117,32 @@ async def test_a_claim_whose_reads_get_no_responders_looks_again_after_a_growing
     # Pauses of 0.02 s doubling to 1 s fit a handful of reads in the second; at once, thousands.
     assert 1 < store.reads <= 8
     assert lock.unsettled  # the release looks for a record of this claim
+
+
+async def test_a_waiter_logs_once_that_a_remote_holder_stopped_renewing_with_the_most_its_record_lasts(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    store = Store(clock)
+    holder = KeyLock(store, "kq.shop.lease.o1", 30.0, holder={"worker": "far-1", "host": "elsewhere", "pid": 7},
+                     clock=clock)
+    assert await holder.try_acquire()
+    waiter = KeyLock(store, "kq.shop.lease.o1", 30.0, clock=clock)
+    caplog.set_level("INFO", logger="keyqueue.session")
+    assert not await waiter.clear_expired()  # first sight: a live holder renews every 10 s
+    clock.now += 10.0
+    assert not await waiter.clear_expired()
+    assert "looks gone" not in caplog.text
+    clock.now += 5.0  # 15 s without a rewrite: past a live holder's interval (and its slack)
+    assert not await waiter.clear_expired()
+    clock.now += 5.0
+    assert not await waiter.clear_expired()
+    [line] = [r.getMessage() for r in caplog.records if "looks gone" in r.getMessage()]
+    assert line.startswith("queue shop key o1 waits for the lease record of worker far-1 (pid 7 on elsewhere), "
+                           "which looks gone: it has not renewed its record for 15s (a live holder renews it every "
+                           "10s); the key is free when the record expires, in at most 15s")
+    role = KeyLock(store, "kq.shop.role.reconciler", 30.0, clock=clock)  # a fleet role's record: not a key's
+    store.last = StoredMsg("kq.shop.role.reconciler", 9, {}, json.dumps({"worker": "far-1", "ttl": 30}).encode())
+    assert not await role.clear_expired()
+    clock.now += 20.0
+    assert not await role.clear_expired()
+    assert len([r for r in caplog.records if "looks gone" in r.getMessage()]) == 1

@@ -96,6 +96,9 @@ class Store:
     async def wait_connected(self, timeout: float) -> bool:
         return self.connected
 
+    closed = False
+    """The connection is never closed for good here."""
+
     async def remove_record(self, seq: int) -> None:
         self.removed.append(seq)
         self.records = {s: r for s, r in self.records.items() if r.seq != seq}

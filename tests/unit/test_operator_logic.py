@@ -1,4 +1,4 @@
-"""The operator's view without a server (issue 25): a key's runs from its events, what blocks a key, the
+"""The operator's view (the dashboard) without a server: a key's runs from its events, what blocks a key, the
 health verdicts, the request filter and the search index's pruning, history minutes, key conditions."""
 
 from __future__ import annotations
@@ -237,8 +237,8 @@ def test_what_a_keys_token_backlog_and_record_say_together(state: KeyState, cond
 
 
 def test_a_retry_in_the_same_event_batch_as_its_start_is_a_backoff_not_a_run() -> None:
-    """A key's events travel in batches (issue 23): the head's ``started`` and ``retried`` can share
-    one stream sequence, and their place in the batch says which came last."""
+    """A key's events travel in batches (several events in one message): the head's ``started`` and
+    ``retried`` can share one stream sequence, and their place in the batch says which came last."""
     from keyqueue.admin.diagnosis import _head
     from keyqueue.jetstream.api import StoredMsg
 

@@ -1,4 +1,4 @@
-"""The per-request fast paths of the product path (issue 14) give what the general paths give.
+"""The per-request fast paths of the product path (``keyqueue worker``) give what the general paths give.
 
 Each fast path (reading the headers, binding arguments, the retry policy, which lifecycle hooks
 are queued, the events' ULID clock) is checked against the general code it shortcuts, on input

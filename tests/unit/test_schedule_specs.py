@@ -25,7 +25,7 @@ UTC = dt.UTC
     ("@daily", "@daily"),
     ("  0  0 12 1 jan ?  ", "0 0 12 1 jan ?"),
     ("5/10 * * * *", "0 5/10 * * * *"),
-    # Sunday as 7, as many crontabs write it (issue 24, item 10): the server takes only 0.
+    # Sunday as 7, as many crontabs write it: nats-server takes only 0, so 7 is rewritten.
     ("0 9 * * 7", "0 0 9 * * 0"),
     ("0 9 * * 5-7", "0 0 9 * * 0,5,6"),
     ("0 0 9 * * 1,7", "0 0 9 * * 0,1"),

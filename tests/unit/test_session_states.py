@@ -15,11 +15,12 @@ from typing import Any, cast
 
 import pytest
 
-from keyqueue.core import session as session_module
+from keyqueue.core import removals as removals_module
 from keyqueue.core.observer import KeyHold, NullObserver, Outcome, RequestAttempt, SessionEnd
 from keyqueue.core.processor import BaseProcessor, BatchOutcome, Reply, Request, RequestContext, SessionContext
+from keyqueue.core.removals import PURGE_EVERY
 from keyqueue.core.retry import RetryPolicy
-from keyqueue.core.session import PURGE_EVERY, KeySession, SessionSettings
+from keyqueue.core.session import KeySession, SessionSettings
 from keyqueue.errors import KeyqueueTimeout, Reject, ReplyLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
@@ -42,6 +43,9 @@ class FakeIO:
 
     direct = False
     """Reads are answered by :meth:`read` (a session sends its first read as a task, as on a replicated inbox)."""
+    release_markers = False
+    """Keys are given back with a purge and a re-check (the marker's give-back is proven against a real
+    server: tests/integration/test_release_marker.py)."""
 
     def __init__(self, *requests: StoredMsg) -> None:
         self.names = QueueConfig("q").names
@@ -57,7 +61,7 @@ class FakeIO:
         found = [self.inbox[s] for s in sorted(self.inbox) if s >= from_seq]
         return found[:limit], len(found) > limit
 
-    async def next_request(self, key: str, from_seq: int) -> StoredMsg | None:
+    async def next_request(self, key: str, from_seq: int, *, requests_only: bool = False) -> StoredMsg | None:
         return next((self.inbox[s] for s in sorted(self.inbox) if s >= from_seq), None)
 
     async def request_remains(self, key: str, from_seq: int) -> bool:
@@ -436,7 +440,7 @@ async def test_a_failing_session_reports_its_error_and_gives_the_token_back() ->
 
 
 async def test_requests_done_one_after_another_are_removed_by_one_purge(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(session_module, "PURGE_WINDOW", 60.0)  # no timer fires: only the count and the I/O
+    monkeypatch.setattr(removals_module, "PURGE_WINDOW", 60.0)  # no timer fires: only the count and the I/O
     count = PURGE_EVERY + 3
     io = FakeIO(*(stored(seq, b"x") for seq in range(1, count + 1)))
     steps = Steps()
@@ -640,7 +644,7 @@ async def test_a_removal_waits_for_the_purge_beside_the_work_that_still_confirms
             if request.seq == 1:
                 ctx.hold_removal(first_kept.wait)  # type: ignore[attr-defined]
             else:
-                await asyncio.sleep(session_module.PURGE_WINDOW * 20)  # request 1's purge goes out beside it
+                await asyncio.sleep(removals_module.PURGE_WINDOW * 20)  # request 1's purge goes out beside it
 
                 async def kept() -> None:
                     return None

@@ -139,6 +139,71 @@ def test_without_an_app_the_default_app_is_created(fresh_defaults: app_module._D
     assert notify.app.name == "default"
 
 
+def _app(name: str, **options: Any) -> keyqueue.App:
+    return keyqueue.App(name, url="nats://127.0.0.1:1", autoload_plugins=False, **options)
+
+
+def test_a_shared_task_belongs_to_the_app_that_claims_its_queue_not_to_the_first(
+        fresh_defaults: app_module._Defaults) -> None:
+    @keyqueue.task(queue="billing", key="{order}")
+    def invoice(order: str) -> None: ...
+
+    @keyqueue.task(queue="reports", key="{day}")
+    def report(day: str) -> None: ...
+
+    @keyqueue.task(queue="emails", key="{user}")
+    def welcome(user: str) -> None: ...
+
+    shop = _app("shop")  # the first app: the default one
+    billing = _app("billing")  # claims queue billing by its name
+    ops = _app("ops")
+    ops.add_queue("reports")  # claims queue reports by declaring it
+    assert invoice.app is billing and billing.find_task("invoice") is invoice
+    assert report.app is ops and ops.queues == ["reports"]
+    assert welcome.app is shop  # no app claims queue emails: the default app takes it
+    assert sorted(shop.tasks) == ["welcome"] and shop.queues == ["emails"]
+    assert app_module.shared_tasks_elsewhere(shop, "billing") == [(invoice, "app 'billing'")]
+    assert app_module.shared_tasks_elsewhere(billing, "billing") == []
+
+
+def test_an_app_claims_a_queue_with_a_task_of_its_own_there(fresh_defaults: app_module._Defaults) -> None:
+    _app("shop")
+    backoffice = _app("backoffice")
+
+    @backoffice.task(key="{order}", queue="refunds")
+    def refund(order: str) -> None: ...
+
+    @keyqueue.task(queue="refunds", key="{order}")
+    def notify_refund(order: str) -> None: ...
+
+    assert notify_refund.app is backoffice
+    assert backoffice.queue_tasks("refunds") == {"refund": refund, "notify_refund": notify_refund}
+
+
+def test_two_apps_claiming_a_shared_tasks_queue_is_an_error_naming_both(
+        fresh_defaults: app_module._Defaults) -> None:
+    @keyqueue.task(queue="billing", key="{order}")
+    def invoice(order: str) -> None: ...
+
+    first, second, bystander = _app("billing"), _app("billing"), _app("shop")
+    for use in (lambda: invoice.app, lambda: first.tasks, lambda: second.queues):
+        with pytest.raises(ConfigError, match=r"'invoice' \(queue 'billing'\) could belong to app 'billing' and "
+                                              r"app 'billing'.*set_as_default=False"):
+            use()
+    assert bystander.tasks == {}  # not its queue: another pair's ambiguity is not its error
+
+
+def test_an_app_created_with_set_as_default_false_takes_no_shared_task(fresh_defaults: app_module._Defaults) -> None:
+    @keyqueue.task(queue="billing", key="{order}")
+    def invoice(order: str) -> None: ...
+
+    shop = _app("shop")
+    billing = _app("billing", set_as_default=False)
+    assert invoice.app is shop and "invoice" not in billing.tasks
+    # What a worker of billing serving queue billing warns of (keyqueue.app.worker).
+    assert app_module.shared_tasks_elsewhere(billing, "billing") == [(invoice, "app 'shop'")]
+
+
 # --- the dispatcher -------------------------------------------------------------------------------
 
 T = TypeVar("T")

@@ -32,6 +32,23 @@ async def test_call_returns_the_result_through_the_codecs() -> None:
     assert len(runner.succeeded) == 2
 
 
+async def test_progress_by_request_id_reads_the_last_report_in_eager_mode() -> None:
+    app = make_app()
+
+    @app.task(key="{order_id}")
+    async def pack(ctx: keyqueue.Context, order_id: str) -> None:
+        for step in range(3):
+            await ctx.progress({"step": step})
+
+    with eager(app):
+        receipt = await pack.enqueue(order_id="o1")
+        assert await app.progress(receipt.request_id) == keyqueue.Progress({"step": 2}, receipt.request_id, "o1",
+                                                                           "pack", 1, None)
+        report = await app.status(receipt.request_id, progress=True)
+        assert (report.status, report.progress) == ("done", await receipt.progress())
+        assert await app.progress("other") is None
+
+
 async def test_per_key_order_holds_for_requests_enqueued_while_the_key_runs() -> None:
     app = make_app()
     log: list[str] = []
