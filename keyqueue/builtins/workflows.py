@@ -4,11 +4,10 @@ A step of a workflow is a request with the headers ``X-KQ-Workflow-Id``, ``-Step
 (``keyqueue.app.workflows``). When the default processor has its outcome, and before the key
 session removes it from its inbox, ``keyqueue_request_settled`` fires here, and this plugin:
 
-- **done**: hands the result on to where the plan sends it, then records the step ``done`` with
-  where the steps it enqueued were stored. A step that may have run before reads its record
-  first (its key's token was delivered more than once, so a holder before this one may have run
-  it and died before removing it; or it is a dead-letter replay): one recorded ``done`` has
-  handed its result on already, and does nothing more. Handing on:
+- **done**: reads the step's record first: one recorded ``done`` has handed its result on already
+  (a holder ran it and died before its request left the inbox, or a duplicate of it ran) and does
+  nothing more. Otherwise it hands the result on to where the plan sends it, then records the
+  step ``done`` with where the steps it enqueued were stored. Handing on:
 
   - a **step** is enqueued with the result in front of its arguments, under its derived request
     id (``<workflow id>_<step>``): an enqueue repeated after a crash stores nothing new within the
@@ -188,17 +187,14 @@ class _Step:
     # --- outcomes ---
 
     async def succeeded(self, request: Request, queue: str, key: str, value: bytes, attempt: int,
-                        elapsed: float, first_holder: bool) -> None:
-        own = None
-        if not first_holder or H.REPLAY_OF in request.headers:
-            # It may have run before (its key's token was delivered again: a holder died or lost
-            # it), or its dead letter was replayed: what does its record say?
-            own = decode_record(await self.steady(lambda: self.store.last(
-                self.store.subject(self.wf, "step", self.step))))
-            if own is not None and own.get("state") == "done":
-                return  # handed on already: this is a run again, or a duplicate of the step
-            if own is not None and own.get("state") == "failed":
-                await self.resume(key)
+                        elapsed: float) -> None:
+        # It may have run before (a holder that died after handing on, before its request left the
+        # inbox), or be a dead-letter replay: what does its record say?
+        own = decode_record(await self.steady(lambda: self.store.last(self.store.subject(self.wf, "step", self.step))))
+        if own is not None and own.get("state") == "done":
+            return  # handed on already: this is a run again, or a duplicate of the step
+        if own is not None and own.get("state") == "failed":
+            await self.resume(key)
         handed = await self.deliver(self.plan.steps[self.step].then, value)
         now = time.time()
         record = {"state": "done", "request_id": request.request_id, "key": key, "queue": queue,
@@ -414,9 +410,7 @@ async def _settled(app: App, ref: StepRef, queue: str, key: str, request: Reques
                                   headers.get(H.ERROR_MESSAGE, ""), "rejected", context.attempt)
             else:
                 value = reply.data if reply is not None and reply.data else dumps(None, CBOR)
-                # A token delivered once: no holder of the key before this one ran its requests.
-                first_holder = context.fencing[1] == 1
-                await step.succeeded(request, queue, key, value, context.attempt, elapsed, first_holder)
+                await step.succeeded(request, queue, key, value, context.attempt, elapsed)
         elif status == H.STATUS_DEAD_LETTERED:
             assert error is not None
             await step.failed(request.request_id, queue, key, type(error).__name__, str(error), reason or "",
