@@ -133,3 +133,10 @@ def test_results_are_decoded_by_their_shape() -> None:
     assert decode_shape(["step", 0], {"x": 1, "y": 2}, result_types) == Point(1, 2)
     assert decode_shape(["list", [["step", 0], ["step", 1]]], [{"x": 1, "y": 2}, 5], result_types) == [Point(1, 2), 5]
     assert decode_shape(["step", 1], {"x": 1}, result_types) == {"x": 1}
+
+
+async def test_the_eager_mode_says_it_does_not_run_workflows() -> None:
+    from keyqueue.testing import eager
+
+    with eager(app), pytest.raises(keyqueue.ConfigError, match="eager test mode runs single tasks"):
+        await (add.s(1, 2) | add.s(3)).enqueue()
