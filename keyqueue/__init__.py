@@ -86,12 +86,26 @@ from keyqueue.errors import (
     UnsupportedContentType,
     UnsupportedVersion,
     WireError,
+    WorkflowCancelled,
+    WorkflowFailed,
     WrongLastSequence,
 )
 from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.plugins.manager import hookimpl
 from keyqueue.settings import Settings
+from keyqueue.tasks.canvas import (
+    Canvas,
+    Chain,
+    Chord,
+    Group,
+    Signature,
+    StepFailure,
+    WorkflowReceipt,
+    chain,
+    chord,
+    group,
+)
 from keyqueue.tasks.context import Context, Progress
 from keyqueue.tasks.task import Backoff, BatchTask, Dispatcher, Policy, Receipt, Task, TaskRequest, TaskSpec
 
@@ -105,6 +119,9 @@ __all__ = [
     "CallOnOwnKey",
     "CancelState",
     "Cancelled",
+    "Canvas",
+    "Chain",
+    "Chord",
     "CloseReason",
     "ConfigError",
     "ConnectionClosed",
@@ -118,6 +135,7 @@ __all__ = [
     "EnqueueError",
     "EnqueueTimeout",
     "Expired",
+    "Group",
     "InvalidKey",
     "InvalidRequestId",
     "InvalidSchedule",
@@ -156,8 +174,10 @@ __all__ = [
     "ServerNotFound",
     "SessionContext",
     "Settings",
+    "Signature",
     "SoftTimeout",
     "StatusReport",
+    "StepFailure",
     "StreamNotFound",
     "Superseded",
     "SyncTimeout",
@@ -172,8 +192,14 @@ __all__ = [
     "UnsupportedVersion",
     "WireError",
     "Worker",
+    "WorkflowCancelled",
+    "WorkflowFailed",
+    "WorkflowReceipt",
     "WrongLastSequence",
+    "chain",
+    "chord",
     "default_app",
+    "group",
     "hookimpl",
     "task",
 ]

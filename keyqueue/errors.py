@@ -46,7 +46,9 @@
         ├── Retry                        raised by a handler: retry this request, after countdown seconds if given
         ├── RemoteError                  a request failed in a worker; re-raised to the caller
         │   └── DeadLettered             the request went to the DLQ (reply to a caller)
+        │       └── WorkflowFailed       a step of a workflow failed for good: the workflow stopped there
         ├── Cancelled                    the request was cancelled before it started
+        │   └── WorkflowCancelled        the workflow was cancelled: its steps that had not started never run
         ├── Expired                      its expires= time passed before it started
         └── Superseded                   a newer request for the key replaced this one
 
@@ -108,6 +110,8 @@ __all__ = [
     "UnsupportedContentType",
     "UnsupportedVersion",
     "WireError",
+    "WorkflowCancelled",
+    "WorkflowFailed",
     "WrongLastSequence",
     "from_api_error",
 ]
@@ -535,6 +539,30 @@ class Cancelled(TaskFailure):
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         super().__init__(f"request {request_id} was cancelled before it started; it did not run")
+
+
+class WorkflowFailed(DeadLettered):
+    """A step of a workflow failed for good (dead-lettered after its retries): the workflow stopped there.
+
+    ``workflow_id``, ``step`` (its number), ``task``; ``type_name``, ``message``, ``reason`` and
+    ``request_id`` are the failed step's. Replaying the step from the dead-letter queue resumes it.
+    """
+
+    def __init__(self, workflow_id: str, step: int, task: str, type_name: str, message: str, request_id: str = "",
+                 reason: str = "") -> None:
+        super().__init__(type_name, message, request_id, reason)
+        self.workflow_id, self.step, self.task = workflow_id, step, task
+        self.args = (f"workflow {workflow_id} stopped at step {step} ({task}): {type_name}: {message}"
+                     + (f" ({reason})" if reason else ""),)
+
+
+class WorkflowCancelled(Cancelled):
+    """The workflow was cancelled: its steps that had not started never run."""
+
+    def __init__(self, workflow_id: str) -> None:
+        super().__init__(workflow_id)
+        self.workflow_id = workflow_id
+        self.args = (f"workflow {workflow_id} was cancelled; its steps that had not started did not run",)
 
 
 class Expired(TaskFailure):

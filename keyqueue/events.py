@@ -93,6 +93,8 @@ class EventField(NamedTuple):
 EVENT_NAMES: Final = (
     "enqueued", "acquired", "started", "succeeded", "retried", "dead_lettered", "superseded", "released",
     "cancelled", "expired",
+    "workflow_started", "workflow_joined", "workflow_failed", "workflow_resumed", "workflow_done",
+    "workflow_cancelled",
 )
 """keyqueue's own values of the ``event`` field; plugins add theirs with :func:`register_event_names`."""
 
@@ -110,7 +112,7 @@ EVENT_FIELDS: Final = (
                                 "else null"),
     EventField("reason", "string", "DLQ reason, retry error, superseded/merged or cancelled reason; or null"),
     EventField("triggers", "long", "on a plugin's step that serves several requests at once: how many; else null"),
-    EventField("run_id", "string", "the id of a plugin's step, or null"),
+    EventField("run_id", "string", "the id of a plugin's step, or of the workflow of a workflow_* event; or null"),
     EventField("fence", "long", "on acquired: the holder's fencing number (the sequence of its lease record, "
                                 "strictly increasing per key); else null"),
     EventField("delay", "double", "on retried: seconds until the next attempt (the backoff); else null"),

@@ -138,6 +138,16 @@ def sync_producer() -> None:
     charge.delay_on_commit(order_id="o1")  # type: ignore[call-overload]
 
 
+async def workflows() -> None:
+    flow = charge.s("o1", 5) | refund.si("o1")
+    assert_type(flow, keyqueue.Chain)
+    assert_type(keyqueue.group(charge.s("o2", 1), charge.s("o3", 2)), keyqueue.Group)
+    receipt = await keyqueue.chord([charge.s("o4", 1)], refund.si("o4")).enqueue(workflow_id="wf-typed")
+    assert_type(receipt, keyqueue.WorkflowReceipt)
+    assert_type(await receipt.status(), str)
+    assert_type(flow.delay(), keyqueue.WorkflowReceipt)
+
+
 async def worker() -> None:
     async with app.worker(concurrency=8, queues=["typed"]) as running:
         assert_type(running, keyqueue.Worker)

@@ -15,7 +15,8 @@ next one. A replayed request gets a new request id derived from its DLQ sequence
 see ``replay_id``), so JetStream does not drop it as a duplicate of the original, while a replay
 that is interrupted and run again does not store it twice; the id it was dead-lettered under
 travels in ``X-KQ-Replay-Of``. Its reply inbox is dropped (the original caller is gone). Replayed
-requests join the back of their key's backlog.
+requests join the back of their key's backlog. A replayed step of a workflow resumes it: the
+workflow stops saying it failed there, and when the step succeeds what follows it is enqueued.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from keyqueue.app.workflows import mark_resumed, step_of
 from keyqueue.errors import KeyqueueError, MessageNotFound, WireError
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.dlq_copy import DEDUPE_PREFIX
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
 from keyqueue.jetstream.subjects import QueueNames
+from keyqueue.jetstream.workflows import existing_store
 from keyqueue.wire import headers as H
 from keyqueue.wire import loads, peek
 
@@ -49,7 +52,7 @@ __all__ = [
     "replay_request",
 ]
 
-REPLAY_OF: Final = "X-KQ-Replay-Of"
+REPLAY_OF: Final = H.REPLAY_OF
 """On a replayed request: the request id it was dead-lettered under."""
 
 TRACEBACK: Final = H.DLQ_TRACEBACK
@@ -255,11 +258,22 @@ async def replay(api: JetStreamApi, publisher: Publisher, queue: str, *, key: st
             except KeyqueueError as exc:
                 raise KeyqueueError(f"replaying dead request {letter.seq} (key {letter.key}) failed after "
                                     f"{count} replayed: {exc}") from exc
+            await _resume_workflow(api, letter)
             await api.delete_msg(names.dlq_stream, letter.seq)
         count += 1
         if on_replayed is not None:
             on_replayed(letter)
     return count
+
+
+async def _resume_workflow(api: JetStreamApi, letter: DeadLetter) -> None:
+    """A replayed step of a workflow: its workflow no longer says it stopped there (it runs again)."""
+    step = step_of(letter.headers)
+    if step is None:
+        return
+    store = await existing_store(api.nc, step.queue)
+    if store is not None:
+        await mark_resumed(store, step.workflow_id, step.step)
 
 
 async def _to_replay(api: JetStreamApi, queue: str, key: str | None,

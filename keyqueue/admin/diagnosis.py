@@ -36,6 +36,7 @@ from keyqueue.admin.inspection import Holder, TokenState, holder_of, parse_time
 from keyqueue.admin.key_history import StoredEvent, latest_events
 from keyqueue.admin.workers import WorkerState, queue_workers, server_time
 from keyqueue.app.progress import kept_progress
+from keyqueue.app.workflows import step_of
 from keyqueue.errors import StreamNotFound, WireError
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.records import RequestRecords
@@ -74,6 +75,8 @@ class HeadRequest:
     """The error of its last failed attempt."""
     next_retry: float | None = None
     """When its next attempt is due, while it waits out a retry backoff."""
+    workflow: tuple[str, int, str] | None = None
+    """``(workflow id, step, queue where it is kept)`` when the request is a step of a workflow."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,8 +281,10 @@ def _head(msg: Any, latest: dict[str, StoredEvent]) -> HeadRequest:
                 error = retried.reason
     elif retried is not None and retried.request_id == request_id and request_id and not finished:
         attempts, error, retry = retried.attempt, retried.reason, retried.ts + (retried.delay or 0.0)
+    step = step_of(headers)
     return HeadRequest(msg.seq, request_id, headers.get(H.MESSAGE_TYPE, ""), arguments,
-                       stored.timestamp() if stored else None, attempts, running, error, retry)
+                       stored.timestamp() if stored else None, attempts, running, error, retry,
+                       (step.workflow_id, step.step, step.queue) if step is not None else None)
 
 
 async def _lease_record(api: JetStreamApi, names: QueueNames, key: str) -> Any:

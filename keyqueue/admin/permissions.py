@@ -3,8 +3,9 @@
 ``keyqueue permissions ROLE QUEUE...`` prints them as a nats-server ``permissions`` block; the
 tests give users exactly these and check what each can and cannot do (docs/security.md). The roles:
 
-- ``producer``: enqueues (also delayed requests and ``call``, whose reply comes to its own inbox),
-  and nothing else: it cannot read requests, results or the dead-letter queue, nor purge anything.
+- ``producer``: enqueues (also delayed requests, ``call``, whose reply comes to its own inbox, and
+  workflows whose first step runs in the queue: their plan), and nothing else: it cannot read
+  requests, results or the dead-letter queue, nor purge anything.
   The queue's streams must exist (a worker, or an operator, creates them).
 - ``worker``: runs a queue's requests: its streams and consumers (created or checked at start),
   tokens, leases, records, schedules, events, replies to callers.
@@ -36,7 +37,8 @@ INBOXES: Final = "_INBOX.>"
 def _streams(queue: str) -> list[str]:
     names = QueueNames(queue)
     return [names.inbox_stream, names.token_stream, names.dlq_stream, names.lease_stream, f"KQ_{queue}_RECORDS",
-            ScheduleNames(queue).stream, events_stream(queue), names.work_stream]
+            ScheduleNames(queue).stream, events_stream(queue), names.work_stream,
+            f"KQ_{queue}_WORKFLOWS"]
 
 
 def permissions(role: Role, queues: list[str]) -> dict[str, list[str]]:
@@ -61,6 +63,7 @@ def permissions(role: Role, queues: list[str]) -> dict[str, list[str]]:
             publish += [f"kq.{queue}.in.>", f"kq.{queue}.tok.>", f"kq.{queue}.at.>",
                         f"kq.{queue}.work.>",  # unkeyed requests
                         f"kq.{queue}.result.>",  # the pending record of a task that keeps results
+                        f"kq.{queue}.wf.>",  # the plan and start of a workflow whose first step runs here
                         f"kq.{queue}.events.>"]  # the enqueued event (core publishes)
             publish += [f"$JS.API.STREAM.INFO.{s}" for s in streams]
             names = QueueNames(queue)  # a producer checks that the token consumer exists (it reads no state)

@@ -45,6 +45,15 @@ from keyqueue.app.portal import SYNC_BOUND, SyncRunner, require_sync_caller
 from keyqueue.app.schedules import Periodic, make_periodic
 from keyqueue.app.status import RequestStatus, StatusReport
 from keyqueue.app.transport import Connections, NatsTransport, Transport
+from keyqueue.app.workflows import (
+    WorkflowView,
+    cancel_workflow,
+    locate_workflow,
+    read_workflow,
+    start_workflow,
+    workflow_result,
+    workflow_status,
+)
 from keyqueue.core.processor import ProcessorFactory, Reply
 from keyqueue.errors import ConfigError, EnqueueError, PartiallyEnqueued
 from keyqueue.jetstream.subjects import validate_key, validate_queue_name, validate_request_id, validate_request_key
@@ -53,6 +62,7 @@ from keyqueue.plugins.manager import PluginManager, autoload_disabled
 from keyqueue.server.local import LocalServer
 from keyqueue.settings import Settings
 from keyqueue.tasks.arguments import decode_result
+from keyqueue.tasks.canvas import WorkflowPlan, WorkflowReceipt, is_workflow_id, validate_workflow_id
 from keyqueue.tasks.decorators import BatchTaskDecorator, TaskDecorator, declare
 from keyqueue.tasks.task import (
     DEFAULT_CALL_TIMEOUT,
@@ -62,6 +72,7 @@ from keyqueue.tasks.task import (
     Merge,
     Policy,
     Receipt,
+    Task,
     TaskRequest,
 )
 from keyqueue.wire import Message, encode, to_fields
@@ -71,6 +82,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
 
     from keyqueue.app.worker import Worker
+    from keyqueue.jetstream.workflows import WorkflowStore
     from keyqueue.tasks.arguments import Upgrade
     from keyqueue.tasks.context import Progress
 
@@ -656,6 +668,12 @@ class App:
         """
         from keyqueue.app.results import fetch_result
 
+        if is_workflow_id(request_id):
+            store = await self._workflow(request_id, queue)
+            if store is not None:
+                tasks = self.tasks
+                return await workflow_result(store, request_id, timeout,
+                                             lambda name: tasks[name].result_type() if name in tasks else None)
         return await fetch_result(self, request_id, queue=queue, timeout=timeout, task=task)
 
     async def cancel(self, request_id: str, *deprecated: str, queue: str | None = None, seq: int | None = None,
@@ -676,6 +694,10 @@ class App:
         if deprecated:
             request_id, queue = _old_cancel_order(request_id, deprecated, queue)
         validate_request_id(request_id)
+        if is_workflow_id(request_id):
+            store = await self._workflow(request_id, queue)
+            if store is not None:
+                return cast("CancelState", await self._cancel_workflow(store, request_id))
         if key is not None:
             validate_request_key(key)
         queues = self.lookup_queues(queue)
@@ -708,6 +730,13 @@ class App:
         validate_request_id(request_id)
         if key is not None:
             validate_request_key(key)
+        if is_workflow_id(request_id):
+            store = await self._workflow(request_id, queue)
+            view = await read_workflow(store, request_id) if store is not None else None
+            if view is not None:
+                transport = self.transport()
+                return cast("RequestStatus", await workflow_status(
+                    view, lambda step: transport.status(step.queue or self.name, step.request_id, step.seq, step.key)))
         queues = self.lookup_queues(queue)
         asked = asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))
         if progress:
@@ -730,6 +759,31 @@ class App:
     async def _kept_progress(self, queues: Sequence[str], request_id: str) -> Progress | None:
         found = await asyncio.gather(*(self.transport().kept_progress(q, request_id) for q in queues))
         return next((p for p in found if p is not None), None)
+
+    # --- workflows: chain, group, chord (``keyqueue.tasks.canvas``) ---
+
+    async def start_workflow(self, plan: WorkflowPlan, tasks: Mapping[str, Task[Any]]) -> WorkflowReceipt:
+        """Store a compiled workflow and enqueue its first steps (what ``canvas.enqueue()`` calls)."""
+        return await start_workflow(self, plan, tasks)
+
+    async def workflow(self, workflow_id: str, *, queue: str | None = None) -> WorkflowView | None:
+        """Workflow ``workflow_id`` as its records say it is (its steps, their keys and states), or None."""
+        validate_workflow_id(workflow_id)
+        store = await self._workflow(workflow_id, queue)
+        return await read_workflow(store, workflow_id) if store is not None else None
+
+    async def _cancel_workflow(self, store: WorkflowStore, workflow_id: str) -> str:
+        transport = self.transport()
+        assert isinstance(transport, NatsTransport)  # a workflow was found: not the eager mode
+        state, count = await cancel_workflow(store, workflow_id, transport.records)
+        if state == "cancelled" and count:
+            await self.plugins.lifecycle.workflow_changed(app=self, queue=store.queue, workflow_id=workflow_id,
+                                                          change="cancelled", reason=f"{count} step(s) not started")
+        return state
+
+    async def _workflow(self, workflow_id: str, queue: str | None) -> WorkflowStore | None:
+        """Where workflow ``workflow_id`` is kept: in ``queue``, else wherever it is; None if nowhere."""
+        return await locate_workflow(self, workflow_id, validate_queue_name(queue) if queue is not None else None)
 
     async def _where(self, request_id: str, queues: Sequence[str], seq: int | None, key: str | None) -> str | None:
         answers = await asyncio.gather(*(self.transport().status(q, request_id, seq, key) for q in queues))

@@ -25,12 +25,18 @@ import logging
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 from keyqueue.app.cancel import CancelWatch, request_cancel
 from keyqueue.app.progress import read_progress
 from keyqueue.app.status import request_status
-from keyqueue.errors import ConnectionFailed, EnqueueError, KeyqueueError, KeyqueueTimeout, PayloadTooLarge
+from keyqueue.errors import (
+    ConnectionFailed,
+    EnqueueError,
+    KeyqueueError,
+    KeyqueueTimeout,
+    PayloadTooLarge,
+)
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.dlq_copy import DLQ_HEADROOM
@@ -39,6 +45,7 @@ from keyqueue.jetstream.records import RequestRecords
 from keyqueue.jetstream.schedules import ScheduleStore
 from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.jetstream.topology import QueueConfig, Topology
+from keyqueue.jetstream.workflows import WorkflowStore, existing_store
 from keyqueue.settings import Settings
 from keyqueue.tasks.task import Receipt, TaskRequest
 from keyqueue.wire import header_block_size
@@ -130,6 +137,8 @@ class LoopConnection:
     """Queues whose records stream (kept results, cancels) this connection has ensured."""
     cancel_watches: dict[str, CancelWatch] = field(default_factory=dict)
     """Queues whose cancel requests a worker on this connection follows."""
+    workflows: dict[str, WorkflowStore] = field(default_factory=dict)
+    """Queues whose workflows stream this connection has ensured (or found)."""
     watch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     loop_end: AsyncGenerator[None, None] | None = None
     """Suspended for as long as the loop runs; the loop's shutdown closes it, and the connection with it."""
@@ -145,6 +154,7 @@ class LoopConnection:
         self.publishers.clear()
         self.work_streams.clear()
         self.schedules.clear()
+        self.workflows.clear()
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await self.nc.drain()
@@ -179,6 +189,7 @@ class Connections:
                     state.publishers.clear()
                     state.work_streams.clear()
                     state.schedules.clear()
+                    state.workflows.clear()
                     for records in state.records.values():
                         await records.close()
                     state.records.clear()
@@ -373,6 +384,28 @@ class NatsTransport:
             state.records[queue] = records
         return records
 
+    @overload
+    async def workflows(self, queue: str) -> WorkflowStore: ...
+    @overload
+    async def workflows(self, queue: str, *, create: bool) -> WorkflowStore | None: ...
+
+    async def workflows(self, queue: str, *, create: bool = True) -> WorkflowStore | None:
+        """The queue's workflows stream on this loop's connection, ensured once per connection;
+        ``create=False``: None if the stream does not exist (a reader never creates it)."""
+        state = await self.connections.current()
+        store = state.workflows.get(queue)
+        if store is None:
+            assert state.nc is not None
+            if create:
+                store = WorkflowStore(state.nc, queue, replicas=self.queue_config(queue).replicas)
+                await store.ensure()
+            else:
+                store = await existing_store(state.nc, queue)
+                if store is None:
+                    return None
+            state.workflows[queue] = store
+        return store
+
     async def cancel_watch(self, queue: str) -> CancelWatch:
         """The queue's cancel requests as this loop's connection sees them (started on first use)."""
         state = await self.connections.current()
@@ -414,6 +447,7 @@ def _abandon(state: LoopConnection) -> None:
     state.schedules.clear()
     state.records.clear()
     state.cancel_watches.clear()
+    state.workflows.clear()
     if state.loop_end is not None:
         with contextlib.suppress(StopIteration):
             state.loop_end.aclose().send(None)

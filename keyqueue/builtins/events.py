@@ -50,6 +50,7 @@ from keyqueue.events import (
 )
 from keyqueue.jetstream.fastpub import StaticHeaders, publish_static
 from keyqueue.plugins.manager import hookimpl
+from keyqueue.tasks.canvas import step_request_id
 
 if TYPE_CHECKING:
     import click
@@ -419,6 +420,17 @@ async def keyqueue_request_dead_lettered(worker: Worker, queue: str, key: str, r
                                          reason: str, attempts: int, error: str) -> None:
     await _emit(worker, "dead_lettered", queue, key, request_id=request_id, task=message_type, attempt=attempts,
                 run=_RUNS.pop(request_id, None), reason=reason)
+
+
+@hookimpl(trylast=True)
+async def keyqueue_workflow_changed(app: App, queue: str, workflow_id: str, change: str, step: int | None,
+                                    task: str | None, key: str | None, reason: str | None) -> None:
+    # The workflow's id in run_id (what its steps share); its step's request id where one is concerned.
+    request_id = step_request_id(workflow_id, step) if step is not None else None
+    await _of(app).publish({"event": f"workflow_{change}", "ts": time.time(), "queue": queue, "key": key,
+                            "request_id": request_id, "task": task, "worker": None, "attempt": None, "wait": None,
+                            "run": None, "reason": reason, "triggers": None, "run_id": workflow_id, "fence": None,
+                            "delay": None})
 
 
 # --- keyqueue events tail --------------------------------------------------------------------------

@@ -127,7 +127,9 @@ class RecordingTaskProcessor(TaskProcessor):
         return task.spec.kept_for(self.app.result_ttl) if task is not None else self.app.result_ttl
 
     def encodes_result(self, task: AnyTask, request: Request) -> bool:
-        return request.reply_inbox is not None or self.result_ttl(task) is not None
+        # A workflow's step hands its result on (keyqueue.builtins.workflows).
+        return (request.reply_inbox is not None or self.result_ttl(task) is not None
+                or H.WORKFLOW_ID in request.headers)
 
     def _task_or_none(self, request: Request) -> AnyTask | None:
         try:
@@ -219,20 +221,47 @@ class RecordingTaskProcessor(TaskProcessor):
                 pause = min(1.0, pause * 2)
                 ctx.check_lease()
 
-    async def _keep_failure(self, ctx: RequestContext, requests: Sequence[Request], error: Exception) -> None:
-        """Keep the error of requests whose failure is final (rejected, or their last attempt)."""
-        if self.records is None or not requests or isinstance(error, LeaseLost):
-            return
+    def _final_reason(self, ctx: RequestContext, requests: Sequence[Request], error: Exception) -> str | None:
+        """Why the requests' failure is final (they are dead-lettered next), or None (retried, or a lost lease)."""
+        if not requests or isinstance(error, LeaseLost):
+            return None
         policy = self.retry_policy(requests[0]) or RetryPolicy()
         if isinstance(error, WireError | Reject):
-            reason = "rejected"
-        elif not policy.retries(error):
-            reason = "not-retried"
-        elif policy.exhausted(ctx.attempt):
-            reason = "max-attempts"
-        else:
+            return "rejected"
+        if not policy.retries(error):
+            return "not-retried"
+        if policy.exhausted(ctx.attempt):
+            return "max-attempts"
+        return None
+
+    async def _keep_failure(self, ctx: RequestContext, requests: Sequence[Request], error: Exception) -> None:
+        """Keep the error of requests whose failure is final (rejected, or their last attempt), and
+        tell ``keyqueue_request_settled``."""
+        reason = self._final_reason(ctx, requests, error)
+        if reason is None:
             return
-        await self._keep(ctx, requests, [_Failure(error, reason)] * len(requests))
+        if self.records is not None:
+            await self._keep(ctx, requests, [_Failure(error, reason)] * len(requests))
+        for request in requests:
+            await self._settled(ctx, request, H.STATUS_DEAD_LETTERED, error=error, reason=reason)
+
+    async def _settled(self, ctx: RequestContext, request: Request, status: str, *, reply: Reply | None = None,
+                       error: BaseException | None = None, reason: str | None = None, elapsed: float = 0.0) -> None:
+        """``keyqueue_request_settled``, awaited: the request is still in the inbox (see the hook's spec)."""
+        plugins = self.app.plugins
+        if not plugins.implementations("keyqueue_request_settled"):
+            return
+        task = self._task_or_none(request)
+        try:
+            await plugins.collect("keyqueue_request_settled", app=self.app, queue=self.queue, key=self.key,
+                                  request=request, task=task.spec if task is not None else None, status=status,
+                                  reply=reply, error=error, reason=reason, elapsed=elapsed, context=ctx)
+        except (LeaseLost, asyncio.CancelledError):
+            raise
+        except Exception:
+            # The request ran (or was settled without running): it is removed all the same.
+            log.exception("a keyqueue_request_settled hook failed for request %s (key %s)", request.request_id,
+                          self.key)
 
     def _failure(self, request: Request, error: BaseException, reason: str) -> dict[str, str]:
         if isinstance(error, _Failure):
@@ -308,6 +337,9 @@ class RecordingTaskProcessor(TaskProcessor):
             assert self.watch is not None
             await asyncio.gather(*(self._answer_cancelled(ctx, self.watch, r.request_id) for r in requests))
         await self._keep(ctx, requests, replies)
+        for request, reply in zip(requests, replies, strict=True):
+            await self._settled(ctx, request, "cancelled" if by == CANCELLED_BY else "expired",
+                                reply=reply if isinstance(reply, Reply) else None)
         event, why = (("cancelled", "cancelled before it started") if by == CANCELLED_BY else
                       ("expired", "its expires time passed before it started"))
         for request in requests:
@@ -400,16 +432,19 @@ class RecordingTaskProcessor(TaskProcessor):
             watch.end_run(request.request_id)
 
     async def _handle_keeping(self, ctx: RequestContext, request: Request) -> Reply | None:
+        began = time.monotonic()
         try:
             if self._serial(request):  # other policies keep their progress in handle_batch
                 reply = await self._keeping_progress(ctx, [request], functools.partial(super().handle, ctx, request))
             else:
                 reply = await super().handle(ctx, request)
         except Exception as exc:
-            await self._keep_failure(ctx, [request], exc)
+            if self._serial(request) or self._task_or_none(request) is None:  # others were kept in handle_batch
+                await self._keep_failure(ctx, [request], exc)
             raise
-        if self._serial(request):  # other policies keep in handle_batch
+        if self._serial(request):  # other policies keep (and settle) in handle_batch
             await self._keep(ctx, [request], [reply])
+            await self._settled(ctx, request, H.STATUS_OK, reply=reply, elapsed=time.monotonic() - began)
         return reply
 
     async def handle_batch(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
@@ -450,6 +485,7 @@ class RecordingTaskProcessor(TaskProcessor):
         return answered
 
     async def _batch_keeping(self, ctx: RequestContext, requests: list[Request]) -> Sequence[BatchOutcome]:
+        began = time.monotonic()
         try:
             outcomes = await self._keeping_progress(ctx, requests,
                                                     functools.partial(super().handle_batch, ctx, requests))
@@ -457,6 +493,14 @@ class RecordingTaskProcessor(TaskProcessor):
             await self._keep_failure(ctx, requests, exc)
             raise
         await self._keep(ctx, requests[: len(outcomes)], outcomes)
+        elapsed = time.monotonic() - began
+        for request, outcome in zip(requests, outcomes, strict=False):
+            if self._serial(request):
+                continue  # a serial task mixed into a batch ran (and settled) through handle
+            if isinstance(outcome, BaseException):
+                await self._settled(ctx, request, H.STATUS_DEAD_LETTERED, error=outcome, reason="rejected")
+            else:
+                await self._settled(ctx, request, H.STATUS_OK, reply=outcome, elapsed=elapsed)
         return outcomes
 
 

@@ -9,6 +9,8 @@
 - ``release``: hand on the keys of a worker that is gone.
 - ``dlq``: list, show, replay, delete, purge.       ``watch``: follow a key's progress.
 - ``plugins``: loaded plugins and their hooks.      ``server``: ``dev-server``, a local nats-server.
+- ``requests``: ``result``, ``status``, ``cancel`` of a request (or a workflow) by its id.
+- ``workflows``: ``workflow show``, ``workflow list``.
 - ``events``: ``events tail``, added by the built-in events plugin.
 
 ``main`` is the console script (``keyqueue``, ``python -m keyqueue``, ``python -m keyqueue.cli``).

@@ -31,6 +31,7 @@ from keyqueue.cli.schedules import schedules
 from keyqueue.cli.server import dev_server
 from keyqueue.cli.watch import watch
 from keyqueue.cli.worker import worker
+from keyqueue.cli.workflows import workflow
 from keyqueue.errors import KeyqueueError
 from keyqueue.plugins.manager import PluginManager, autoload_disabled
 
@@ -86,7 +87,7 @@ class KeyqueueClickError(click.ClickException):
     cls=KeyqueueGroup,
     commands=[worker, enqueue, inspect_command, unpin, configure, recreate_consumer, delete_queue_command, purge,
               permissions_command, dlq,
-              watch, plugins, dev_server, dashboard, result, status, cancel, schedules, release],
+              watch, plugins, dev_server, dashboard, result, status, cancel, schedules, release, workflow],
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.version_option(package_name="keyqueue", prog_name="keyqueue")

@@ -33,6 +33,8 @@ def key_fields(d: KeyDiagnosis, runs: list[Run]) -> dict[str, Any]:
             "seq": head.seq, "request_id": head.request_id, "task": head.task, "arguments": head.arguments,
             "stored": _iso(head.stored), "attempts": head.attempts, "running_since": _iso(head.running_since),
             "last_error": head.last_error, "next_retry": _iso(head.next_retry),
+            "workflow": None if head.workflow is None else {
+                "workflow_id": head.workflow[0], "step": head.workflow[1], "queue": head.workflow[2]},
             "progress": None if d.progress is None else progress_fields(d.progress)},
         "blockers": [{"kind": b.kind, "text": b.text, "until": _iso(b.until)} for b in d.blockers],
         "live_workers": len(d.live_workers),
@@ -63,6 +65,9 @@ def key_text(d: KeyDiagnosis, runs: list[Run]) -> str:
                          + (f", last error: {head.last_error}" if head.last_error else "")
                          + (f", next attempt at {_iso(head.next_retry)}" if head.next_retry else ""))
         lines.append(f"    arguments: {to_json(head.arguments)}")
+        if head.workflow is not None:
+            lines.append(f"    step {head.workflow[1]} of workflow {head.workflow[0]} (keyqueue workflow show "
+                         f"{head.workflow[0]})")
     if d.blockers:
         lines.append("  why:")
         lines += [f"    - {b.kind}: {b.text}" for b in d.blockers]

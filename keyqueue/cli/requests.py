@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -12,11 +12,14 @@ from keyqueue.app.progress import read_progress
 from keyqueue.app.status import request_status
 from keyqueue.cli.common import connection, require_queue, to_json, url_option
 from keyqueue.cli.key_inspection import progress_fields, progress_text
+from keyqueue.cli.workflows import cancel_workflow_by_id, result_of_workflow, status_of_workflow
 from keyqueue.errors import KeyqueueTimeout, RequestNotFound, ResultExpired
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.records import RequestRecords
 from keyqueue.jetstream.subjects import validate_request_id, validate_request_key
+from keyqueue.jetstream.workflows import existing_store
 from keyqueue.tasks.arguments import decode_result
+from keyqueue.tasks.canvas import is_workflow_id
 from keyqueue.wire import headers as H
 
 if TYPE_CHECKING:
@@ -32,7 +35,7 @@ __all__ = ["cancel", "result", "status"]
               help="Seconds to wait for a result that does not exist yet.")
 @url_option
 def result(queue: str, request_id: str, timeout: float, url: str | None) -> None:
-    """Print the kept result of a request (of a task with result_ttl) as JSON.
+    """Print the kept result of a request (of a task with result_ttl), or of a workflow, as JSON.
 
     A failed request's error is the command's error (exit status 1), as is a result that is not
     there (not finished within --timeout, or its task keeps no results) or has expired.
@@ -43,6 +46,14 @@ def result(queue: str, request_id: str, timeout: float, url: str | None) -> None
       {"order_id": "o17", "charged": 5}
     """
     validate_request_id(request_id)
+    if is_workflow_id(request_id) and _is_workflow(url, queue, request_id):
+
+        async def of_workflow() -> Any:
+            async with connection(url) as nc:
+                return await result_of_workflow(nc, queue, request_id, timeout)
+
+        click.echo(to_json(asyncio.run(of_workflow())))
+        return
 
     async def run() -> None:
         async with connection(url) as nc:
@@ -77,7 +88,7 @@ _KEY_HELP = ("The request's key: its backlog is searched for the id (a pending r
 @url_option
 def status(queue: str, request_id: str, seq: int | None, key: str | None, with_progress: bool, as_json: bool,
            url: str | None) -> None:
-    """Print where a request is (with --progress, also how far it got).
+    """Print where a request (or a workflow: REQUEST_ID is its wf-... id) is (with --progress, also how far it got).
 
     \b
     unknown    no trace of it (a pending request of a task without result_ttl needs --seq or --key)
@@ -103,6 +114,10 @@ def status(queue: str, request_id: str, seq: int | None, key: str | None, with_p
 
     async def run() -> None:
         async with connection(url) as nc:
+            if is_workflow_id(request_id) and await _kept_workflow(nc, queue, request_id):
+                found = await status_of_workflow(nc, queue, request_id)  # a workflow: its steps' progress is theirs
+                click.echo(to_json({"status": found, "progress": None}) if as_json else found)
+                return
             api, records = await _queue_records(nc, queue)
             state, kept = await asyncio.gather(
                 request_status(records, api, request_id, seq=seq, key=key),
@@ -128,7 +143,7 @@ async def _none() -> None:
 @click.option("--key", default=None, help=_KEY_HELP)
 @url_option
 def cancel(queue: str, request_id: str, seq: int | None, key: str | None, url: str | None) -> None:
-    """Cancel a request that has not started; print what became of it.
+    """Cancel a request that has not started, or every step of a workflow that has not; print what became of it.
 
     \b
     cancelled  it never ran (a waiting caller gets Cancelled)
@@ -149,6 +164,8 @@ def cancel(queue: str, request_id: str, seq: int | None, key: str | None, url: s
 
     async def run() -> str:
         async with connection(url) as nc:
+            if is_workflow_id(request_id) and await _kept_workflow(nc, queue, request_id):
+                return await cancel_workflow_by_id(nc, queue, request_id)
             api, records = await _queue_records(nc, queue)
             return await request_cancel(records, api, request_id, seq, CANCEL_ANSWER_WAIT, key=key)
 
@@ -158,6 +175,20 @@ def cancel(queue: str, request_id: str, seq: int | None, key: str | None, url: s
         raise RequestNotFound(f"no request {request_id} found in queue {queue!r}: nothing was cancelled. A pending "
                               "request of a task that keeps no results is found only with --seq (its receipt's "
                               "seq) or --key")
+
+
+def _is_workflow(url: str | None, queue: str, workflow_id: str) -> bool:
+    async def run() -> bool:
+        async with connection(url) as nc:
+            return await _kept_workflow(nc, queue, workflow_id)
+
+    return asyncio.run(run())
+
+
+async def _kept_workflow(nc: Client, queue: str, workflow_id: str) -> bool:
+    """Whether ``queue`` keeps a workflow of this id (a request id that looks like one may be a step's)."""
+    store = await existing_store(nc, queue)
+    return store is not None and await store.last(store.subject(workflow_id, "plan")) is not None
 
 
 async def _queue_records(nc: Client, queue: str) -> tuple[JetStreamApi, RequestRecords]:

@@ -44,6 +44,7 @@ from keyqueue.dashboard.schedules import queue_schedules
 from keyqueue.dashboard.search import PAGE, RequestFilter, with_where
 from keyqueue.dashboard.security import CSRF_FIELD, Access, Caller, Guard, HostPolicy
 from keyqueue.dashboard.state import Monitor, QueueView
+from keyqueue.dashboard.workflows import queue_workflows, workflow_view
 from keyqueue.errors import InvalidKey, KeyqueueError, MessageNotFound, StreamNotFound
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.metrics.prometheus import INSTRUMENTS, prometheus_name
@@ -256,6 +257,22 @@ class Pages:
         return self.render(request, "history.html", queue=queue, hours=hours, spans=list(HISTORY_SPANS),
                            points=points, step=HISTORY_SPANS[hours])
 
+    async def workflow(self, request: Request) -> Response:
+        queue, workflow_id = request.path_params["queue"], request.path_params["workflow_id"]
+        found = await workflow_view(self.monitor.nc, queue, workflow_id)
+        if found is None:
+            raise NotFound(f"no workflow {workflow_id!r} in queue {queue!r} (a workflow is kept in the queue of its "
+                           "first step, for 7 days after its last change)")
+        stopped = found.steps[found.stopped_at] if found.stopped_at is not None else None
+        if request.query_params.get("format") == "json":
+            return JSONResponse(found.fields())
+        return self.render(request, "workflow.html", queue=queue, wf=found, stopped=stopped)
+
+    async def workflows(self, request: Request) -> Response:
+        queue = request.path_params["queue"]
+        listed, total = await queue_workflows(self.monitor.nc, queue)
+        return self.render(request, "workflows.html", queue=queue, workflows=listed, total=total)
+
     async def schedules(self, request: Request) -> Response:
         monitor = self.monitor
         found = [await queue_schedules(monitor.nc, monitor.delays, q) for q in sorted(monitor.snapshot.queues)]
@@ -319,6 +336,8 @@ def create_app(monitor: Monitor, options: DashboardOptions | None = None) -> Sta
         Route("/queues/{queue}/keys/{key:path}", pages.key),
         Route("/queues/{queue}/dlq", pages.dlq),
         Route("/queues/{queue}/history", pages.history),
+        Route("/queues/{queue}/workflows", pages.workflows),
+        Route("/queues/{queue}/workflows/{workflow_id}", pages.workflow),
         Route("/search", pages.search),
         Route("/workers", pages.workers),
         Route("/schedules", pages.schedules),

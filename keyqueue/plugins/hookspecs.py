@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from keyqueue.app.application import App
     from keyqueue.app.worker import Worker
-    from keyqueue.core.processor import KeyProcessor, Request, RequestContext
+    from keyqueue.core.processor import KeyProcessor, Reply, Request, RequestContext
     from keyqueue.core.retry import RetryPolicy
     from keyqueue.tasks.task import TaskRequest, TaskSpec
 
@@ -266,6 +266,55 @@ def keyqueue_request_dead_lettered(
     ``reason`` is ``rejected`` (bad input, unknown task or version, ``Reject``),
     ``max-attempts`` or ``crash-loop``; ``error`` is ``"ExceptionType: message"``. Closing hook
     (reverse order). May be async.
+    """
+
+
+# --- a request's outcome, on the key session's path -----------------------------------------------
+
+
+@hookspec
+def keyqueue_request_settled(
+    app: App, queue: str, key: str, request: Request, task: TaskSpec | None, status: str, reply: Reply | None,
+    error: BaseException | None, reason: str | None, elapsed: float, context: RequestContext,
+) -> Awaitable[None] | None:
+    """A request of the default processor reached its final outcome, and is still in its inbox.
+
+    ``status`` is ``ok`` (``reply`` is the task's reply: its body is the encoded result when a caller
+    waits, the task keeps results or the request is a workflow step), ``dead-lettered`` (``error``
+    is the final failure and ``reason`` says why: ``rejected``, ``not-retried`` or ``max-attempts``;
+    the session dead-letters it next), ``cancelled`` or ``expired`` (it did not run). ``task`` is
+    None for a request that names no task of the queue; ``elapsed`` is the run's seconds (0 if it
+    did not run); ``context`` is the request's (``check_lease``, and ``steady`` to retry keyqueue's
+    own NATS steps within the lease).
+
+    Fires in the key session, on its path, after a kept result was sent and before the session
+    removes the request: what an implementation has stored when it returns is stored before the
+    request leaves the inbox. A worker that dies in between runs the request again, and this hook
+    again, so implementations must be idempotent. May be async (awaited: the key's next request
+    waits for it). Raise only ``LeaseLost`` (the session ends; the key's next holder runs the
+    request again); any other exception is logged and the request is removed all the same (it
+    ran). A request the session dead-letters without an attempt (``crash-loop``) does not pass
+    here (``keyqueue_request_dead_lettered`` does). The built-in workflows plugin
+    (``keyqueue.builtins.workflows``) carries a workflow on from here.
+    """
+
+
+# --- workflows ------------------------------------------------------------------------------------
+
+
+@hookspec
+def keyqueue_workflow_changed(
+    app: App, queue: str, workflow_id: str, change: str, step: int | None, task: str | None, key: str | None,
+    reason: str | None,
+) -> Awaitable[None] | None:
+    """A workflow (``chain``, ``group``, ``chord``) changed state, in the process that changed it.
+
+    ``change`` is ``started`` (its plan is stored and its first steps enqueued: in the producer),
+    ``joined`` (a group's parts are all done and its list handed on), ``failed`` (``step`` failed
+    for good; ``reason`` says why), ``resumed`` (a failed step's dead-letter replay succeeded),
+    ``done`` (its result is stored) or ``cancelled``. ``queue``, ``key`` and ``task`` are the step's
+    where one is concerned, else the workflow's queue and None. An observer: failures are logged,
+    never raised. May be async.
     """
 
 

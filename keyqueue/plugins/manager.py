@@ -31,6 +31,7 @@ from keyqueue.plugins import hookspecs
 from keyqueue.plugins.hookspecs import PROJECT
 
 if TYPE_CHECKING:
+    from keyqueue.app.application import App
     from keyqueue.app.worker import Worker
 
 __all__ = [
@@ -58,8 +59,9 @@ ENTRY_POINT_GROUP: Final = "keyqueue"
 DISABLE_AUTOLOAD_ENV: Final = "KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD"
 """Set to anything but empty, ``0`` or ``false`` to skip the entry-point plugins."""
 
-BUILTIN_PLUGINS: Final = ("keyqueue.builtins.processor", "keyqueue.builtins.lifecycle_log", "keyqueue.builtins.events")
-"""keyqueue's own behaviour, as plugin modules: tasks and retries, lifecycle logging and events."""
+BUILTIN_PLUGINS: Final = ("keyqueue.builtins.processor", "keyqueue.builtins.lifecycle_log", "keyqueue.builtins.events",
+                          "keyqueue.builtins.workflows")
+"""keyqueue's own behaviour, as plugin modules: tasks and retries, lifecycle logging, events, workflows."""
 
 
 async def maybe_await(value: T | Awaitable[T]) -> T:
@@ -294,6 +296,11 @@ class LifecycleHooks:
                                  message_type: str, superseded_by: str) -> None:
         await self._notify("keyqueue_request_superseded", reverse=True, worker=worker, queue=queue, key=key,
                            request_id=request_id, message_type=message_type, superseded_by=superseded_by)
+
+    async def workflow_changed(self, *, app: App, queue: str, workflow_id: str, change: str, step: int | None = None,
+                               task: str | None = None, key: str | None = None, reason: str | None = None) -> None:
+        await self._notify("keyqueue_workflow_changed", app=app, queue=queue, workflow_id=workflow_id, change=change,
+                           step=step, task=task, key=key, reason=reason)
 
     async def request_dead_lettered(self, *, worker: Worker, queue: str, key: str, request_id: str,
                                     message_type: str, reason: str, attempts: int, error: str) -> None:

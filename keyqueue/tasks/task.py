@@ -57,6 +57,7 @@ from keyqueue.errors import CallOnOwnKey, ConfigError, MalformedBody
 from keyqueue.jetstream.subjects import UNKEYED, validate_queue_name, validate_request_id
 from keyqueue.tasks.argument_types import check_value, type_check
 from keyqueue.tasks.arguments import ArgumentCodec, KeyMaker, Upgrade, check_upgrades, decode_result, takes_context
+from keyqueue.tasks.canvas import Signature
 from keyqueue.tasks.context import Context, Progress
 from keyqueue.tasks.delay import Delay
 from keyqueue.tasks.invoke import invoke
@@ -500,6 +501,19 @@ class _TaskBase:
         return self.app.run_sync(lambda: self._enqueue_many(listed, as_mapping, delay, opts),
                                  what=f"{self.spec.name}.enqueue_many_sync()")
 
+    def step_request(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, request_id: str,
+                     headers: Mapping[str, str], queue: str | None = None, countdown: float | None = None,
+                     expires: float | None = None) -> TaskRequest:
+        """The request of one workflow step (``keyqueue.tasks.canvas``): as ``enqueue`` builds it, under
+        the step's derived ``request_id`` and with the workflow's ``headers``. ``TypeError`` /
+        ``MalformedBody`` if the arguments do not fit the task."""
+        key, fields = self.fields_for(args, kwargs)
+        opts = _options(self, None, None, countdown, None, expires, queue)
+        request = self._request(key, fields, request_id, opts)
+        request.headers.update(headers)
+        request.delay = opts.delay
+        return request
+
     def _call_sync(self, opts: CallOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         timeout = opts.timeout if opts.timeout is not None else DEFAULT_CALL_TIMEOUT
         return self.app.run_sync(lambda: self._call(opts, args, kwargs), bound=timeout + SYNC_BOUND,
@@ -556,6 +570,16 @@ class Task(_TaskBase, Generic[F]):
 
     def result_type(self) -> type | None:
         return self.codec.result_dataclass
+
+    def s(self, *args: Any, **kwargs: Any) -> Signature:
+        """A signature of this task, a step of a workflow (``chain``, ``group``, ``chord``): in it, the
+        result of what runs before it goes in front of ``args`` (``mul.s(8)`` after a step that
+        returned 8 runs ``mul(8, 8)``). See ``keyqueue.tasks.canvas``."""
+        return Signature(self, args, kwargs)
+
+    def si(self, *args: Any, **kwargs: Any) -> Signature:
+        """An immutable signature: a step that takes nothing from what runs before it."""
+        return Signature(self, args, kwargs, immutable=True)
 
     def options(self, *, request_id: str | None = None, timeout: float | None = None,
                 countdown: float | None = None, eta: datetime.datetime | None = None,

@@ -36,6 +36,7 @@ __all__ = [
     "MESSAGE_VERSION",
     "MSG_ID",
     "RELEASED",
+    "REPLAY_OF",
     "REPLY_INBOX",
     "REQUEST_ID",
     "STATUS",
@@ -47,6 +48,9 @@ __all__ = [
     "TASK",
     "TRACEPARENT",
     "TRACESTATE",
+    "WORKFLOW_ID",
+    "WORKFLOW_QUEUE",
+    "WORKFLOW_STEP",
     "header_safe",
     "is_release_marker",
 ]
@@ -71,6 +75,18 @@ REPLY_INBOX: Final = "X-Reply-Inbox"
 EXPIRES: Final = "X-KQ-Expires"
 """Optional: when a request that has not started by then is dropped instead of run (RFC 3339, UTC,
 computed by the producer: ``options(expires=...)``)."""
+
+REPLAY_OF: Final = "X-KQ-Replay-Of"
+"""On a request replayed from the dead-letter queue: the request id it was dead-lettered under."""
+
+WORKFLOW_ID: Final = "X-KQ-Workflow-Id"
+"""On a workflow step's request: the workflow's id (``wf-...``; ``keyqueue.tasks.canvas``)."""
+
+WORKFLOW_STEP: Final = "X-KQ-Workflow-Step"
+"""On a workflow step's request: the step's number in the workflow's plan."""
+
+WORKFLOW_QUEUE: Final = "X-KQ-Workflow-Queue"
+"""On a workflow step's request: the queue whose ``KQ_<queue>_WORKFLOWS`` stream holds the workflow's records."""
 
 TRACEPARENT: Final = "traceparent"
 """Optional W3C trace context: the caller's span."""

@@ -125,8 +125,9 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
     """The report's aggregates from an events DataFrame (columns of keyqueue.events.EVENT_FIELDS)."""
     from pyspark.sql import functions as F
 
-    step = progress or Progress(6, enabled=False)
-    ev = events.select("event", "ts", "queue", "key", "task", "attempt", "wait", "run", "reason", "triggers")
+    step = progress or Progress(7, enabled=False)
+    ev = events.select("event", "ts", "queue", "key", "task", "attempt", "wait", "run", "reason", "triggers",
+                       "run_id")
     # An empty X-MESSAGE-TYPE is no task either: neither is listed as one.
     ev = ev.withColumn("task", F.when(F.col("task") != "", F.col("task")))
     of_cancel = F.coalesce((F.col("event") == "superseded") & (F.col("reason") == SUPERSEDED_BY_CANCEL), F.lit(False))
@@ -211,6 +212,19 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
         triggers = int(dvu_row["triggers"]) if dvu_runs and not _missing(dvu_row["triggers"]) else 0
     else:
         step.skip()
+    if any(name.startswith("workflow_") for name in counts):
+        with step("workflows"):
+            flows = ev.filter(F.col("event").startswith("workflow_") & F.col("run_id").isNotNull())
+            began = (flows.filter(F.col("event") == "workflow_started").groupBy("run_id")
+                     .agg(F.min("ts").alias("began")))
+            ended = flows.filter(F.col("event") == "workflow_done").groupBy("run_id").agg(F.max("ts").alias("ended"))
+            took = began.join(ended, "run_id").select((F.col("ended") - F.col("began")).alias("took"))
+            data.tables["workflows"] = _local(took.agg(F.count("*").alias("done"), *_quantile_columns("took", "took")))
+            failures = (flows.filter(F.col("event") == "workflow_failed").groupBy("task", "reason").count()
+                        .orderBy(F.desc("count"), "task", "reason"))
+            data.tables["workflow_failures"] = _local(failures)
+    else:
+        step.skip()
     data.summary = {
         "queue": queue,
         "events": total,
@@ -227,6 +241,8 @@ def compute(events: DataFrame, *, queue: str = "", top: int = 20, bucket: float 
         "dvu_triggers": triggers,
         "coalescing_ratio": (triggers / dvu_runs) if dvu_runs else None,
         "bucket_seconds": width,
+        "workflows": {change: counts.get(f"workflow_{change}", 0)
+                      for change in ("started", "done", "failed", "resumed", "cancelled")},
     }
     ev.unpersist()
     keys.unpersist()
@@ -399,6 +415,10 @@ def render_html(data: ReportData, images: dict[str, str]) -> str:
     ]
     if s["dvu"]:
         cards += [("DVU runs", f"{s['dvu_runs']:,}"), ("triggers per DVU run", f"{ratio:.2f}" if ratio else "-")]
+    flows = s.get("workflows") or {}
+    if flows.get("started"):
+        cards += [("workflows done", f"{flows['done']:,} of {flows['started']:,}"),
+                  ("workflow steps failed", f"{flows['failed']:,}")]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>keyqueue report: {html.escape(data.queue)}</title><style>{_STYLE}</style></head><body>",
@@ -412,7 +432,9 @@ def render_html(data: ReportData, images: dict[str, str]) -> str:
         parts.append(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>")
     sections = (("Per task", "tasks"), ("Hottest keys: requests, wait and run times", "keys"),
                 ("Retries by reason", "retries"), ("Dead letters by reason", "dead_letters"),
-                ("Superseded", "superseded"), ("Cancelled", "cancelled"), ("DVU runs", "dvu"))
+                ("Superseded", "superseded"), ("Cancelled", "cancelled"), ("DVU runs", "dvu"),
+                ("Workflows: seconds from start to result", "workflows"),
+                ("Workflows stopped: the failed step's task and why", "workflow_failures"))
     for title, name in sections:
         if name not in data.tables:
             continue
@@ -458,7 +480,7 @@ def run_report(spark: Any, queue: str, out_dir: Path, *, url: str | None = None,
                save_events: str | None = None, top: int = 20, bucket: float | None = None,
                show_progress: bool = True) -> tuple[Path, ReportData]:
     """The whole job: read, aggregate, render. Returns the HTML page's path and the aggregates."""
-    progress = Progress(8 + bool(save_events), enabled=show_progress)
+    progress = Progress(9 + bool(save_events), enabled=show_progress)
     events = load_events(spark, queue, url=url, events_from=events_from)
     if save_events:
         with progress("exporting the events to Parquet") as note:

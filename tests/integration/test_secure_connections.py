@@ -124,6 +124,15 @@ async def test_each_role_can_do_its_work_and_a_producer_can_neither_read_nor_pur
         code, _, err = await keyqueue_cli(as_user("producer"), "enqueue", "examples.quickstart.app:app", "charge",
                                           ORDER)
         assert code == 0, err
+        # It starts a workflow whose first step runs in its queue (the workers created its workflows stream).
+        started = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "from examples.quickstart.app import charge, refund; "
+            "print((charge.si('o2', 1) | refund.si('o2', 1)).delay(workflow_id='wf-role').workflow_id)",
+            cwd=ROOT, env=as_user("producer"), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out_b, err_b = await asyncio.wait_for(started.communicate(), 90)
+        assert (started.returncode, out_b) == (0, b"wf-role\n"), err_b.decode()
+        code, out, err = await keyqueue_cli(as_user("ops"), "status", "shop", "wf-role")
+        assert (code, out) == (0, "pending\n"), err
         # It cannot read what is stored, nor purge it.
         for args in (["inspect", "shop"], ["dlq", "list", "shop"], ["purge", "shop", "--yes"],
                      ["status", "shop", "any-id"]):
@@ -136,7 +145,7 @@ async def test_each_role_can_do_its_work_and_a_producer_can_neither_read_nor_pur
         assert code == 1 and "ermission" in err, err
         # The operator purges.
         code, out, err = await keyqueue_cli(as_user("ops"), "purge", "shop", "--yes")
-        assert (code, out) == (0, "removed 1 pending request(s) from queue shop\n"), err
+        assert (code, out) == (0, "removed 2 pending request(s) from queue shop\n"), err
 
 
 UNKEYED_APP = '''

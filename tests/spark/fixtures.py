@@ -42,6 +42,19 @@ def history(queue: str, *, requests: int = 600, seed: int = 7) -> list[dict[str,
             events.append(event("dead_lettered", ts + 4, queue, attempt=attempts, run=run, reason="rejected", **common))
         else:
             events.append(event("succeeded", ts + 4, queue, attempt=attempts, run=run, **common))
+    for n in range(20):  # workflows: 16 done, 3 stopped by a failed step (one resumed, then done), 1 cancelled
+        wf, began = f"wf-{n}", t0 + n * 5
+        events.append(event("workflow_started", began, queue, run_id=wf))
+        if n < 16:
+            events.append(event("workflow_done", began + 1 + n * 0.25, queue, run_id=wf))
+        elif n < 19:
+            events.append(event("workflow_failed", began + 2, queue, key=f"key-{n}", task="Rebase", run_id=wf,
+                                request_id=f"{wf}_1", reason="max-attempts: ValueError: boom"))
+            if n == 16:
+                events.append(event("workflow_resumed", began + 30, queue, key=f"key-{n}", task="Rebase", run_id=wf))
+                events.append(event("workflow_done", began + 31, queue, run_id=wf))
+        else:
+            events.append(event("workflow_cancelled", began + 1, queue, run_id=wf))
     for n in range(30):
         triggers = 1 + n % 5
         events.append(event(DVU_STARTED, t0 + n * 10, queue, key=f"key-{n}", run_id=f"d{n}"))

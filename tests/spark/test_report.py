@@ -67,6 +67,16 @@ def test_report_numbers_equal_direct_computation_and_page_embeds_charts(
     assert bars[f"superseded: {SUPERSEDED_BY_NEWER}"] == 24
     assert not [label for label in bars if label.startswith("superseded: superseded by")]
 
+    flows = ev[ev.event.str.startswith("workflow_")]
+    began = flows[flows.event == "workflow_started"].groupby("run_id").ts.min()
+    ended = flows[flows.event == "workflow_done"].groupby("run_id").ts.max()
+    took = (ended - began.loc[ended.index]).to_numpy()
+    assert data.tables["workflows"].iloc[0]["done"] == len(took) == 17
+    assert np.isclose(data.tables["workflows"].iloc[0]["took_p90"], np.quantile(took, 0.9))
+    assert {(r.task, r.reason): r.count for r in data.tables["workflow_failures"].itertuples()} == {
+        ("Rebase", "max-attempts: ValueError: boom"): 3}
+    assert data.summary["workflows"] == {"started": 20, "done": 17, "failed": 3, "resumed": 1, "cancelled": 1}
+
     dvu = ev[ev.event == "dvu_finished"]
     assert data.summary["dvu_runs"] == len(dvu) == 30
     assert data.summary["coalescing_ratio"] == dvu.triggers.sum() / len(dvu) == 3.0

@@ -65,7 +65,8 @@ async def test_a_failing_lifecycle_hook_is_logged_and_the_rest_still_run(caplog:
 
 
 NOT_LIFECYCLE = {"keyqueue_register", "keyqueue_add_commands", "keyqueue_build_processor", "keyqueue_retry_policy",
-                 "keyqueue_merge_arguments", "keyqueue_wrap_enqueue", "keyqueue_wrap_process"}
+                 "keyqueue_merge_arguments", "keyqueue_wrap_enqueue", "keyqueue_wrap_process",
+                 "keyqueue_request_settled"}
 """The hooks that are not lifecycle observers; a new hook must be listed here or get a typed caller."""
 
 CLOSING = {"worker_stopping", "worker_unpinned", "key_released", "request_failed", "request_retried",
@@ -219,7 +220,7 @@ def test_autoload_switch() -> None:
 def test_the_listing_shows_builtins_last_with_their_hooks() -> None:
     log: list[str] = []
     listing = PluginManager(autoload=False, plugins=[Recorder("a", log)]).listing()
-    assert [info.builtin for info in listing] == [False, True, True, True]
+    assert [info.builtin for info in listing] == [False, True, True, True, True]
     assert listing[0].hooks == ("keyqueue_worker_started", "keyqueue_worker_stopping")
     builtins = {info.name: info.hooks for info in listing[1:]}
     assert "keyqueue_build_processor" in builtins["keyqueue.builtins.processor"]
