@@ -253,12 +253,14 @@ async def replay(api: JetStreamApi, publisher: Publisher, queue: str, *, key: st
                 on_skipped(letter)
             continue
         if not dry_run:
+            # A step of a workflow: its workflow says "running" again *before* the step is stored, or
+            # the replayed step could fail again (and say so) before it, leaving "running" for ever.
+            await _resume_workflow(api, letter)
             try:
                 await publisher.enqueue(replay_request(letter))
             except KeyqueueError as exc:
                 raise KeyqueueError(f"replaying dead request {letter.seq} (key {letter.key}) failed after "
                                     f"{count} replayed: {exc}") from exc
-            await _resume_workflow(api, letter)
             await api.delete_msg(names.dlq_stream, letter.seq)
         count += 1
         if on_replayed is not None:
