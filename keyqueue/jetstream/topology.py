@@ -300,10 +300,17 @@ class Topology:
     async def allow_release_markers(self) -> bool:
         """Whether the inbox takes release markers (``allow_rollup_hdrs`` and ``allow_msg_ttl``), set
         in place on an inbox made by an older keyqueue (both can be turned on, never off: a newer
-        keyqueue's workers use them, an older one's never write them). False if the server refused
-        (the workers then give keys back the older way, a purge then a re-check)."""
+        keyqueue's workers use them, an older one's never write them). False if the server refused,
+        or if the queue has a per-key backlog cap (a marker would count toward it for its second): the
+        workers then give keys back the older way, a purge then a re-check."""
         name = self.config.names.inbox_stream
         inbox = (await self.api.stream_info(name))["config"]
+        if inbox.get("max_msgs_per_subject", -1) > 0:
+            # A marker lives a second on the key's subject and counts toward a per-key backlog cap:
+            # a key given back would refuse its next request (BacklogFull) for that second.
+            log.info("queue %s: keys are given back with a purge and a re-check, not a release marker (the "
+                     "queue has a per-key backlog cap)", self.config.name)
+            return False
         if inbox.get("allow_rollup_hdrs") and inbox.get("allow_msg_ttl"):
             return True
         try:

@@ -185,3 +185,21 @@ async def test_tokens_released_in_one_turn_are_acked_with_one_reply_and_all_gone
     assert replies == 1
     refused = [key for key in keys if not await io.schedule(key)]
     assert refused == []
+
+
+async def test_a_queue_with_a_backlog_cap_gives_keys_back_without_markers(nc: Client) -> None:
+    """A marker counts toward a per-key backlog cap for its second: with a cap of one, a key given back
+    with one would refuse its next request. Such a queue keeps the purge and the re-check."""
+    config = QueueConfig("capped", ack_wait=10, max_backlog_per_key=1)
+    ran: list[tuple[str, bytes]] = []
+    done = asyncio.Event()
+    worker = QueueWorker(nc, config, lambda key: Record(ran, 2, done), settings=SessionSettings(ack_wait=10))
+    async with running(worker):
+        assert not worker.io.release_markers
+        await enqueue(nc, config, "k", "r0")
+        async with asyncio.timeout(20):
+            while worker.counts.get("released", 0) < 1:  # noqa: ASYNC110 (the key given back)
+                await asyncio.sleep(0.01)
+        await enqueue(nc, config, "k", "r1")  # at once: its one slot is free
+        await asyncio.wait_for(done.wait(), 20)
+    assert ran == [("k", b"r0"), ("k", b"r1")]
