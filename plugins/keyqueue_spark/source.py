@@ -64,6 +64,7 @@ from pyspark.sql.types import (
 )
 
 from keyqueue.events import EVENT_BATCH_MESSAGE_TYPE, decode_events
+from keyqueue.wire.headers import is_release_marker
 
 from .events import coerce_event, event_schema
 from .streams import (
@@ -299,6 +300,8 @@ def read_rows(url: str, stream: str, part: SequenceRange, subject: str | None, s
                 except StopAsyncIteration:
                     break
                 for message in page:
+                    if is_release_marker(message.headers):
+                        continue  # a key given back (it lives a second in the inbox): not a request
                     decoded = decode_message(message.headers, message.data)
                     if events and decoded.message_type == EVENT_BATCH_MESSAGE_TYPE and decoded.error is None:
                         # Several events of one key in one message: a row each (they share its seq).
