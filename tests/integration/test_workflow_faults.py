@@ -254,6 +254,8 @@ async def test_a_chord_callback_runs_exactly_once_under_a_member_killed_mid_run(
     assert started["callback"] == ended["callback"] == 1
     assert started["m3"] >= 2 and all(ended[f"m{i}"] >= 1 for i in range(8))
     assert sum(ended[f"m{i}"] for i in range(8)) >= 9  # the member that completed the group ended twice
-    stored, again = stores(app_dir)
+    stored, _ = stores(app_dir)
+    # Its run again either enqueues the callback again (stored once: the duplicate window) or finds the
+    # join already handed on and enqueues nothing, depending on where the kill caught the first run:
+    # either way the callback is stored, and runs, exactly once.
     assert stored == Counter({f"step-{i}": 1 for i in range(9)}), stored
-    assert again[f"step-{callback}"] >= 1, again  # the callback's enqueue was repeated, and stored once
