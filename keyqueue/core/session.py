@@ -742,7 +742,7 @@ class KeySession:
     def _attempt(self, seq: int, headers: Mapping[str, str], attempt: int, batch: int,
                  max_attempts: int = 0, stored_at: str = "") -> RequestAttempt:
         """What the observer is told of the request stored at ``seq`` (at ``stored_at``, its stream timestamp)."""
-        return RequestAttempt(self.io.names.queue, self.key, headers.get(H.MSG_ID, ""), _message_type(headers),
+        return RequestAttempt(self.io.names.queue, self.key, headers.get(H.MSG_ID, ""), H.message_type_of(headers),
                               seq, attempt, batch, max_attempts, stored_at)
 
     async def _backoff(self, delay: float) -> bool:
@@ -830,11 +830,3 @@ class KeySession:
         if self.recheck_later is not None:
             self.recheck_later(token, cursor)
 
-
-def _message_type(headers: Mapping[str, str]) -> str:
-    """A request's ``X-MESSAGE-TYPE``, the header's name in any case (as the wire layer reads it)."""
-    found = headers.get(H.MESSAGE_TYPE)
-    if found is None:
-        wanted = H.MESSAGE_TYPE.lower()
-        found = next((v for k, v in headers.items() if k.lower() == wanted), "")
-    return found

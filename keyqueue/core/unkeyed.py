@@ -372,7 +372,7 @@ class UnkeyedLane:
 
     def _attempt(self, run: _Run, attempt: int, max_attempts: int = 0) -> RequestAttempt:
         item = run.item
-        return RequestAttempt(self.names.queue, UNKEYED, run.request_id, _message_type(item.headers), item.seq,
+        return RequestAttempt(self.names.queue, UNKEYED, run.request_id, H.message_type_of(item.headers), item.seq,
                               attempt, 1, max_attempts, run.stored)
 
     async def _backoff(self, delay: float) -> bool:
@@ -457,11 +457,3 @@ def _confirmed(lease: Lease, sent_at: float, reply: asyncio.Future[Any]) -> None
     if not reply.cancelled() and reply.exception() is None:
         lease.confirmed(sent_at, time.monotonic())
 
-
-def _message_type(headers: Mapping[str, str]) -> str:
-    """A request's ``X-MESSAGE-TYPE``, the header's name in any case (as the wire layer reads it)."""
-    found = headers.get(H.MESSAGE_TYPE)
-    if found is None:
-        wanted = H.MESSAGE_TYPE.lower()
-        found = next((v for k, v in headers.items() if k.lower() == wanted), "")
-    return found

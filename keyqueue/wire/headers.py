@@ -53,6 +53,7 @@ __all__ = [
     "WORKFLOW_STEP",
     "header_safe",
     "is_release_marker",
+    "message_type_of",
 ]
 
 # --- every request and reply -------------------------------------------------------------------
@@ -138,6 +139,15 @@ RELEASED: Final = "X-KQ-Released"
 gives the key back with nothing left to do (docs/architecture.md, "Giving a key back"). It rolls up
 (removes) the key's handled requests, is stored only if no request arrived after the last one the
 worker handled, and expires a second later. Every reader of the inbox skips it."""
+
+
+def message_type_of(headers: Mapping[str, str]) -> str:
+    """A request's ``X-MESSAGE-TYPE``, the header's name in any case (as the wire layer reads it); "" if none."""
+    found = headers.get(MESSAGE_TYPE)
+    if found is None:
+        wanted = MESSAGE_TYPE.lower()
+        found = next((v for k, v in headers.items() if k.lower() == wanted), "")
+    return found
 
 
 def is_release_marker(headers: Mapping[str, str] | None) -> bool:
