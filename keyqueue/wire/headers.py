@@ -151,8 +151,10 @@ def message_type_of(headers: Mapping[str, str]) -> str:
 
 
 def is_release_marker(headers: Mapping[str, str] | None) -> bool:
-    """Whether a message read from a key's inbox is a release marker (see :data:`RELEASED`)."""
-    return headers is not None and RELEASED in headers
+    """Whether a message read from a key's inbox is a release marker (see :data:`RELEASED`). A marker
+    carries no request id: a message that has one is a request, whatever else a producer put on it
+    (it runs, or is dead-lettered as bad input; it is never skipped)."""
+    return headers is not None and RELEASED in headers and MSG_ID not in headers
 
 
 # --- progress ----------------------------------------------------------------------------------

@@ -203,3 +203,16 @@ async def test_a_queue_with_a_backlog_cap_gives_keys_back_without_markers(nc: Cl
         await enqueue(nc, config, "k", "r1")  # at once: its one slot is free
         await asyncio.wait_for(done.wait(), 20)
     assert ran == [("k", b"r0"), ("k", b"r1")]
+
+
+async def test_a_request_that_carries_the_marker_header_is_still_a_request(nc: Client) -> None:
+    """Anything on the wire may carry any header: a request (it has a request id) that also says
+    ``X-KQ-Released`` is read, re-checked and run as a request, never skipped as a marker."""
+    config = QueueConfig("forged", ack_wait=10)
+    await Topology(JetStreamApi(nc), config).ensure()
+    io = QueueIO(nc, config)
+    await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {"Nats-Msg-Id": "r0", H.RELEASED: "1"}, b"x", "r0"))
+    stored = await io.next_request("k", 1, requests_only=True)
+    assert stored is not None and not H.is_release_marker(stored.headers)
+    assert await io.request_remains("k", 1) is True
+    assert await io.last_sequences(["k"]) == {"k": stored.seq}
