@@ -87,7 +87,9 @@ def parse_header_lines(raw: bytes) -> dict[str, str]:
         if not sep:
             continue
         name = name.strip(_ASCII_SPACE)
-        if _SPACE_IN_NAME.search(name) is None:
+        # A printable name holds no whitespace but the space (the usual case, tested without the
+        # regular expression); any other is tested with it.
+        if (" " not in name) if name.isprintable() else _SPACE_IN_NAME.search(name) is None:
             out[name] = value.strip(_ASCII_SPACE)
     return out
 

@@ -221,12 +221,23 @@ class RequestMux:
 
 
 async def wait(future: asyncio.Future[list[Msg]], timeout: float, what: str) -> list[Msg]:
-    """Await a mux future with a deadline; a timeout cancels it.
+    """Await a mux future with a deadline; at the deadline the future fails with
+    :class:`~keyqueue.errors.KeyqueueTimeout` (so the mux forgets the request), and so does this.
 
-    ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for`` drops a cancel that arrives
-    as the future completes, and the task it was meant to stop runs on."""
+    One timer handle per wait, and none for a reply already in: the session awaits several replies
+    per key, and ``asyncio.timeout`` (a context object, the current task, a reschedule) cost several
+    times as much. A cancel of the waiting task cancels the future, as awaiting it directly does.
+    (Not ``wait_for``: on Python 3.11 ``wait_for`` drops a cancel that arrives as the future completes,
+    and the task it was meant to stop runs on.)"""
+    if future.done():
+        return future.result()
+    timer = asyncio.get_running_loop().call_later(timeout, _time_out, future, timeout, what)
     try:
-        async with asyncio.timeout(timeout):
-            return await future
-    except TimeoutError as e:
-        raise KeyqueueTimeout(f"no reply to {what} within {timeout}s") from e
+        return await future
+    finally:
+        timer.cancel()
+
+
+def _time_out(future: asyncio.Future[list[Msg]], timeout: float, what: str) -> None:
+    if not future.done():
+        future.set_exception(KeyqueueTimeout(f"no reply to {what} within {timeout}s"))

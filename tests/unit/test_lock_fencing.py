@@ -165,7 +165,16 @@ async def test_the_holder_is_a_copy_of_what_the_caller_passed(store: Store) -> N
 def test_every_claim_has_its_own_nonce(store: Store) -> None:
     nonces = {new_lock(store).nonce for _ in range(100)}
     assert len(nonces) == 100
-    assert all(len(n) == 16 and int(n, 16) >= 0 for n in nonces)
+    assert all(int(n, 16) >= 0 for n in nonces)
+
+
+def test_a_forked_child_draws_its_own_nonce_prefix(store: Store) -> None:
+    from keyqueue.core import lock as lock_module
+
+    parent = new_lock(store).nonce
+    lock_module._NONCES[0] = -1  # as in a child forked after the parent drew its prefix
+    child = new_lock(store).nonce
+    assert parent[:12] != child[:12]
 
 
 # --- fencing ----------------------------------------------------------------------------------------
