@@ -121,11 +121,11 @@ class _Context:
         self._session.lease.check()
 
     def hold_removal(self, confirm: Callable[[], Awaitable[None]]) -> None:
-        """Await ``confirm()`` before any removal of the requests handled so far (``HoldsRemoval``)."""
+        """Await ``confirm()`` before any removal of the requests handled so far (``RequestContext.hold_removal``)."""
         self._session.removals.hold(confirm)
 
     async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
-        """A processor's own NATS step, retried within the lease as the session's are (``RetriesSteps``)."""
+        """A processor's own NATS step, retried within the lease as the session's are (``SessionContext.steady``)."""
         return await self._session._steady(step)
 
     async def pause(self, seconds: float) -> None:

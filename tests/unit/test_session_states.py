@@ -659,17 +659,22 @@ async def test_a_removal_waits_for_the_purge_beside_the_work_that_still_confirms
 
     io.purge_through = recording_purge  # type: ignore[method-assign]
 
+    async def first_confirmed() -> None:
+        await first_kept.wait()
+
     class Keeps(Handles):
         async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+            hold = ctx.hold_removal
+            assert hold is not None, "a key session's context holds removals"
             if request.seq == 1:
-                ctx.hold_removal(first_kept.wait)  # type: ignore[attr-defined]
+                hold(first_confirmed)
             else:
                 await asyncio.sleep(removals_module.PURGE_WINDOW * 20)  # request 1's purge goes out beside it
 
                 async def kept() -> None:
                     return None
 
-                ctx.hold_removal(kept)  # type: ignore[attr-defined]
+                hold(kept)
                 second_done.set()
             return None
 
