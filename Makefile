@@ -51,9 +51,11 @@ chaos-cluster: $(STAMP)
 test: $(STAMP) java-check chromium-check
 	$(PY) -m pytest -q
 
+# The unit tests' fakes of the core's I/O seams (keyqueue/core/key_io.py) are checked against them.
 lint: $(STAMP)
 	$(PY) -m ruff check keyqueue plugins contrib tests
-	$(PY) -m mypy keyqueue plugins contrib tests/typed_usage.py
+	$(PY) -m mypy keyqueue plugins contrib tests/typed_usage.py tests/unit/test_session_states.py \
+		tests/unit/test_reconciler.py
 
 # Spark (keyqueue-spark: tests/spark, keyqueue report / backfill, examples/spark) needs Java 17+.
 # Without it, install Debian's headless JRE (as root, or with sudo).

@@ -27,21 +27,23 @@ exception is raised from the ``enqueue`` / ``call`` that ran it.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import datetime as dt
 import itertools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+import math
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from keyqueue.app.application import App, default_app
 from keyqueue.app.eager_clock import EagerClock
 from keyqueue.app.status import kept_status
 from keyqueue.builtins.processor import TaskProcessor
 from keyqueue.builtins.request_records import RecordingTaskProcessor
-from keyqueue.core.processor import Request
+from keyqueue.core.processor import HoldRemoval, Request
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import ConfigError, EnqueueError, InvalidSchedule, Reject, WireError
 from keyqueue.jetstream.subjects import UNKEYED
@@ -52,6 +54,8 @@ from keyqueue.wire import CBOR, loads
 from keyqueue.wire import headers as H
 
 __all__ = ["EagerDeadLetter", "EagerProgress", "EagerRunner", "eager"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,9 @@ class _Pending:
 class _EagerContext:
     """The core's ``RequestContext`` for one attempt, in process: the lease never runs out."""
 
+    hold_removal: HoldRemoval | None = None
+    """Nothing is removed after the run: a write the processor owes is awaited by the processor."""
+
     def __init__(self, runner: EagerRunner, queue: str, key: str, request_id: str, attempt: int) -> None:
         self._runner = runner
         self.queue, self.key = queue, key
@@ -114,8 +121,17 @@ class _EagerContext:
     def lease_valid(self) -> bool:
         return True
 
+    def lease_remaining(self) -> float:
+        return math.inf
+
     def check_lease(self) -> None:
         return None
+
+    async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
+        return await step()  # no connection to lose
+
+    async def pause(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)  # no worker slot to lend
 
     async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
         content_type = (headers or {}).get(H.CONTENT_TYPE, CBOR)

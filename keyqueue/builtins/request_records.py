@@ -21,7 +21,7 @@ each request it
 
 Only the user's code is charged an attempt: this I/O around a run (loading cancel records,
 taking a rate-limit slot, answering a cancel) goes through the session's retries
-(``ctx.steady``, :class:`~keyqueue.core.processor.RetriesSteps`), so a lost connection or a
+(``ctx.steady``, :meth:`~keyqueue.core.processor.SessionContext.steady`), so a lost connection or a
 request with no answer is tried again within the lease, and a lease that ends meanwhile ends the
 session as a lost lease, never as a failed attempt.
 """
@@ -113,8 +113,8 @@ class RecordingTaskProcessor(TaskProcessor):
     async def open(self, ctx: SessionContext) -> None:
         transport = self.app.transport()
         if isinstance(transport, NatsTransport):
-            self.watch = watch = await _steady(ctx, functools.partial(transport.cancel_watch, self.queue))
-            await _steady(ctx, watch.refresh)
+            self.watch = watch = await ctx.steady(functools.partial(transport.cancel_watch, self.queue))
+            await ctx.steady(watch.refresh)
             self.records = watch.records
             if self.runs is None:
                 self.runs = self.records
@@ -156,7 +156,7 @@ class RecordingTaskProcessor(TaskProcessor):
             return
         ctx.check_lease()
         records = self.records
-        hold = getattr(ctx, "hold_removal", None)  # HoldsRemoval (a protocol's isinstance is slow)
+        hold = ctx.hold_removal
         if hold is not None:
             # Pipelined: sent now, confirmed by the session before it removes the request (with the
             # removal of those done before it), so a result is stored before its request is gone
@@ -212,7 +212,7 @@ class RecordingTaskProcessor(TaskProcessor):
                 return
             except (Disconnected, ReplyLost):
                 ctx.check_lease()
-                await wait_connected(records.nc, _lease_left(ctx))
+                await wait_connected(records.nc, ctx.lease_remaining())
                 ctx.check_lease()
             except (ConnectionFailed, KeyqueueTimeout):
                 if time.monotonic() + pause > until:
@@ -287,7 +287,7 @@ class RecordingTaskProcessor(TaskProcessor):
 
         async def write(body: bytes, headers: Mapping[str, str]) -> None:
             ctx.check_lease()  # a run that lost its key writes no more
-            await _steady(ctx, lambda: asyncio.gather(
+            await ctx.steady(lambda: asyncio.gather(
                 *(records.put_progress(i, {**headers, H.REQUEST_ID: i}, body, ttl) for i in ids)))
 
         return ProgressKeeper(write, describe=f"request {ids[0]} (key {self.key})")
@@ -352,7 +352,7 @@ class RecordingTaskProcessor(TaskProcessor):
         """Answer ``cancelled`` on the request's cancel record, through a passing outage; a refusal is
         logged (the canceller then looks for the request itself and finds it gone)."""
         try:
-            await _steady(ctx, functools.partial(watch.write_answer, request_id, "cancelled"))
+            await ctx.steady(functools.partial(watch.write_answer, request_id, "cancelled"))
         except LeaseLost:
             raise
         except KeyqueueError as exc:
@@ -374,7 +374,7 @@ class RecordingTaskProcessor(TaskProcessor):
         state = self._run_logs.get(task.name)
         runs = self.runs
         if state is None:
-            state = await _steady(ctx, functools.partial(runs.get_runs, task.name, self.key))
+            state = await ctx.steady(functools.partial(runs.get_runs, task.name, self.key))
         while True:
             if self.watch is not None and all(self.watch.is_cancelled(r.request_id) for r in requests):
                 return  # it will not run: no wait, no slot
@@ -382,19 +382,18 @@ class RecordingTaskProcessor(TaskProcessor):
             delay = limit.wait(starts, self.clock())
             if delay > 0:
                 log.debug("task %s on key %s waits %.3fs for its rate limit %s", task.name, self.key, delay, limit)
-                pause = getattr(ctx, "pause", None) if self.sleep is asyncio.sleep else None
-                # Through the session where it can: the key stays held, its worker slot serves another key.
-                await (pause(delay) if pause is not None else self.sleep(delay))
+                # Through the session: the key stays held, its worker slot serves another key.
+                await (ctx.pause(delay) if self.sleep is asyncio.sleep else self.sleep(delay))
                 continue
             now = self.clock()
             window = [*limit.window(starts, now), now][-limit.count:]
             ctx.check_lease()
             try:
-                revision = await _steady(ctx, functools.partial(runs.put_runs, task.name, self.key, window, revision,
-                                                                limit.period + 1))
+                revision = await ctx.steady(functools.partial(runs.put_runs, task.name, self.key, window, revision,
+                                                              limit.period + 1))
             except WrongLastSequence:
                 # Another holder ran it meanwhile (or a write of ours whose reply was lost landed): read again.
-                state = await _steady(ctx, functools.partial(runs.get_runs, task.name, self.key))
+                state = await ctx.steady(functools.partial(runs.get_runs, task.name, self.key))
                 continue
             self._run_logs[task.name] = (window, revision)
             return
@@ -418,7 +417,7 @@ class RecordingTaskProcessor(TaskProcessor):
         # Cancels written while this worker was disconnected never reached its subscription: a
         # session that outlived the outage loads them again before its next request starts.
         if watch.stale():
-            await _steady(ctx, watch.refresh)
+            await ctx.steady(watch.refresh)
         flag = watch.start_run(request.request_id)
         if flag is None:
             [reply] = await self._skip(ctx, [request])
@@ -454,7 +453,7 @@ class RecordingTaskProcessor(TaskProcessor):
         if watch is None:
             return await self._batch_keeping(ctx, requests)
         if watch.stale():
-            await _steady(ctx, watch.refresh)
+            await ctx.steady(watch.refresh)
         expired = [i for i, r in enumerate(requests) if self._expired(r)]
         flags = [None if i in expired else watch.start_run(r.request_id) for i, r in enumerate(requests)]
         try:
@@ -502,19 +501,6 @@ class RecordingTaskProcessor(TaskProcessor):
             else:
                 await self._settled(ctx, request, H.STATUS_OK, reply=outcome, elapsed=elapsed)
         return outcomes
-
-
-async def _steady(ctx: SessionContext, step: Callable[[], Awaitable[T]]) -> T:
-    """``step()``, keyqueue's own idempotent NATS I/O around a run, through the session's retries
-    where the context has them (``RetriesSteps``; a test's fake context: once)."""
-    steady = getattr(ctx, "steady", None)  # a runtime protocol's isinstance is slow
-    return await (steady(step) if steady is not None else step())
-
-
-def _lease_left(ctx: RequestContext) -> float:
-    """Seconds the holder's lease has left (a context without one: a few seconds)."""
-    left = getattr(ctx, "lease_remaining", None)
-    return float(left()) if callable(left) else 5.0
 
 
 class _Failure(Exception):

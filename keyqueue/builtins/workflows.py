@@ -162,8 +162,7 @@ class _Step:
 
     async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
         """keyqueue's own idempotent I/O, again after a transient failure while the lease holds."""
-        steady = getattr(self.ctx, "steady", None)
-        return await (steady(step) if steady is not None else step())
+        return await (self.ctx.steady(step) if self.ctx is not None else step())
 
     def check_lease(self) -> None:
         if self.ctx is not None:
@@ -370,12 +369,11 @@ class _Step:
 
 async def _step_for(app: App, ref: StepRef, ctx: RequestContext | None) -> _Step | None:
     store = await store_of(app, ref.queue)
-    steady = getattr(ctx, "steady", None)
 
     async def plain(step: Callable[[], Awaitable[Any]]) -> Any:
         return await step()
 
-    plan = await _plans(app).get(store, ref.workflow_id, steady if steady is not None else plain)
+    plan = await _plans(app).get(store, ref.workflow_id, ctx.steady if ctx is not None else plain)
     if plan is None or not 0 <= ref.step < len(plan.steps):
         log.error("request of workflow %s step %d: the workflow's plan is not in %s (expired, or the stream was "
                   "deleted): nothing follows it", ref.workflow_id, ref.step, store.stream)

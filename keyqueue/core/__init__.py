@@ -10,6 +10,8 @@
   ``hand_back`` (``HandBack``: the release marker, or the slow give-back and its re-check);
   ``outage`` (``ride_out``: one NATS step tried again through an outage, within a lease or a
   deadline).
+- ``key_io``: ``KeyIO`` and ``ReconcilerIO``, what the core needs from the I/O layer (protocols that
+  ``jetstream.queue_io.QueueIO`` satisfies and unit tests' fakes implement).
 - ``lock``, ``lease``: ``KeyLock``, a lease record per key that only the server can grant, and
   ``Lease``, how long this worker may still act for a key it holds.
 - ``processor``: ``KeyProcessor``, the seam per-key code plugs into, and what it receives.

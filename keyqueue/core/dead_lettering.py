@@ -24,12 +24,12 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from keyqueue.core.key_io import KeyIO
 from keyqueue.core.lease import Lease
 from keyqueue.core.observer import DeadLetterReason
 from keyqueue.core.removals import Removals
 from keyqueue.errors import InvalidSubject, KeyqueueError
 from keyqueue.jetstream.api import StoredMsg
-from keyqueue.jetstream.queue_io import QueueIO
 from keyqueue.jetstream.subjects import validate_subject
 from keyqueue.wire import headers as H
 
@@ -44,7 +44,7 @@ class DeadLettering:
 
     __slots__ = ("_lease", "_steady", "io", "key", "removals")
 
-    def __init__(self, io: QueueIO, key: str, removals: Removals, *, lease: Callable[[], Lease],
+    def __init__(self, io: KeyIO, key: str, removals: Removals, *, lease: Callable[[], Lease],
                  steady: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]) -> None:
         self.io = io
         self.key = key

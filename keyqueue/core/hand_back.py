@@ -21,6 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
+from keyqueue.core.key_io import KeyIO
 from keyqueue.core.lease import Lease
 from keyqueue.core.lock import KeyLock
 from keyqueue.core.observer import Outcome
@@ -28,7 +29,6 @@ from keyqueue.core.outage import Deadline, ride_out
 from keyqueue.core.removals import Removals
 from keyqueue.errors import LeaseLost
 from keyqueue.jetstream.pull import Token
-from keyqueue.jetstream.queue_io import QueueIO
 
 log = logging.getLogger("keyqueue.session")
 
@@ -45,7 +45,7 @@ class HandBack:
     __slots__ = ("_cursor", "_forgive_head", "_lease", "_marker", "_recheck_later", "_steady", "_token", "ack_wait",
                  "io", "key", "lock", "removals", "republished", "task")
 
-    def __init__(self, io: QueueIO, key: str, lock: KeyLock, removals: Removals, *, lease: Callable[[], Lease],
+    def __init__(self, io: KeyIO, key: str, lock: KeyLock, removals: Removals, *, lease: Callable[[], Lease],
                  token: Callable[[], Token], cursor: Callable[[], int], marker: Callable[[], int],
                  steady: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]],
                  forgive_head: Callable[[], Awaitable[None]],

@@ -16,12 +16,12 @@ import logging
 from collections.abc import Callable
 from typing import Any, Final
 
+from keyqueue.core.key_io import KeyIO
 from keyqueue.core.lease import Lease
 from keyqueue.core.lock import KeyLock
 from keyqueue.core.outage import RETRIED
 from keyqueue.errors import Disconnected, LeaseLost, ReplyLost
 from keyqueue.jetstream.pull import Token
-from keyqueue.jetstream.queue_io import QueueIO
 
 log = logging.getLogger("keyqueue.session")
 
@@ -34,7 +34,7 @@ class LeaseKeeper:
 
     __slots__ = ("_lease", "_renewal", "_timer", "_token", "_work", "cut", "failure", "io", "key", "lock")
 
-    def __init__(self, lock: KeyLock, io: QueueIO, key: str, *, lease: Callable[[], Lease],
+    def __init__(self, lock: KeyLock, io: KeyIO, key: str, *, lease: Callable[[], Lease],
                  token: Callable[[], Token]) -> None:
         self.lock = lock
         self.io = io

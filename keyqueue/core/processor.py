@@ -75,8 +75,17 @@ BatchOutcome = Reply | BaseException | None
 """One request's outcome in ``handle_batch``: a reply, nothing, or an exception that rejects it alone."""
 
 
+HoldRemoval = Callable[[Callable[[], Awaitable[None]]], None]
+"""``hold(confirm)``: await ``confirm()`` before removing any request handled up to now
+(``RequestContext.hold_removal``)."""
+
+
 class SessionContext(Protocol):
-    """What a processor may use for the whole key session."""
+    """What a processor may use for the whole key session.
+
+    Every member is there in every context (a test's fake, a plugin's own context included): one
+    that cannot do a capability has the plain default its docstring names, so a caller never asks
+    whether a member exists (a runtime protocol's ``isinstance`` would be slow on the key's path)."""
 
     queue: str
     key: str
@@ -89,8 +98,21 @@ class SessionContext(Protocol):
     def lease_valid(self) -> bool:
         """True while this worker still owns the key."""
 
+    def lease_remaining(self) -> float:
+        """Seconds the lease has left: 0 once lost; ``math.inf`` in a context whose lease never ends
+        (the eager test mode)."""
+
     def check_lease(self) -> None:
         """Raise :class:`~keyqueue.errors.LeaseLost` unless this worker still owns the key."""
+
+    async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
+        """``await step()`` (idempotent), again after a transient NATS failure while the lease holds.
+
+        keyqueue's I/O before and after a run (cancel records, rate-limit slots, answers) is not the
+        user's code, so its transient failures must not cost an attempt: the key session runs the
+        step again after a lost connection, a lost reply or no answer, as it does its own steps,
+        until the lease ends (then ``LeaseLost``: the session ends as a lost lease, no attempt
+        charged). Plain default (no session to retry within): ``await step()`` once."""
 
     async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
         """Publish a progress message on ``kq.<queue>.progress.<key>``."""
@@ -103,34 +125,22 @@ class RequestContext(SessionContext, Protocol):
     attempt: int
     """1 for the first try, 2 for the first retry, ..."""
 
+    async def pause(self, seconds: float) -> None:
+        """Wait ``seconds`` keeping the key but lending the worker slot to another key (a rate
+        limit's wait). Plain default (no slot to lend): ``asyncio.sleep(seconds)``."""
 
-@runtime_checkable
-class HoldsRemoval(Protocol):
-    """A context whose session can hold a handled request's removal until a write of the processor's
-    has settled (the key session's context is one; a test's fake may not be).
+    @property
+    def hold_removal(self) -> HoldRemoval | None:
+        """Where the session can hold a handled request's removal until a write of the processor's has
+        settled (the key session's context), a function taking that write's confirmation; else None
+        (the unkeyed lane and the eager test mode remove nothing after the processor returns, so the
+        processor awaits its write itself before returning).
 
-    A processor that must store something before the request leaves the inbox (a kept result) sends
-    it without awaiting the reply and hands the confirmation here: the session goes on to the next
-    request at once, and awaits every held confirmation before it sends the removal (purge or delete)
-    of any request handled so far. The confirmation raises only ``LeaseLost`` (or cancellation); it
-    handles its own failures."""
-
-    def hold_removal(self, confirm: Callable[[], Awaitable[None]]) -> None:
-        """Await ``confirm()`` before removing any request handled up to now."""
-
-
-@runtime_checkable
-class RetriesSteps(Protocol):
-    """A context whose session retries a processor's own NATS steps within the lease (the key
-    session's context is one; a test's fake may not be).
-
-    keyqueue's I/O before and after a run (cancel records, rate-limit slots, answers) is not the
-    user's code, so its transient failures must not cost an attempt: the step runs again after a
-    lost connection, a lost reply or no answer, as the session's own steps do, until the lease
-    ends (then ``LeaseLost``: the session ends as a lost lease, no attempt charged)."""
-
-    async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
-        """``await step()`` (idempotent), again after a transient NATS failure while the lease holds."""
+        A processor that must store something before the request leaves the inbox (a kept result)
+        sends it without awaiting the reply and hands the confirmation here: the session goes on to
+        the next request at once, and awaits every held confirmation before it sends the removal
+        (purge or delete) of any request handled so far. The confirmation raises only ``LeaseLost``
+        (or cancellation); it handles its own failures."""
 
 
 @runtime_checkable

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from keyqueue.core.key_io import ReconcilerIO
 from keyqueue.core.lock import KeyLock, StaleRecordWatch
 from keyqueue.errors import KeyqueueError, LeaseLost
-from keyqueue.jetstream.queue_io import QueueIO
 
 log = logging.getLogger("keyqueue.reconciler")
 
@@ -23,7 +23,7 @@ log = logging.getLogger("keyqueue.reconciler")
 class Reconciler:
     """Schedules stranded keys of one queue, once or on an interval."""
 
-    def __init__(self, io: QueueIO, *, interval: float = 30.0, worker: str = "") -> None:
+    def __init__(self, io: ReconcilerIO, *, interval: float = 30.0, worker: str = "") -> None:
         self.io = io
         self.interval = interval
         self.worker = worker

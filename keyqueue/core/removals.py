@@ -22,9 +22,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
+from keyqueue.core.key_io import KeyIO
 from keyqueue.core.lease import Lease
 from keyqueue.core.outage import RETRIED
-from keyqueue.jetstream.queue_io import QueueIO
 
 log = logging.getLogger("keyqueue.session")
 
@@ -47,7 +47,7 @@ class Removals:
     __slots__ = ("_beside", "_cursor", "_in_hand", "_lease", "_steady", "_timer", "deletes", "io", "key", "owed",
                  "purged_through", "unpurged")
 
-    def __init__(self, io: QueueIO, key: str, *, lease: Callable[[], Lease], cursor: Callable[[], int],
+    def __init__(self, io: KeyIO, key: str, *, lease: Callable[[], Lease], cursor: Callable[[], int],
                  in_hand: Callable[[], int], steady: Steady) -> None:
         self.io = io
         self.key = key

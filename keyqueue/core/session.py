@@ -37,6 +37,7 @@ from typing import Any, Final, TypeVar
 
 from keyqueue.core.dead_lettering import DeadLettering
 from keyqueue.core.hand_back import FAILED_SESSION_DELAY, HandBack
+from keyqueue.core.key_io import KeyIO
 from keyqueue.core.lease import Lease
 from keyqueue.core.lease_keeper import LeaseKeeper
 from keyqueue.core.lock import KeyLock
@@ -58,7 +59,7 @@ from keyqueue.errors import (
 )
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
-from keyqueue.jetstream.queue_io import QueueIO, Watch
+from keyqueue.jetstream.queue_io import Watch
 from keyqueue.wire import headers as H
 
 log = logging.getLogger("keyqueue.session")
@@ -120,11 +121,11 @@ class _Context:
         self._session.lease.check()
 
     def hold_removal(self, confirm: Callable[[], Awaitable[None]]) -> None:
-        """Await ``confirm()`` before any removal of the requests handled so far (``HoldsRemoval``)."""
+        """Await ``confirm()`` before any removal of the requests handled so far (``RequestContext.hold_removal``)."""
         self._session.removals.hold(confirm)
 
     async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
-        """A processor's own NATS step, retried within the lease as the session's are (``RetriesSteps``)."""
+        """A processor's own NATS step, retried within the lease as the session's are (``SessionContext.steady``)."""
         return await self._session._steady(step)
 
     async def pause(self, seconds: float) -> None:
@@ -177,7 +178,7 @@ class KeySession:
         "worker",
     )
 
-    def __init__(self, io: QueueIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
+    def __init__(self, io: KeyIO, token: Token, factory: ProcessorFactory, settings: SessionSettings, *,
                  observer: SessionObserver, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
                  worker: str = "", turns: Turns | None = None, idle: dict[str, KeySession] | None = None,
                  recheck_later: Callable[[Token, int], None] | None = None, slots: Slots | None = None,

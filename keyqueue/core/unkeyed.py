@@ -45,6 +45,7 @@ import datetime as dt
 import functools
 import inspect
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ from keyqueue.core.dead_lettering import answerable, dead_letter_reasons
 from keyqueue.core.lease import Lease
 from keyqueue.core.observer import DeadLetterReason, RequestAttempt, SessionObserver
 from keyqueue.core.outage import RETRIED, Deadline, ride_out
-from keyqueue.core.processor import CloseReason, KeyProcessor, ProcessorFactory, Reply, Request
+from keyqueue.core.processor import CloseReason, HoldRemoval, KeyProcessor, ProcessorFactory, Reply, Request
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.slots import Slots
 from keyqueue.errors import InvalidSubject, KeyqueueError, LeaseLost, Reject, WireError
@@ -95,6 +96,9 @@ class _Run:
 
     __slots__ = ("_log", "_stored", "attempt", "fencing", "item", "key", "lane", "lease", "lost", "next_keepalive",
                  "queue", "request_id", "task")
+
+    hold_removal: HoldRemoval | None = None
+    """The request is acked once its processor returns: a write it owes is awaited by the processor."""
 
     def __init__(self, lane: UnkeyedLane, item: WorkItem) -> None:
         self.lane = lane
@@ -139,7 +143,7 @@ class _Run:
 
     async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
         """``await step()`` (idempotent), again after a transient NATS failure while the lease holds
-        (``RetriesSteps``): keyqueue's own I/O around a run costs no attempt."""
+        (``SessionContext.steady``): keyqueue's own I/O around a run costs no attempt."""
         return await ride_out(step, self.lease, self.lane.io.queue_io)
 
     async def pause(self, seconds: float) -> None:
@@ -181,6 +185,9 @@ class _LaneContext:
         """A processor's own step at open (loading the cancel records), again after a lost connection."""
         return await ride_out(step, Deadline(OPEN_PATIENCE, "opening the unkeyed lane's processor"),
                               self.lane.io.queue_io)
+
+    def lease_remaining(self) -> float:
+        return math.inf  # the lane holds no key: nothing to lose while it opens or closes
 
     async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
         await self.lane.io.progress(data, headers)

@@ -126,6 +126,21 @@ def batch_read(replies: list[Msg]) -> tuple[list[StoredMsg], bool]:
     return msgs, more
 
 
+def head_runs_added(record: StoredMsg | None, seq: int, *, runs: int = 0, killed: int = 0) -> tuple[int, int, bytes]:
+    """The crash-loop counts of the key's head request ``seq`` once ``runs`` and ``killed`` are added to
+    those of its head record ``record`` (none, unreadable, or another request's: they start over),
+    and the body of the record that stores them (:meth:`QueueIO.add_head_runs`)."""
+    try:
+        last = json.loads(record.data) if record is not None else {}
+    except ValueError:
+        last = {}
+    same = isinstance(last, dict) and last.get("seq") == seq
+    new_runs = (int(last.get("runs", 0)) if same else 0) + runs
+    new_killed = (int(last.get("killed", 0)) if same else 0) + killed
+    body = json.dumps({"seq": seq, "runs": new_runs, "killed": new_killed}, separators=(",", ":")).encode()
+    return new_runs, new_killed, body
+
+
 class QueueIO:
     """The NATS side of key sessions for one queue."""
 
@@ -385,14 +400,7 @@ class QueueIO:
         stopped. Returns both counts. Raises ``WrongLastSequence`` if another write came first."""
         subject = self.names.head(key)
         record = await self.last_record(subject)
-        try:
-            last = json.loads(record.data) if record is not None else {}
-        except ValueError:
-            last = {}
-        same = isinstance(last, dict) and last.get("seq") == seq
-        new_runs = (int(last.get("runs", 0)) if same else 0) + runs
-        new_killed = (int(last.get("killed", 0)) if same else 0) + killed
-        body = json.dumps({"seq": seq, "runs": new_runs, "killed": new_killed}, separators=(",", ":")).encode()
+        new_runs, new_killed, body = head_runs_added(record, seq, runs=runs, killed=killed)
         await self.compare_and_set(subject, record.seq if record is not None else 0, body, HEAD_TTL)
         return new_runs, new_killed
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Self
+from typing import Self, TypeVar
 
 import pytest
 from rebaser_harness import InProcessRebaser, dvu_events
@@ -29,6 +30,7 @@ from keyqueue_rebaser.state import ChangeSetState
 from keyqueue_rebaser.workload import ChangeSetModel, compare, setup_updates
 
 ACK_WAIT = 5.0
+T = TypeVar("T")
 
 
 async def test_updates_apply_and_a_dvu_covers_them(nats_url: str, client: RebaserClient) -> None:
@@ -179,11 +181,22 @@ class FakeContext:
         self.request_id, self.attempt = "", 1
         self.log = logging.LoggerAdapter(logging.getLogger("test"), {})
 
+    hold_removal = None
+
     def lease_valid(self) -> bool:
         return True
 
+    def lease_remaining(self) -> float:
+        return float("inf")
+
     def check_lease(self) -> None:
         return None
+
+    async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
+        return await step()
+
+    async def pause(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
 
     async def progress(self, data: bytes, headers: object = None) -> None:
         return None

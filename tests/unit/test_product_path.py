@@ -7,11 +7,13 @@ chosen to reach every branch, so an optimisation that changes behaviour fails he
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import math
 import random
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import cbor2
 import pytest
@@ -28,6 +30,9 @@ from keyqueue.plugins.manager import PluginManager
 from keyqueue.tasks.arguments import ArgumentCodec
 from keyqueue.wire import CONTENT_TYPES, Envelope, peek
 from keyqueue.wire import headers as H
+
+T = TypeVar("T")
+
 
 # --- peek ------------------------------------------------------------------------------------------
 
@@ -151,12 +156,22 @@ class Ctx:
     queue, key, fencing, attempt = "shop", "k1", (1, 1), 1
     request_id = "01J1"
     log: Any = None
+    hold_removal = None
 
     def lease_valid(self) -> bool:
         return True
 
+    def lease_remaining(self) -> float:
+        return math.inf
+
     def check_lease(self) -> None:
         return None
+
+    async def steady(self, step: Callable[[], Awaitable[T]]) -> T:
+        return await step()
+
+    async def pause(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
 
     async def progress(self, data: bytes, headers: Mapping[str, str] | None = None) -> None:
         return None

@@ -10,14 +10,13 @@ import asyncio
 import json
 import logging
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
 from keyqueue.core.reconciler import Reconciler
 from keyqueue.errors import KeyqueueError, KeyqueueTimeout, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
-from keyqueue.jetstream.queue_io import QueueIO
 from keyqueue.jetstream.subjects import QueueNames
 
 ROLE = "kq.q.role.reconciler"
@@ -29,7 +28,10 @@ def server_now() -> str:
 
 
 class FakeQueue:
-    """The queue as the reconciler sees it: its subjects, token publishes and lease records."""
+    """The queue as the reconciler sees it (a :class:`~keyqueue.core.key_io.ReconcilerIO`): its
+    subjects, token publishes and lease records."""
+
+    closed = False
 
     def __init__(self, requests: dict[str, int] | None = None, tokens: set[str] | None = None) -> None:
         self.names = QueueNames("q")
@@ -81,6 +83,9 @@ class FakeQueue:
         self.removed.append(seq)
         self.records = {s: r for s, r in self.records.items() if r.seq != seq}
 
+    async def wait_connected(self, timeout: float) -> bool:
+        return True
+
     def put(self, subject: str, body: bytes, timestamp: str) -> StoredMsg:
         self.seq += 1
         self.records[subject] = StoredMsg(subject, self.seq, {}, body, timestamp)
@@ -92,7 +97,7 @@ class FakeQueue:
 
 
 def reconciler(queue: FakeQueue, worker: str = "w1", interval: float = 30.0) -> Reconciler:
-    return Reconciler(cast(QueueIO, queue), interval=interval, worker=worker)
+    return Reconciler(queue, interval=interval, worker=worker)
 
 
 class Stop(Exception):

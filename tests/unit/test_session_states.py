@@ -1,4 +1,4 @@
-"""The key session's state changes, and what it tells its observer, against a fake QueueIO.
+"""The key session's state changes, and what it tells its observer, against a fake ``KeyIO``.
 
 Pure logic: the fake keeps a key's inbox and lease records in memory and records every write
 the session makes. That the protocol works against NATS is proven by the integration tests
@@ -11,9 +11,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, cast
+from typing import Any
 
 import pytest
+from nats.aio.msg import Msg
 
 from keyqueue.core import removals as removals_module
 from keyqueue.core.observer import KeyHold, NullObserver, Outcome, RequestAttempt, SessionEnd
@@ -24,7 +25,7 @@ from keyqueue.core.session import KeySession, SessionSettings
 from keyqueue.errors import KeyqueueTimeout, Reject, ReplyLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 from keyqueue.jetstream.pull import Token
-from keyqueue.jetstream.queue_io import QueueIO, Watch
+from keyqueue.jetstream.queue_io import HEAD_TTL, Watch, head_runs_added
 from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.wire import headers as H
 
@@ -39,7 +40,9 @@ def stored(seq: int, body: bytes, message_type: str = "Work", reply: bool = Fals
 
 
 class FakeIO:
-    """One key's inbox and the queue's lease stream in memory; ``writes`` lists what the session sent."""
+    """One key's inbox and the queue's lease stream in memory; ``writes`` lists what the session sent.
+
+    A :class:`~keyqueue.core.key_io.KeyIO` (mypy checks it where a session is built below)."""
 
     direct = False
     """Reads are answered by :meth:`read` (a session sends its first read as a task, as on a replicated inbox)."""
@@ -61,6 +64,12 @@ class FakeIO:
         found = [self.inbox[s] for s in sorted(self.inbox) if s >= from_seq]
         return found[:limit], len(found) > limit
 
+    async def send_read(self, key: str, from_seq: int, limit: int) -> asyncio.Future[list[Msg]]:
+        raise AssertionError("direct gets only (this inbox is read with read)")
+
+    async def read_reply(self, key: str, sent: asyncio.Future[list[Msg]]) -> tuple[list[StoredMsg], bool]:
+        raise AssertionError("direct gets only (this inbox is read with read)")
+
     async def next_request(self, key: str, from_seq: int, *, requests_only: bool = False) -> StoredMsg | None:
         return next((self.inbox[s] for s in sorted(self.inbox) if s >= from_seq), None)
 
@@ -74,16 +83,16 @@ class FakeIO:
         self.writes.append(("delete", seq))
         self.inbox.pop(seq, None)
 
-    async def purge_soon(self, key: str, seq: int) -> asyncio.Future[None]:
+    async def purge_soon(self, key: str, seq: int) -> asyncio.Future[list[Msg]]:
         await self.purge_through(key, seq)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        done.set_result(None)
+        done: asyncio.Future[list[Msg]] = asyncio.get_running_loop().create_future()
+        done.set_result([])
         return done
 
-    async def settle(self, futures: Sequence[asyncio.Future[None]]) -> None:
+    async def settle(self, futures: Sequence[asyncio.Future[list[Msg]]]) -> None:
         return None
 
-    def confirmed(self, future: asyncio.Future[None]) -> bool:
+    def confirmed(self, future: asyncio.Future[list[Msg]]) -> bool:
         return future.done()
 
     async def purge_through(self, key: str, seq: int) -> int:
@@ -94,11 +103,18 @@ class FakeIO:
         return len(gone)
 
     # outputs
-    async def dead_letter(self, key: str, msg: StoredMsg, headers: Mapping[str, str]) -> None:
+    async def mark_released(self, key: str, last_seq: int, timeout: float | None = None) -> bool:
+        raise AssertionError("no release markers here (release_markers is False)")
+
+    async def dead_letter(self, key: str, msg: StoredMsg, headers: Mapping[str, str], *,
+                          dedupe: str | None = None) -> None:
         self.writes.append(("dead_letter", msg.seq, headers[H.DLQ_REASON]))
 
     async def reply(self, inbox: str, headers: Mapping[str, str], body: bytes) -> None:
         self.writes.append(("reply", inbox, headers[H.STATUS]))
+
+    async def progress(self, key: str, body: bytes, headers: Mapping[str, str] | None = None) -> None:
+        self.writes.append(("progress", body))
 
     # lease records
     async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
@@ -116,7 +132,11 @@ class FakeIO:
         return self.records.get(subject)
 
     async def add_head_runs(self, key: str, seq: int, *, runs: int = 0, killed: int = 0) -> tuple[int, int]:
-        return await QueueIO.add_head_runs(cast(QueueIO, self), key, seq, runs=runs, killed=killed)
+        subject = self.names.head(key)
+        record = await self.last_record(subject)
+        new_runs, new_killed, body = head_runs_added(record, seq, runs=runs, killed=killed)
+        await self.compare_and_set(subject, record.seq if record is not None else 0, body, HEAD_TTL)
+        return new_runs, new_killed
 
     async def remove_record(self, seq: int) -> None:
         for subject, record in list(self.records.items()):
@@ -241,7 +261,7 @@ def token(delivered: int = 1) -> Token:
 def session(io: FakeIO, processor: BaseProcessor, steps: Steps, *, delivered: int = 1,
             draining: asyncio.Event | None = None, ack_wait: float = 5.0) -> KeySession:
     settings = SessionSettings(ack_wait=ack_wait, linger=0.0)
-    return KeySession(cast(QueueIO, io), token(delivered), lambda key: processor, settings, observer=steps,
+    return KeySession(io, token(delivered), lambda key: processor, settings, observer=steps,
                       draining=draining or asyncio.Event(), worker="w1")
 
 
@@ -382,7 +402,7 @@ async def test_a_lease_lost_while_waiting_for_requests_ends_the_wait_and_the_ses
             closed.append(reason)
 
     settings = SessionSettings(ack_wait=0.3, linger=60.0)  # the renewal, not the linger, ends it
-    s = KeySession(cast(QueueIO, io), token(), lambda key: Steals(steps), settings, observer=steps,
+    s = KeySession(io, token(), lambda key: Steals(steps), settings, observer=steps,
                    draining=asyncio.Event(), worker="w1")
     async with asyncio.timeout(5):
         assert await s.run() is Outcome.LEASE_LOST
@@ -403,7 +423,7 @@ async def test_a_drain_ends_a_session_waiting_for_requests_at_once() -> None:
     steps = Steps()
     draining = asyncio.Event()
     settings = SessionSettings(ack_wait=30.0, linger=60.0)  # the drain, not the linger, ends it
-    s = KeySession(cast(QueueIO, io), token(), lambda key: Handles(steps), settings, observer=steps,
+    s = KeySession(io, token(), lambda key: Handles(steps), settings, observer=steps,
                    draining=draining, worker="w1")
     task = asyncio.ensure_future(s.run())
     await watching.wait()  # the request ran; the session waits for the next one, or is about to
@@ -510,9 +530,9 @@ class Outage(FakeIO):
         self._maybe_fail("release_token")
         await super().release_token(token, timeout)
 
-    async def next_request(self, key: str, from_seq: int) -> StoredMsg | None:
+    async def next_request(self, key: str, from_seq: int, *, requests_only: bool = False) -> StoredMsg | None:
         self._maybe_fail("next_request")
-        return await super().next_request(key, from_seq)
+        return await super().next_request(key, from_seq, requests_only=requests_only)
 
     async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
                               timeout: float | None = None) -> int:
@@ -639,17 +659,22 @@ async def test_a_removal_waits_for_the_purge_beside_the_work_that_still_confirms
 
     io.purge_through = recording_purge  # type: ignore[method-assign]
 
+    async def first_confirmed() -> None:
+        await first_kept.wait()
+
     class Keeps(Handles):
         async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+            hold = ctx.hold_removal
+            assert hold is not None, "a key session's context holds removals"
             if request.seq == 1:
-                ctx.hold_removal(first_kept.wait)  # type: ignore[attr-defined]
+                hold(first_confirmed)
             else:
                 await asyncio.sleep(removals_module.PURGE_WINDOW * 20)  # request 1's purge goes out beside it
 
                 async def kept() -> None:
                     return None
 
-                ctx.hold_removal(kept)  # type: ignore[attr-defined]
+                hold(kept)
                 second_done.set()
             return None
 
