@@ -80,6 +80,10 @@ handler's (a body on a lost lease ends with its process). The bound of a fault e
 - a longer one: ``max(f1 + resume, f0 + moved_after_loss)``;
 - ``net-latency``, ``net-bandwidth`` and ``drain``: none (reported, never failing).
 
+If the key's holder's process ended after ``f0`` and before the key moved (its loop watchdog or its
+lease alarm ended it, under this fault or one before it), the bound is at least that death plus
+``moved_after_loss``: its keys move once their leases end, which no fault can hasten.
+
 A hand-off is *alone* when no other fault began after its fault and before the key moved. One
 past its bound fails the run only if it is alone: otherwise its time may be another fault's (a
 soak of a fault a second compounds them), and it is reported, counted apart, but not failed.
@@ -565,7 +569,11 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
         strands.append(Strand(key, tag, seconds, t_stored, started, longest))
     strands.sort(key=lambda s: -s.seconds)
 
-    handoffs = _handoffs(faults, holds_by_key, stored, first_start, starts, bounds, end_of_log, busy or {})
+    deaths: dict[str, list[float]] = defaultdict(list)
+    for r in ordered:
+        if r.get("kind") in PROCESS_ENDS:
+            deaths[str(r.get("w"))].append(float(r["t"]))
+    handoffs = _handoffs(faults, holds_by_key, stored, first_start, starts, bounds, end_of_log, busy or {}, deaths)
     by_kind: dict[str, list[float]] = defaultdict(list)
     for handoff in handoffs:
         by_kind[handoff.fault].append(handoff.seconds if handoff.seconds is not None
@@ -596,7 +604,8 @@ def _tokens_with_the_unavailable(ordered: Sequence[Record], stopped_by: Mapping[
 def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
               stored: Mapping[tuple[str, str], float], first_start: Mapping[tuple[str, str], float],
               starts: Mapping[str, Sequence[float]], bounds: LivenessBounds | None,
-              end_of_log: float, busy: Mapping[str, Sequence[Interval]]) -> list[Handoff]:
+              end_of_log: float, busy: Mapping[str, Sequence[Interval]],
+              deaths: Mapping[str, Sequence[float]] | None = None) -> list[Handoff]:
     latest_stored: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for (key, tag), t in stored.items():
         latest_stored[key].append((t, tag))
@@ -608,8 +617,9 @@ def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
         if f.kind == "paused":
             continue  # a pause is measured under the process fault that caused it
         for key, key_holds in holds_by_key.items():
-            if not any((f.target is None or h.w == f.target) and h.start <= f.start <= h.end
-                       for h in key_holds.meeting(f.start, f.start)):
+            holders = [h.w for h in key_holds.meeting(f.start, f.start)
+                       if (f.target is None or h.w == f.target) and h.start <= f.start <= h.end]
+            if not holders:
                 continue
             entries = latest_stored.get(key, [])
             i = bisect.bisect_right(entries, (f.start, "\uffff"))
@@ -624,8 +634,15 @@ def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
             moved = max(0.0, key_starts[j] - begin) if j < len(key_starts) else None
             until = key_starts[j] if j < len(key_starts) else end_of_log
             others = bisect.bisect_right(fault_starts, until) - bisect.bisect_right(fault_starts, f.start)
+            bound = _bound(f, bounds)
+            # The holder's process ended after the fault began (its loop watchdog or lease alarm
+            # ended it, under this fault or another): its keys move once their leases end, which
+            # the fault cannot hasten. They are owed that from the death (the kill-9 bound).
+            died = min((t for w in holders for t in (deaths or {}).get(w, ()) if f.start < t <= until), default=None)
+            if died is not None and bound is not None and bounds is not None:
+                bound = max(bound, died - f.start + bounds.moved_after_loss)
             found.append(Handoff(f.kind, f.fault_id, f.target or "*", key, f.start, f.end, moved,
-                                 _bound(f, bounds), alone=others == 0))
+                                 bound, alone=others == 0))
     return found
 
 

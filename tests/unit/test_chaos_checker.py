@@ -404,6 +404,28 @@ def test_a_holder_that_reconnects_within_its_lease_must_resume_within_the_bound(
     assert slowed.ok and slowed.liveness is not None and slowed.liveness.handoffs[0].seconds == 7.0
 
 
+def test_a_holder_that_dies_during_a_server_fault_is_owed_its_lease_from_the_death() -> None:
+    # w1 holds k with b pending when the inbox's leader steps down at 2 (over by 2.1); w1's own lease
+    # alarm ends it at 2.2 (another fault had slowed it): k moves when w1's lease has ended, after the
+    # stepdown's bound (2.1 + 2) but within the kill bound from the death (2.2 + 3).
+    def log(next_start: float, died: bool = True) -> list[dict[str, Any]]:
+        return [ready("w1", 0.0), ready("w2", 0.0), event("acquired", "w1", 1.0, "k"), *run("w1", "k", "a", 1.1, 1.2),
+                stored(1.5, "k", "b"), fault(2.0, "stepdown-inbox", None, 1), fault_end(2.1, 1),
+                *([rec("exited", "w1", 2.2)] if died else []),
+                *session("w2", "k", "b", next_start - 0.1, next_start, next_start + 0.1, next_start + 0.2)]
+
+    verdict = check(log(5.1), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert verdict.ok, verdict.summary()
+    assert verdict.liveness is not None
+    [handoff] = verdict.liveness.handoffs
+    assert (handoff.fault, round(handoff.seconds or 0, 6), round(handoff.bound or 0, 6)) == ("stepdown-inbox", 3.1, 3.2)
+    late = check(log(5.5), {"k": ["a", "b"]}, bounds=BOUNDS)  # past the death's bound too
+    assert late.liveness is not None and not late.ok
+    # A holder that lives must resume within the stepdown's own bound.
+    alive = check(log(4.5, died=False), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert alive.liveness is not None and not alive.ok
+
+
 def test_a_token_swallowed_by_a_stopped_workers_pull_is_no_strand() -> None:
     # w2 is paused from 1 to 4; k's token, published at 1.5, went to w2's pull and came back a lease
     # later (delivered 2), so w1, free all along, took k only at 4.
