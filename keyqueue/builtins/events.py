@@ -32,7 +32,7 @@ import os
 import time
 import weakref
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -154,20 +154,20 @@ class _AppEvents:
     async def publish(self, body: dict[str, Any]) -> None:
         await self.publish_many(body["queue"], [body])
 
-    async def publish_one(self, queue: str, body: dict[str, Any]) -> None:
-        """Keep an event already sampled with its key's others (:meth:`add`), on the path every request takes."""
+    def publish_one(self, queue: str, body: dict[str, Any]) -> Awaitable[None] | None:
+        """Keep an event already sampled with its key's others (:meth:`add`), on the path every request
+        takes; returns the send to await when one is due (None: kept, nothing to await)."""
         if self._nc is None or queue not in self.ensured or self.app._eager is not None:
-            await self.publish_many(queue, [body])
-            return
-        await self.add(queue, body)
+            return self.publish_many(queue, [body])
+        return self.add(queue, body)
 
-    async def add(self, queue: str, body: dict[str, Any]) -> None:
+    def add(self, queue: str, body: dict[str, Any]) -> Awaitable[None] | None:
         """Keep ``body`` with the other events of its key; send them when the key is given back, when
-        :data:`BATCH_MAX` wait, or :data:`FLUSH_AFTER` after the first (a queue-wide event: now)."""
+        :data:`BATCH_MAX` wait, or :data:`FLUSH_AFTER` after the first (a queue-wide event: now).
+        Returns the send to await when one is due: most events are only kept, with no coroutine."""
         key = body["key"]
         if key is None:
-            await self._send(queue, None, [body])
-            return
+            return self._send(queue, None, [body])
         kept = self._kept.get((queue, key))
         if kept is None:
             kept = self._kept[queue, key] = []
@@ -177,7 +177,8 @@ class _AppEvents:
         kept.append(body)
         if len(kept) >= BATCH_MAX or body["event"] == "released":
             del self._kept[queue, key], self._since[queue, key]
-            await self._send(queue, key, kept)
+            return self._send(queue, key, kept)
+        return None
 
     def _flush_soon(self) -> None:
         self._timer = None
@@ -284,17 +285,20 @@ def _of(app: App) -> _AppEvents:
     return state
 
 
-async def _emit(worker: Worker, name: str, queue: str, key: str | None, request_id: str | None = None,
-                task: str | None = None, attempt: int | None = None, wait: float | None = None,
-                run: float | None = None, reason: str | None = None, fence: int | None = None,
-                delay: float | None = None) -> None:
+def _emit(worker: Worker, name: str, queue: str, key: str | None, request_id: str | None = None,
+          task: str | None = None, attempt: int | None = None, wait: float | None = None,
+          run: float | None = None, reason: str | None = None, fence: int | None = None,
+          delay: float | None = None) -> Awaitable[None] | None:
+    """Keep (or send) one event of a worker; returns the send to await when one is due. Not a
+    coroutine: this runs several times per request, and most events are only kept."""
     state = _APPS.get(worker.app) or _of(worker.app)
     if state.on and (state.rate >= 1.0 or sampled(request_id or key, state.rate)):
-        # event() with its checks, spelt out: this runs several times per request.
-        await state.publish_one(queue, {"event": name, "ts": time.time(), "queue": queue, "key": key,
-                             "request_id": request_id, "task": task, "worker": worker.name, "attempt": attempt,
-                             "wait": wait, "run": run, "reason": reason, "triggers": None, "run_id": None,
-                             "fence": fence, "delay": delay})
+        # event() with its checks, spelt out.
+        return state.publish_one(queue, {"event": name, "ts": time.time(), "queue": queue, "key": key,
+                                 "request_id": request_id, "task": task, "worker": worker.name, "attempt": attempt,
+                                 "wait": wait, "run": run, "reason": reason, "triggers": None, "run_id": None,
+                                 "fence": fence, "delay": delay})
+    return None
 
 
 async def publish(app: App, body: dict[str, Any]) -> None:
@@ -378,23 +382,24 @@ def keyqueue_worker_stopping(worker: Worker) -> Any:
 
 
 @hookimpl(trylast=True)
-async def keyqueue_key_acquired(worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> None:
-    await _emit(worker, "acquired", queue, key, fence=fencing[0] or None)
+def keyqueue_key_acquired(worker: Worker, queue: str, key: str,
+                          fencing: tuple[int, int]) -> Awaitable[None] | None:
+    return _emit(worker, "acquired", queue, key, fence=fencing[0] or None)
 
 
 @hookimpl(trylast=True)
-async def keyqueue_key_released(worker: Worker, queue: str, key: str, outcome: str) -> None:
-    await _emit(worker, "released", queue, key, reason=outcome)
+def keyqueue_key_released(worker: Worker, queue: str, key: str, outcome: str) -> Awaitable[None] | None:
+    return _emit(worker, "released", queue, key, reason=outcome)
 
 
 @hookimpl(trylast=True)
-async def keyqueue_request_started(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                                   attempt: int, enqueued_at: float | None) -> None:
+def keyqueue_request_started(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                             attempt: int, enqueued_at: float | None) -> Awaitable[None] | None:
     # From the stored message's timestamp, never from the request id: a caller's own id, or a
     # backfill's hash, says nothing of when the request was stored.
     wait = max(0.0, time.time() - enqueued_at) if enqueued_at is not None else None
-    await _emit(worker, "started", queue, key, request_id=request_id, task=message_type, attempt=attempt,
-                wait=wait)
+    return _emit(worker, "started", queue, key, request_id=request_id, task=message_type, attempt=attempt,
+                 wait=wait)
 
 
 @hookimpl(trylast=True)
@@ -407,32 +412,32 @@ def keyqueue_request_failed(request_id: str, elapsed: float) -> None:
 
 
 @hookimpl(trylast=True)
-async def keyqueue_request_retried(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                                   attempt: int, delay: float, error: str) -> None:
-    await _emit(worker, "retried", queue, key, request_id=request_id, task=message_type, attempt=attempt,
-                reason=error, delay=delay)
+def keyqueue_request_retried(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                             attempt: int, delay: float, error: str) -> Awaitable[None] | None:
+    return _emit(worker, "retried", queue, key, request_id=request_id, task=message_type, attempt=attempt,
+                 reason=error, delay=delay)
 
 
 @hookimpl(trylast=True)
-async def keyqueue_request_succeeded(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                                     elapsed: float) -> None:
+def keyqueue_request_succeeded(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                               elapsed: float) -> Awaitable[None] | None:
     _RUNS.pop(request_id, None)
-    await _emit(worker, "succeeded", queue, key, request_id=request_id, task=message_type, run=elapsed)
+    return _emit(worker, "succeeded", queue, key, request_id=request_id, task=message_type, run=elapsed)
 
 
 @hookimpl(trylast=True)
-async def keyqueue_request_superseded(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                                      superseded_by: str) -> None:
+def keyqueue_request_superseded(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                                superseded_by: str) -> Awaitable[None] | None:
     _RUNS.pop(request_id, None)
-    await _emit(worker, "superseded", queue, key, request_id=request_id, task=message_type,
-                reason=superseded_reason(superseded_by))
+    return _emit(worker, "superseded", queue, key, request_id=request_id, task=message_type,
+                 reason=superseded_reason(superseded_by))
 
 
 @hookimpl(trylast=True)
-async def keyqueue_request_dead_lettered(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                                         reason: str, attempts: int, error: str) -> None:
-    await _emit(worker, "dead_lettered", queue, key, request_id=request_id, task=message_type, attempt=attempts,
-                run=_RUNS.pop(request_id, None), reason=reason)
+def keyqueue_request_dead_lettered(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                                   reason: str, attempts: int, error: str) -> Awaitable[None] | None:
+    return _emit(worker, "dead_lettered", queue, key, request_id=request_id, task=message_type, attempt=attempts,
+                 run=_RUNS.pop(request_id, None), reason=reason)
 
 
 @hookimpl(trylast=True)

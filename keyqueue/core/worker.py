@@ -30,7 +30,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, ParamSpec
 
@@ -205,10 +205,11 @@ class QueueWorker:
 
     # --- tokens ----------------------------------------------------------------------------------
 
-    async def _on_token(self, token: Token) -> None:
+    def _on_token(self, token: Token) -> Awaitable[None] | None:
         # A token is a scheduling hint: whoever acts on it must first acquire the key's lease
         # record (core/lock.py), so even a token that sat in a buffer while this process was
-        # paused is safe to act on.
+        # paused is safe to act on. Called from the connection's read loop (jetstream/pull.py):
+        # it starts the key's session and returns; only a hand-back is left to await.
         self._tokens_pending = token.pending
         self.report.token_received(self.config.name, token.key, token.delivered)
         held = self._held.get(token.key)
@@ -218,14 +219,12 @@ class QueueWorker:
                 # The server redelivered the token of a key this worker holds (a keepalive came
                 # late): the session carries on under its lease record with the newer delivery.
                 log.info("key %s: token redelivered to its holder; the session continues with it", token.key)
-                return
+                return None
             # Our session is closing (it acked the token, found a request at its re-check and
             # scheduled the key again) or lost its lease: start after it has finished.
             previous = self.sessions.get(token.key)
         if self.draining.is_set() or self._tg is None:
-            with contextlib.suppress(KeyqueueError):
-                await self.io.nak(token)
-            return
+            return self._hand_back(token)
         session = KeySession(self.io, token, self.factory, self.settings, observer=self.report,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name,
                              turns=self.turns, idle=self._idle, recheck_later=self.recheck_later, slots=self.slots,
@@ -235,6 +234,12 @@ class QueueWorker:
         self._held[token.key] = session
         if token.pending > self.free_slots():
             self._make_room(token.pending - self.free_slots())
+        return None
+
+    async def _hand_back(self, token: Token) -> None:
+        """A token that came while draining (or before the sessions could start) goes back at once."""
+        with contextlib.suppress(KeyqueueError):
+            await self.io.nak(token)
 
     async def _on_pinned(self, pin_id: str | None) -> None:
         was, self.pinned = self.pinned, pin_id

@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from keyqueue.errors import ConsumerNotFound, KeyqueueError
 from keyqueue.jetstream.api import DESCRIPTION, STATUS, JetStreamApi
 from keyqueue.jetstream.connect import CONNECTION_DOWN
+from keyqueue.jetstream.mux import SyncDispatch
 from keyqueue.jetstream.subjects import QueueNames
 
 log = logging.getLogger("keyqueue.pull")
@@ -181,7 +182,7 @@ class TokenPuller:
     """What a worker holds by them, for log lines."""
 
     def __init__(self, nc: Client, names: QueueNames, *, capacity: Callable[[], int],
-                 on_token: Callable[[Token], Awaitable[None]], options: PullOptions | None = None,
+                 on_token: Callable[[Token], Awaitable[None] | None], options: PullOptions | None = None,
                  on_pinned: Callable[[str | None], Awaitable[None]] | None = None,
                  clock: Callable[[], float] = time.monotonic, stream: str | None = None) -> None:
         self.nc = nc
@@ -213,6 +214,8 @@ class TokenPuller:
         self._no_responders_logged = -2 * NO_RESPONDERS_LOG_INTERVAL
         self._retry_at = 0.0
         """No pull before this time (on ``clock``): set while the consumer answers 503."""
+        self._tasks: set[asyncio.Future[Any]] = set()
+        """What deliveries handled from the read loop left to await, while it runs."""
 
     def wake(self) -> None:
         """Call when a slot frees up (or anything else changes what should be requested)."""
@@ -331,9 +334,38 @@ class TokenPuller:
         async def on_msg(msg: Msg) -> None:
             await self._on_msg(msg, generation)
 
-        return await self.nc.subscribe(self._inbox + ".*", cb=on_msg)
+        sub = await self.nc.subscribe(self._inbox + ".*", cb=on_msg)
+        if self.sync_delivery:
+            # Each delivery is handled from the connection's read loop (jetstream/mux.py's
+            # SyncDispatch): no queue entry, task wake-up or coroutine per token; what must be
+            # awaited (rarely: a hand-back, a pin change, an async on_token) runs as a task.
+            SyncDispatch.install(sub, lambda msg: self._start(self._on_msg_now(msg, generation)))
+        return sub
+
+    sync_delivery = True
+    """Whether deliveries are handled from the connection's read loop (a subclass whose delivery
+    must be awaited in order, one at a time, says False)."""
+
+    def _start(self, steps: list[Awaitable[Any]] | None) -> None:
+        """Run what a delivery handled at once left to await, in order, as one task."""
+        if steps:
+            task = asyncio.ensure_future(_in_order(steps))
+            self._tasks.add(task)
+            task.add_done_callback(self._started)
+
+    def _started(self, task: asyncio.Future[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("queue %s: handling a delivered %s failed", self.names.queue, self.what,
+                      exc_info=task.exception())
 
     async def _on_msg(self, msg: Msg, generation: int) -> None:
+        """Handle a delivery and await what it left to await (the subscription's callback when
+        deliveries are not handled from the read loop; tests call it too)."""
+        await _in_order(self._on_msg_now(msg, generation) or [])
+
+    def _on_msg_now(self, msg: Msg, generation: int) -> list[Awaitable[Any]] | None:
+        """Handle a delivery at once; returns what is left to await, in order (None: nothing)."""
         if generation != self._generation:
             # A token delivered while this process was stalled: hand it back at once rather than
             # leave it until its ack wait ends (nobody would start its key meanwhile). Harmless if it
@@ -342,9 +374,8 @@ class TokenPuller:
             if msg.reply and not (msg.headers or {}).get(STATUS):
                 log.warning("queue %s: handing back a %s delivered to an abandoned pull request", self.names.queue,
                             self.what)
-                with contextlib.suppress(Exception):
-                    await self.nc.publish(msg.reply, b"-NAK")
-            return
+                return [self._hand_back_stale(msg.reply)]
+            return None
         now = self.clock()
         headers = msg.headers or {}
         status = headers.get(STATUS)
@@ -353,18 +384,32 @@ class TokenPuller:
             self.state.delivered(now)
             if self.state.pending < self._chunk:
                 self._wake.set()  # a chunk was used up: request the next one
+            steps: list[Awaitable[Any]] = []
             pin = headers.get(PIN_ID)
             if pin and pin != self.state.pin_id:
                 self.state.pin_id = pin
                 if self.on_pinned:
-                    await self.on_pinned(pin)
-            await self._deliver(msg, now)
-            return
+                    steps.append(self.on_pinned(pin))
+            delivered = self._deliver(msg, now)
+            if delivered is not None:
+                steps.append(delivered)
+            return steps
         self.statuses[status] = self.statuses.get(status, 0) + 1
         if status == "100":  # idle heartbeat
             self._refused = 0
             self.state.last_activity = now
-            return
+            return None
+        pinned = self._on_status(status, headers, now)
+        self._wake.set()
+        return pinned
+
+    async def _hand_back_stale(self, reply: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.publish(reply, b"-NAK")
+
+    def _on_status(self, status: str, headers: Mapping[str, str], now: float) -> list[Awaitable[Any]] | None:
+        """A pull's end (or refusal): what the server did not deliver is requested again."""
+        steps: list[Awaitable[Any]] | None = None
         count = headers.get(PENDING_MESSAGES)
         if status in ("404", "408"):
             self.state.given_back(int(count) if count else None, now)
@@ -379,7 +424,7 @@ class TokenPuller:
             if self.state.pin_id is not None:
                 self.state.pin_id = None
                 if self.on_pinned:
-                    await self.on_pinned(None)
+                    steps = [self.on_pinned(None)]
         elif status == "503":
             # No responders: the consumer has no leader right now (an election after its leader
             # died). Pulling again at once would spin; back off until it answers again.
@@ -394,15 +439,21 @@ class TokenPuller:
                         headers.get(DESCRIPTION, ""))
             self.state.given_back(None, now)
             self._back_off(now)
-        self._wake.set()
+        return steps
 
-    async def _deliver(self, msg: Msg, now: float) -> None:
-        """Hand a delivered message (not a status) to the worker: here, as a :class:`Token`."""
+    def _deliver(self, msg: Msg, now: float) -> Awaitable[None] | None:
+        """Hand a delivered message (not a status) to the worker: here, as a :class:`Token`. Returns
+        what ``on_token`` left to await, if anything."""
         seq, delivered, stored_at, pending = parse_ack_subject(msg.reply)
         token = Token(self.names.key_of(msg.subject), msg.subject, msg.reply, seq, delivered, now, stored_at, pending)
-        await self.on_token(token)
+        return self.on_token(token)
 
     def _back_off(self, now: float) -> None:
         """No pull until a pause that grows with each refusal in a row (the run loop waits for it)."""
         self._refused += 1
         self._retry_at = now + no_responders_backoff(self._refused)
+
+
+async def _in_order(steps: list[Awaitable[Any]]) -> None:
+    for step in steps:
+        await step

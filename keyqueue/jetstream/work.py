@@ -85,6 +85,9 @@ class WorkPuller(TokenPuller):
         super().__init__(nc, names, capacity=capacity, on_token=_no_tokens, options=options, stream=names.work_stream)
         self.on_request = on_request
 
+    sync_delivery = False
+    """Each request is handed to ``on_request`` and awaited, one at a time, in order."""
+
     def _throttled(self) -> bool:
         # Every free slot is asked for at once: an unkeyed request waits for no key, so there is
         # nothing to spread over the workers but the requests themselves, and a worker asks only

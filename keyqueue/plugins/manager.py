@@ -247,66 +247,68 @@ class PluginManager(pluggy.PluginManager):
 class LifecycleHooks:
     """The lifecycle hooks (``keyqueue.plugins.hookspecs``), one typed method each.
 
-    Each method takes exactly its hook's arguments, by keyword, and calls the hook through
-    :meth:`PluginManager.notify`: awaited, isolated, closing hooks in reverse order.
+    Each method takes exactly its hook's arguments, by keyword, and returns the call of the hook
+    through :meth:`PluginManager.notify` to await: isolated, closing hooks in reverse order. (Plain
+    methods returning that coroutine: an ``async def`` around it would add one per event.)
     """
 
     def __init__(self, manager: PluginManager) -> None:
         self._notify = manager.notify
 
-    async def worker_started(self, *, worker: Worker) -> None:
-        await self._notify("keyqueue_worker_started", worker=worker)
+    def worker_started(self, *, worker: Worker) -> Awaitable[None]:
+        return self._notify("keyqueue_worker_started", worker=worker)
 
-    async def worker_stopping(self, *, worker: Worker) -> None:
-        await self._notify("keyqueue_worker_stopping", reverse=True, worker=worker)
+    def worker_stopping(self, *, worker: Worker) -> Awaitable[None]:
+        return self._notify("keyqueue_worker_stopping", reverse=True, worker=worker)
 
-    async def worker_pinned(self, *, worker: Worker, queue: str, pin_id: str) -> None:
-        await self._notify("keyqueue_worker_pinned", worker=worker, queue=queue, pin_id=pin_id)
+    def worker_pinned(self, *, worker: Worker, queue: str, pin_id: str) -> Awaitable[None]:
+        return self._notify("keyqueue_worker_pinned", worker=worker, queue=queue, pin_id=pin_id)
 
-    async def worker_unpinned(self, *, worker: Worker, queue: str, pin_id: str) -> None:
-        await self._notify("keyqueue_worker_unpinned", reverse=True, worker=worker, queue=queue, pin_id=pin_id)
+    def worker_unpinned(self, *, worker: Worker, queue: str, pin_id: str) -> Awaitable[None]:
+        return self._notify("keyqueue_worker_unpinned", reverse=True, worker=worker, queue=queue, pin_id=pin_id)
 
-    async def key_acquired(self, *, worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> None:
-        await self._notify("keyqueue_key_acquired", worker=worker, queue=queue, key=key, fencing=fencing)
+    def key_acquired(self, *, worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> Awaitable[None]:
+        return self._notify("keyqueue_key_acquired", worker=worker, queue=queue, key=key, fencing=fencing)
 
-    async def key_released(self, *, worker: Worker, queue: str, key: str, outcome: str) -> None:
-        await self._notify("keyqueue_key_released", reverse=True, worker=worker, queue=queue, key=key,
-                           outcome=outcome)
+    def key_released(self, *, worker: Worker, queue: str, key: str, outcome: str) -> Awaitable[None]:
+        return self._notify("keyqueue_key_released", reverse=True, worker=worker, queue=queue, key=key,
+                            outcome=outcome)
 
-    async def request_started(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                              attempt: int, enqueued_at: float | None = None) -> None:
-        await self._notify("keyqueue_request_started", worker=worker, queue=queue, key=key, request_id=request_id,
-                           message_type=message_type, attempt=attempt, enqueued_at=enqueued_at)
+    def request_started(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                        attempt: int, enqueued_at: float | None = None) -> Awaitable[None]:
+        return self._notify("keyqueue_request_started", worker=worker, queue=queue, key=key, request_id=request_id,
+                            message_type=message_type, attempt=attempt, enqueued_at=enqueued_at)
 
-    async def request_failed(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                             attempt: int, error: BaseException, elapsed: float) -> None:
-        await self._notify("keyqueue_request_failed", reverse=True, worker=worker, queue=queue, key=key,
-                           request_id=request_id, message_type=message_type, attempt=attempt, error=error,
-                           elapsed=elapsed)
+    def request_failed(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                       attempt: int, error: BaseException, elapsed: float) -> Awaitable[None]:
+        return self._notify("keyqueue_request_failed", reverse=True, worker=worker, queue=queue, key=key,
+                            request_id=request_id, message_type=message_type, attempt=attempt, error=error,
+                            elapsed=elapsed)
 
-    async def request_retried(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                              attempt: int, delay: float, error: str) -> None:
-        await self._notify("keyqueue_request_retried", reverse=True, worker=worker, queue=queue, key=key,
-                           request_id=request_id, message_type=message_type, attempt=attempt, delay=delay,
-                           error=error)
+    def request_retried(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                        attempt: int, delay: float, error: str) -> Awaitable[None]:
+        return self._notify("keyqueue_request_retried", reverse=True, worker=worker, queue=queue, key=key,
+                            request_id=request_id, message_type=message_type, attempt=attempt, delay=delay,
+                            error=error)
 
-    async def request_succeeded(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                                elapsed: float) -> None:
-        await self._notify("keyqueue_request_succeeded", reverse=True, worker=worker, queue=queue, key=key,
-                           request_id=request_id, message_type=message_type, elapsed=elapsed)
+    def request_succeeded(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
+                          elapsed: float) -> Awaitable[None]:
+        return self._notify("keyqueue_request_succeeded", reverse=True, worker=worker, queue=queue, key=key,
+                            request_id=request_id, message_type=message_type, elapsed=elapsed)
 
-    async def request_superseded(self, *, worker: Worker, queue: str, key: str, request_id: str,
-                                 message_type: str, superseded_by: str) -> None:
-        await self._notify("keyqueue_request_superseded", reverse=True, worker=worker, queue=queue, key=key,
-                           request_id=request_id, message_type=message_type, superseded_by=superseded_by)
+    def request_superseded(self, *, worker: Worker, queue: str, key: str, request_id: str,
+                           message_type: str, superseded_by: str) -> Awaitable[None]:
+        return self._notify("keyqueue_request_superseded", reverse=True, worker=worker, queue=queue, key=key,
+                            request_id=request_id, message_type=message_type, superseded_by=superseded_by)
 
-    async def workflow_changed(self, *, app: App, queue: str, workflow_id: str, change: str, step: int | None = None,
-                               task: str | None = None, key: str | None = None, reason: str | None = None) -> None:
-        await self._notify("keyqueue_workflow_changed", app=app, queue=queue, workflow_id=workflow_id, change=change,
-                           step=step, task=task, key=key, reason=reason)
+    def workflow_changed(self, *, app: App, queue: str, workflow_id: str, change: str, step: int | None = None,
+                         task: str | None = None, key: str | None = None,
+                         reason: str | None = None) -> Awaitable[None]:
+        return self._notify("keyqueue_workflow_changed", app=app, queue=queue, workflow_id=workflow_id, change=change,
+                            step=step, task=task, key=key, reason=reason)
 
-    async def request_dead_lettered(self, *, worker: Worker, queue: str, key: str, request_id: str,
-                                    message_type: str, reason: str, attempts: int, error: str) -> None:
-        await self._notify("keyqueue_request_dead_lettered", reverse=True, worker=worker, queue=queue, key=key,
-                           request_id=request_id, message_type=message_type, reason=reason, attempts=attempts,
-                           error=error)
+    def request_dead_lettered(self, *, worker: Worker, queue: str, key: str, request_id: str,
+                              message_type: str, reason: str, attempts: int, error: str) -> Awaitable[None]:
+        return self._notify("keyqueue_request_dead_lettered", reverse=True, worker=worker, queue=queue, key=key,
+                            request_id=request_id, message_type=message_type, reason=reason, attempts=attempts,
+                            error=error)

@@ -10,6 +10,12 @@ import pytest
 from keyqueue.builtins import events as plugin
 
 
+async def added(events: plugin._AppEvents, queue: str, body: dict[str, Any]) -> None:
+    """Keep an event as the worker's hook does: await the send that is due, if any."""
+    sent = events.add(queue, body)
+    if sent is not None:
+        await sent
+
 class Sent(plugin._AppEvents):
     """The plugin's publisher with its sends recorded instead of published."""
 
@@ -31,11 +37,11 @@ def event(name: str, key: str | None) -> dict[str, Any]:
 async def test_a_sessions_events_go_out_together_when_it_gives_the_key_back() -> None:
     events = Sent()
     for name in ("acquired", "started", "succeeded"):
-        await events.add("q", event(name, "k1"))
+        await added(events, "q", event(name, "k1"))
     assert events.sent == []
-    await events.add("q", event("released", "k1"))
+    await added(events, "q", event("released", "k1"))
     assert events.sent == [("k1", ["acquired", "started", "succeeded", "released"])]
-    await events.add("q", event("paused", None))  # queue-wide: at once
+    await added(events, "q", event("paused", None))  # queue-wide: at once
     assert events.sent[-1] == (None, ["paused"])
     await events.close()
 
@@ -44,9 +50,9 @@ async def test_the_timer_sends_only_the_keys_kept_long_enough(monkeypatch: pytes
     now = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     events = Sent()
-    await events.add("q", event("started", "old"))
+    await added(events, "q", event("started", "old"))
     now[0] += plugin.FLUSH_AFTER * 0.75
-    await events.add("q", event("started", "young"))
+    await added(events, "q", event("started", "young"))
     now[0] += plugin.FLUSH_AFTER * 0.25
     await events._flush_due()
     assert events.sent == [("old", ["started"])]  # "young" is in the middle of its session
@@ -58,6 +64,6 @@ async def test_the_timer_sends_only_the_keys_kept_long_enough(monkeypatch: pytes
 async def test_a_full_batch_goes_out_at_once() -> None:
     events = Sent()
     for _ in range(plugin.BATCH_MAX):
-        await events.add("q", event("started", "hot"))
+        await added(events, "q", event("started", "hot"))
     assert events.sent == [("hot", ["started"] * plugin.BATCH_MAX)]
     await events.close()
