@@ -145,8 +145,8 @@ def _new_nonce() -> str:
 class KeyLock:
     """One worker's claim on one key (or on a fleet role such as the reconciler's)."""
 
-    __slots__ = ("ack_wait", "clock", "expiry", "fence", "holder", "lease", "nonce", "reported", "seq", "since",
-                 "store", "subject", "ttl", "unsettled")
+    __slots__ = ("_prefix", "ack_wait", "clock", "expiry", "fence", "holder", "lease", "nonce", "reported", "seq",
+                 "since", "store", "subject", "ttl", "unsettled")
 
     def __init__(self, store: RecordStore, subject: str, ack_wait: float, *, holder: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -171,16 +171,28 @@ class KeyLock:
         """What this claim saw of another holder's record while it waited (see :meth:`clear_expired`)."""
         self.reported = 0
         """The sequence of the last record in the way whose holder was logged as looking gone."""
+        self._prefix = b""
+        """A record's body up to its first field that changes from write to write (see :meth:`_body`)."""
 
     @property
     def held(self) -> bool:
         return self.lease is not None and self.lease.valid()
 
+    def update_holder(self, **fields: Any) -> None:
+        """Change the holder's fields written in the next records (a redelivered token's)."""
+        self.holder.update(fields)
+        self._prefix = b""
+
     def _body(self, sent: float) -> bytes:
         """A record: the holder's fields and this claim's, and when this write was sent on the
-        holder's own clock (meaningful to it alone: a write found later says how long it lasts)."""
-        return json.dumps({**self.holder, "nonce": self.nonce, "fence": self.fence, "since": self.since,
-                           "ttl": self.ttl, "sent": round(sent, 6)}, separators=(",", ":")).encode()
+        holder's own clock (meaningful to it alone: a write found later says how long it lasts).
+
+        One JSON object, the same as ``json.dumps`` of those fields: the holder's and the nonce are
+        encoded once per claim (and again after :meth:`update_holder`), the rest per write."""
+        if not self._prefix:
+            self._prefix = json.dumps({**self.holder, "nonce": self.nonce}, separators=(",", ":"))[:-1].encode()
+        return b'%s,"fence":%d,"since":%s,"ttl":%d,"sent":%s}' % (
+            self._prefix, self.fence, json.dumps(self.since).encode(), self.ttl, repr(round(sent, 6)).encode())
 
     def _mine(self, record: StoredMsg | None) -> bool:
         return self._sent_if_mine(record) is not None

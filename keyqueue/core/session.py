@@ -304,7 +304,7 @@ class KeySession:
         if self.acquired and not self.lease.valid():
             return False
         self.token = token
-        self.lock.holder.update(delivered=token.delivered, ack=token.reply)
+        self.lock.update_holder(delivered=token.delivered, ack=token.reply)
         return True
 
     # --- the whole session -----------------------------------------------------------------------

@@ -168,6 +168,16 @@ def test_every_claim_has_its_own_nonce(store: Store) -> None:
     assert all(int(n, 16) >= 0 for n in nonces)
 
 
+def test_a_record_is_the_json_of_the_holders_fields_and_the_claims(store: Store) -> None:
+    lock = new_lock(store)
+    lock.fence, lock.since = 7, "2026-11-27T17:00:00.000+00:00"
+    for sent in (12345.6789012, 0.0, 3.0):
+        assert json.loads(lock._body(sent)) == {**lock.holder, "nonce": lock.nonce, "fence": 7, "since": lock.since,
+                                               "ttl": lock.ttl, "sent": round(sent, 6)}
+    lock.update_holder(delivered=2, ack="$JS.ACK.q.workers.2")  # a redelivered token's, as the session adopts it
+    assert json.loads(lock._body(1.0))["delivered"] == 2 and json.loads(lock._body(1.0))["ack"].endswith(".2")
+
+
 def test_a_forked_child_draws_its_own_nonce_prefix(store: Store) -> None:
     from keyqueue.core import lock as lock_module
 
