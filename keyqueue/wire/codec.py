@@ -186,7 +186,9 @@ def _kind(value: Any) -> str:
 def _loads_cbor(data: bytes) -> Any:
     if not data:
         raise MalformedBody("CBOR body is empty")
-    end = _scan_item(data, 0, 0)
+    end = _scan_plain(data)
+    if end is None:  # something other than plain items: the full scan says what, or checks its tags
+        end = _scan_item(data, 0, 0)
     if end != len(data):
         raise MalformedBody(f"CBOR body has {len(data) - end} bytes of trailing data after its value")
     try:
@@ -239,6 +241,56 @@ def _scan_head(data: bytes, pos: int) -> tuple[int, int, int, int]:
     if end > len(data):
         raise _truncated(pos)
     return major, info, int.from_bytes(data[pos + 1 : end], "big"), end
+
+
+def _scan_plain(data: bytes) -> int | None:
+    """The end of the item at the start of ``data`` if it is made of plain items only (integers,
+    strings, floats, booleans, null, arrays and maps with text keys, within ``MAX_DEPTH``); None at
+    anything else (a tag, an error): :func:`_scan_item` then scans it again and says what.
+
+    The same walk as :func:`_scan_item`, one loop with the containers on a stack: a body of a
+    thousand bytes has a hundred items or more, and the recursive walk cost several times cbor2's
+    own decoding of them (docs/benchmarks.md)."""
+    size = len(data)
+    pos = 0
+    todo = 1  # items left in the innermost open container (first: the body's one item)
+    in_map = False  # whether that container is a map (then, while ``todo`` is even, a key is next)
+    stack: list[tuple[int, bool]] = []
+    while True:
+        if not todo:
+            if not stack:
+                return pos
+            todo, in_map = stack.pop()
+            continue
+        if pos >= size:
+            return None
+        head = data[pos]
+        major, info = head >> 5, head & 0x1F
+        if in_map and not todo & 1 and major != _MAJOR_TEXT:
+            return None
+        todo -= 1
+        if info < 24:
+            arg, pos = info, pos + 1
+        elif info < 28:
+            end = pos + 1 + (1 << (info - 24))
+            if end > size:
+                return None
+            arg, pos = int.from_bytes(data[pos + 1 : end], "big"), end
+        else:
+            return None
+        if major <= 1:
+            continue
+        if major <= 3:
+            if arg > size - pos:
+                return None
+            pos += arg
+        elif major <= 5:
+            if len(stack) >= MAX_DEPTH or arg > size - pos:
+                return None
+            stack.append((todo, in_map))
+            todo, in_map = (arg * 2, True) if major == 5 else (arg, False)
+        elif major == 6 or not (info in _FALSE_TRUE_NULL or info in _FLOAT_INFOS):
+            return None
 
 
 def _scan_item(data: bytes, pos: int, depth: int) -> int:

@@ -27,6 +27,7 @@ from keyqueue.wire import (
     JSON,
     Message,
     Registry,
+    codec,
     decode,
     decode_envelope_fields,
     dumps,
@@ -630,6 +631,38 @@ def test_any_bytes_decode_to_plain_values_or_malformed_body(data: bytes, cut: in
         except MalformedBody:
             continue
         wire.check_plain(value, CBOR)  # nothing but plain values was built
+
+
+def _full_scan(data: bytes) -> int | MalformedBody:
+    try:
+        return codec._scan_item(data, 0, 0)
+    except MalformedBody as e:
+        return e
+
+
+@settings(max_examples=500)
+@given(
+    data=st.binary(max_size=64) | PLAIN[CBOR].map(lambda value: dumps(value, CBOR)), cut=st.integers(0, 64)
+)
+def test_the_fast_scan_of_plain_items_agrees_with_the_full_one(data: bytes, cut: int) -> None:
+    # The fast walk may pass an item to the full one (None) but never decide otherwise than it.
+    for candidate in (data, data[:cut], data[cut:]):
+        fast = codec._scan_plain(candidate)
+        if fast is not None:
+            assert fast == _full_scan(candidate)
+
+
+def test_the_fast_scan_takes_plain_bodies_and_leaves_the_rest_to_the_full_one() -> None:
+    body = dumps({"order": {"id": "o-1", "lines": [{"sku": f"s{i}", "qty": i, "price": 9.99} for i in range(20)],
+                            "ok": True, "none": None, "big": 2**40, "neg": -3}}, CBOR)
+    assert codec._scan_plain(body) == len(body)
+    when = dumps({"at": datetime(2025, 1, 2, tzinfo=UTC)}, CBOR)  # tag 0 or 1: the full scan checks it
+    assert codec._scan_plain(when) is None and codec._scan_item(when, 0, 0) == len(when)
+    deep = b"\x81" * (codec.MAX_DEPTH + 1) + b"\x00"  # arrays in arrays, one level more than allowed
+    assert codec._scan_plain(deep) is None and isinstance(_full_scan(deep), MalformedBody)
+    assert codec._scan_plain(deep[1:]) == len(deep) - 1 == _full_scan(deep[1:])
+    for bad in (b"\xa1\x01\x02", b"\x9f\x00\xff", b"\xf7", b"\x62a"):  # int key, indefinite, undefined, short
+        assert codec._scan_plain(bad) is None and isinstance(_full_scan(bad), MalformedBody)
 
 
 @settings(max_examples=300)
