@@ -13,7 +13,8 @@ each fault's start and end through :class:`~keyqueue.chaos.fleet.Faults` (networ
   started again on the same store and port;
 - on a cluster, one node-level fault at a time (:func:`node_faults`), each drawn from the classes
   chosen: ``server`` -> ``rolling-restart`` (every node in turn stopped gracefully and started
-  again, the next only once it is healthy and caught up; one fault per node);
+  again, the next only once it is healthy and caught up and every group of the queue has a leader;
+  one fault per node);
   ``cluster`` -> ``leader-kill-9-<target>`` (kill -9 of the node leading the inbox, token or lease
   stream or the token consumer; back after 1-3 s); ``partition`` -> ``node-cut`` (every route
   proxy touching one node reset and refused, or blackholed, for 2-6 s, then healed);
@@ -175,7 +176,7 @@ async def node_faults(cluster: EmbeddedCluster, api: JetStreamApi, config: Queue
         kind = rng.choice(kinds)
         try:
             if kind == "server":
-                await _rolling_restart(cluster, faults, ending)
+                await _rolling_restart(cluster, api, targets, faults, ending)
             elif kind == "partition":
                 await _cut_off(cluster, faults, rng)
             else:
@@ -185,14 +186,20 @@ async def node_faults(cluster: EmbeddedCluster, api: JetStreamApi, config: Queue
             faults.fleet.note("soak", "fault_error", fault=kind, error=repr(e))
 
 
-async def _rolling_restart(cluster: EmbeddedCluster, faults: Faults, ending: asyncio.Event) -> None:
+async def _rolling_restart(cluster: EmbeddedCluster, api: JetStreamApi, targets: Mapping[str, tuple[str, str | None]],
+                           faults: Faults, ending: asyncio.Event) -> None:
     for step, server in enumerate(cluster.servers, 1):
         if ending.is_set():
             return
         fault = faults.begin("rolling-restart", server.name, step=step)
         await server.stop()
         await server.start(timeout=60)
-        faults.end(fault)
+        # A node back and healthy is not yet a queue that can be served: three nodes restarted a
+        # second apart can leave a group without a leader (or without a quorum that answers) for
+        # longer than an election, and nothing of that group can be read or written meanwhile. The
+        # step lasts until every group of the queue has a leader again (it records them).
+        leaders = {name: await _until_leader(api, *group, ending) for name, group in sorted(targets.items())}
+        faults.end(fault, leaders=leaders)
 
 
 async def _cut_off(cluster: EmbeddedCluster, faults: Faults, rng: random.Random) -> None:
