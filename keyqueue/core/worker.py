@@ -30,6 +30,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, ParamSpec
@@ -58,7 +59,7 @@ from keyqueue.core.unkeyed import LaneSettings, UnkeyedLane
 from keyqueue.core.watchdog import HeldLease, LoopWatchdog
 from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
-from keyqueue.jetstream.connect import LogThrottle
+from keyqueue.jetstream.connect import LogThrottle, link_of
 from keyqueue.jetstream.pull import PullOptions, Token, TokenPuller
 from keyqueue.jetstream.queue_io import QueueIO, count_killed_attempts
 from keyqueue.jetstream.subjects import UNKEYED
@@ -77,6 +78,14 @@ LOOP_TICK = 0.1
 
 OUTAGE_LOG_INTERVAL = 30.0
 """Seconds during which further sessions cut off by the same connection error are counted, not logged."""
+
+REDELETE_WINDOW = 2.0
+"""Seconds before a connection drop within which a lease record this worker removed is removed
+again after the reconnect: a server killed then may have lost the delete it answered (nats-server
+writes it to its store after the reply; see ``QueueWorker._connection_dropped``)."""
+
+_GAVE_BACK = (Outcome.RELEASED, Outcome.HANDED_OFF)
+"""Outcomes of a session that removed its own lease record after its work was over."""
 
 _CONNECTION_ERRORS = (ConnectionFailed, KeyqueueTimeout)
 """What cuts sessions off during an outage: expected, and named well enough to need no traceback."""
@@ -161,6 +170,11 @@ class QueueWorker:
         self._recheck_wanted = asyncio.Event()
         self._leftovers: list[tuple[KeyLock, float]] = []
         """Lease records of sessions that lost their lease, to remove once connected (:meth:`remove_leftover`)."""
+        self._released: deque[tuple[float, int, float]] = deque()
+        """The lease records this worker's sessions removed in the last :data:`REDELETE_WINDOW`
+        seconds: when, the record's sequence, its TTL (see :meth:`_connection_dropped`)."""
+        self._redeletes: list[tuple[int, float]] = []
+        """Records to remove again once connected: sequence, when to give up."""
         self._unkeyed = unkeyed
         self.lane: UnkeyedLane | None = None
         """The unkeyed lane, once started (with ``unkeyed``)."""
@@ -255,6 +269,8 @@ class QueueWorker:
             outcome = await session.run()
             if outcome == Outcome.LEASE_LOST:
                 self.remove_leftover(session.lock)
+            elif outcome in _GAVE_BACK and session.lock.seq:
+                self._note_released(session.lock)
             return outcome
         except Exception:
             # A session reports its own failures; one that escapes must not take the worker down.
@@ -281,6 +297,8 @@ class QueueWorker:
             raise
         log.info("worker %s serving queue %s with %d slots (ack_wait=%ss, linger=%ss)", self.name,
                  self.config.name, self.concurrency, self.settings.ack_wait, self.settings.linger)
+        link = link_of(self.nc)
+        unlisten = link.on_down(self._connection_dropped) if link is not None else None
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -309,6 +327,8 @@ class QueueWorker:
                     await asyncio.wait([lane])
                 await _cancel_all(helpers)
         finally:
+            if unlisten is not None:
+                unlisten()
             self._tg = None
             if self.watchdog is not None:
                 self.watchdog.stop()
@@ -425,6 +445,41 @@ class QueueWorker:
             self._leftovers.append((lock, time.monotonic() + 2 * lock.ttl))
             self._recheck_wanted.set()
 
+    def _note_released(self, lock: KeyLock) -> None:
+        now = time.monotonic()
+        released = self._released
+        released.append((now, lock.seq, lock.ttl))
+        while released[0][0] < now - REDELETE_WINDOW:
+            released.popleft()
+
+    def _connection_dropped(self) -> None:
+        """The connection dropped: the lease records removed just before may come back.
+
+        nats-server answers a delete before its store has written it, so a server killed right
+        after may restart with a record whose removal it confirmed, and it does not always expire
+        such a record by its TTL after a restart (core/lock.py); the next holder would then wait until
+        it has watched it for twice the TTL. So the records removed in the last
+        :data:`REDELETE_WINDOW` seconds are removed again once connected. Safe at any time: by
+        sequence, a record written since by anyone else is untouched, and those sessions are over."""
+        now = time.monotonic()
+        self._redeletes.extend((seq, now + 2 * ttl) for when, seq, ttl in self._released
+                               if when >= now - REDELETE_WINDOW)
+        self._released.clear()
+        if self._redeletes:
+            self._recheck_wanted.set()
+
+    async def _remove_again(self) -> None:
+        now = time.monotonic()
+        batch = [(seq, give_up) for seq, give_up in self._redeletes if give_up > now]
+        self._redeletes.clear()
+        results = await asyncio.gather(*(self.io.remove_record(seq) for seq, _ in batch), return_exceptions=True)
+        failed = [entry for entry, result in zip(batch, results, strict=True) if isinstance(result, BaseException)]
+        if failed:
+            log.debug("queue %s: removing %d released lease records again failed, trying again: %r",
+                      self.config.name, len(failed), next(r for r in results if isinstance(r, BaseException)))
+            self._redeletes.extend(failed)
+            await asyncio.sleep(0.5)
+
     async def _remove_leftovers(self) -> None:
         while self._leftovers:
             lock, give_up = self._leftovers.pop(0)
@@ -443,10 +498,12 @@ class QueueWorker:
         while True:
             await self._recheck_wanted.wait()
             self._recheck_wanted.clear()
-            if self._leftovers:
+            if self._leftovers or self._redeletes:
                 if await self.io.wait_connected(self.settings.ack_wait):
                     await self._remove_leftovers()
-                else:
+                    while self._redeletes and self.io.nc.is_connected:
+                        await self._remove_again()
+                if self._redeletes or self._leftovers:
                     self._recheck_wanted.set()  # later (each entry is given up after twice its TTL)
             while self._rechecks:
                 if not await self.io.wait_connected(self.settings.ack_wait):

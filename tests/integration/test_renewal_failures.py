@@ -96,3 +96,57 @@ async def test_a_lost_lease_s_record_is_removed_by_its_holder_once_its_work_ende
                     await asyncio.sleep(0.05)
     finally:
         await nc.close()
+
+
+class Quick(BaseProcessor):
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        return None
+
+
+async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_reconnect(
+        nats_server: EmbeddedServer) -> None:
+    """A worker gives a key back, the server answers the record's delete, and is killed before its
+    store wrote it: after the restart the record is back, and nats-server does not always expire it
+    by its TTL then, so the next holder would wait until it had watched it for twice the TTL. The
+    worker removes the records it removed just before a connection drop again once reconnected.
+    Here the delete is answered and not done (the lost write), the record is kept 60 s (its TTL,
+    where the lease is 3 s), and a server restart drops the connection."""
+    nc = await connect(nats_server.url)
+    config = QueueConfig("lostdelete", ack_wait=3)
+    await Topology(JetStreamApi(nc), config).ensure()
+    worker = QueueWorker(nc, config, lambda key: Quick(), concurrency=2,
+                         settings=SessionSettings(ack_wait=3, linger=0.05))
+    real_write, real_remove = worker.io.compare_and_set, worker.io.remove_record
+    lost: list[int] = []
+
+    async def kept_long(subject: str, expected: int, body: bytes, ttl: int, timeout: float | None = None) -> int:
+        kept = {**json.loads(body), "ttl": 60}
+        return await real_write(subject, expected, json.dumps(kept).encode(), 60, timeout)
+
+    async def first_delete_lost(seq: int) -> None:
+        if not lost:
+            lost.append(seq)  # answered, never written
+            return
+        await real_remove(seq)
+
+    worker.io.compare_and_set = kept_long  # type: ignore[method-assign]
+    worker.io.remove_record = first_delete_lost  # type: ignore[method-assign]
+    subject = config.names.lease("k")
+    try:
+        async with running(worker):
+            await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r1"}, b"", "r1"))
+            async with asyncio.timeout(10):
+                while "k" not in worker.sessions:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            assert await worker.sessions["k"] == Outcome.RELEASED
+            record = await worker.io.last_record(subject)
+            assert record is not None and lost == [record.seq], "the released record's delete was not the lost one"
+
+            await nats_server.stop()
+            await nats_server.start()
+            assert await worker.io.wait_connected(10)
+            async with asyncio.timeout(30):  # well inside the record's 60 s TTL
+                while await worker.io.last_record(subject) is not None:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
