@@ -57,7 +57,7 @@ from typing import Any, Final, Protocol
 from keyqueue.core.lease import Lease
 from keyqueue.core.outage import RETRIED, ride_out
 from keyqueue.errors import KeyqueueTimeout, LeaseLost, ReplyLost, WrongLastSequence
-from keyqueue.jetstream.api import StoredMsg
+from keyqueue.jetstream.api import StoredMsg, stored_seconds
 
 log = logging.getLogger("keyqueue.session")
 
@@ -68,6 +68,10 @@ _UNANSWERED = (ReplyLost, KeyqueueTimeout)
 RENEWAL_SLACK: Final = 1.0
 """Seconds past a live holder's renewal interval (a third of the record's TTL) before a record not
 rewritten meanwhile makes its holder look gone (in a log line; nothing is decided by it)."""
+
+EXPIRED_SLACK: Final = 0.25
+"""Seconds past a record's TTL, by the server's own clock, before a waiter removes a record the
+server kept (see :meth:`KeyLock.clear_expired`)."""
 
 _HOST: Final = socket.gethostname()
 
@@ -145,12 +149,20 @@ def _new_nonce() -> str:
 class KeyLock:
     """One worker's claim on one key (or on a fleet role such as the reconciler's)."""
 
-    __slots__ = ("_prefix", "ack_wait", "clock", "expiry", "fence", "holder", "lease", "nonce", "reported", "seq",
-                 "since", "store", "subject", "ttl", "unsettled")
+    __slots__ = ("_prefix", "ack_wait", "clock", "expires_in", "expiry", "fence", "holder", "lease", "nonce",
+                 "reported", "seq", "server_now", "since", "store", "subject", "ttl", "unsettled")
 
     def __init__(self, store: RecordStore, subject: str, ack_wait: float, *, holder: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 server_now: Callable[[], float | None] | None = None) -> None:
         self.store = store
+        self.server_now = server_now
+        """The server's clock as this worker knows it, never ahead of it (Unix seconds; None while
+        unknown), when the records and what it was learnt from are stamped by one clock (one
+        server). A waiter then removes a record the server kept past its TTL by that clock."""
+        self.expires_in: float | None = None
+        """Seconds until the record last seen in this waiter's way is past its TTL by the server's
+        clock (:attr:`server_now`), when known (see :meth:`clear_expired`)."""
         self.subject = subject
         self.ack_wait = ack_wait
         self.ttl = math.ceil(ack_wait)
@@ -309,6 +321,7 @@ class KeyLock:
         """Look at the record in this waiter's way; delete it if this waiter has seen that same
         record (same sequence) for twice its TTL (the server failed to expire it): True if one was
         deleted. A record rewritten meanwhile has another sequence and is untouched."""
+        self.expires_in = None
         record = await self.store.last_record(self.subject)
         if record is None:
             return False
@@ -317,11 +330,33 @@ class KeyLock:
             ttl = float(body.get("ttl", self.ttl))
         except (ValueError, AttributeError, TypeError):
             body, ttl = {}, float(self.ttl)
-        if not self.expiry.stale(record.seq, ttl):
+        if self._expired_by_server_clock(record, ttl):
+            why = "it is past its TTL by the server's own clock"
+        elif self.expiry.stale(record.seq, ttl):
+            why = "it was seen unchanged for twice its TTL"
+        else:
             self._report_gone_holder(record.seq, body if isinstance(body, dict) else {}, ttl)
             return False
         await self.store.remove_record(record.seq)
+        holder = body if isinstance(body, dict) else {}
+        log.warning("%s: removed lease record %d (worker %s, pid %s, stored %s), which the server kept: %s",
+                    self.subject, record.seq, holder.get("worker", "?"), holder.get("pid", "?"),
+                    record.timestamp or "?", why)
         return True
+
+    def _expired_by_server_clock(self, record: StoredMsg, ttl: float) -> bool:
+        """Whether the server's clock is past ``record``'s TTL (by :data:`EXPIRED_SLACK`): the
+        server should have removed it, and its holder's lease, which ends before the TTL from when
+        the record was stored, is over. Sets :attr:`expires_in` when it is not yet."""
+        now = self.server_now() if self.server_now is not None else None
+        stored = stored_seconds(record.timestamp) if now is not None else None
+        if now is None or stored is None:
+            return False
+        left = stored + ttl + EXPIRED_SLACK - now
+        if left < 0:
+            return True
+        self.expires_in = left
+        return False
 
     def _report_gone_holder(self, seq: int, holder: dict[str, Any], ttl: float) -> None:
         """Log, once per record, that this waiter waits on a key whose holder looks gone, with the most

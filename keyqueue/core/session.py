@@ -182,7 +182,8 @@ class KeySession:
                  observer: SessionObserver, draining: asyncio.Event, should_yield: Callable[[], bool] = lambda: False,
                  worker: str = "", turns: Turns | None = None, idle: dict[str, KeySession] | None = None,
                  recheck_later: Callable[[Token, int], None] | None = None, slots: Slots | None = None,
-                 on_running: Callable[[KeySession, bool], None] | None = None) -> None:
+                 on_running: Callable[[KeySession, bool], None] | None = None,
+                 server_now: Callable[[], float | None] | None = None) -> None:
         self.io = io
         self.token = token
         self.key = token.key
@@ -208,7 +209,8 @@ class KeySession:
         it has ended (the worker arms its lease alarm by it: core/alarm.py)."""
         self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
                             holder={"worker": worker, "host": _HOST, "pid": os.getpid(), "token": token.stream_seq,
-                                    "delivered": token.delivered, "ack": token.reply})
+                                    "delivered": token.delivered, "ack": token.reply},
+                            server_now=server_now)
         self.lease = Lease(settings.ack_wait, token.received_at)
         self.lease.lose("the key's lease record is not acquired yet")
         self.cursor = 1
@@ -427,11 +429,12 @@ class KeySession:
             self._hurry(True)
             delay = min(longest, delay * 2)
             if delay >= longest and time.monotonic() >= next_expiry_check:
-                next_expiry_check = time.monotonic() + self.settings.ack_wait / 2
                 with contextlib.suppress(KeyqueueError):
-                    if await self.lock.clear_expired():
-                        log.warning("queue %s key %s: deleted a lease record the server kept past twice its TTL",
-                                    self.io.names.queue, self.key)
+                    await self.lock.clear_expired()  # logs what it removed, if anything
+                # Look again in half a lease, or once the record is past its TTL by the server's clock.
+                expires_in = self.lock.expires_in
+                next_expiry_check = time.monotonic() + min(self.settings.ack_wait / 2,
+                                                           self.settings.ack_wait if expires_in is None else expires_in)
 
     async def _send_first_read(self) -> asyncio.Future[Any] | None:
         """The key's first read, sent beside its acquire (None if it could not be sent: the session

@@ -62,6 +62,7 @@ from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import LogThrottle, link_of
 from keyqueue.jetstream.pull import PullOptions, Token, TokenPuller
 from keyqueue.jetstream.queue_io import QueueIO, count_killed_attempts
+from keyqueue.jetstream.server_clock import ServerClock
 from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.jetstream.topology import Change, QueueConfig, Topology
 
@@ -173,6 +174,9 @@ class QueueWorker:
         self._released: deque[tuple[float, int, float]] = deque()
         """The lease records this worker's sessions removed in the last :data:`REDELETE_WINDOW`
         seconds: when, the record's sequence, its TTL (see :meth:`_connection_dropped`)."""
+        self.server_clock = ServerClock()
+        """The server's clock, from the tokens' stamps: on one server, the lease records are stamped
+        by the same clock, so a waiter can tell a record the server kept past its TTL (core/lock.py)."""
         self._redeletes: list[tuple[int, float]] = []
         """Records to remove again once connected: sequence, when to give up."""
         self._unkeyed = unkeyed
@@ -225,6 +229,7 @@ class QueueWorker:
         # paused is safe to act on. Called from the connection's read loop (jetstream/pull.py):
         # it starts the key's session and returns; only a hand-back is left to await.
         self._tokens_pending = token.pending
+        self.server_clock.saw_seconds(token.stored_at, token.received_at)
         self.report.token_received(self.config.name, token.key, token.delivered)
         held = self._held.get(token.key)
         previous: asyncio.Task[str] | None = None
@@ -242,7 +247,8 @@ class QueueWorker:
         session = KeySession(self.io, token, self.factory, self.settings, observer=self.report,
                              draining=self.draining, should_yield=self._should_yield, worker=self.name,
                              turns=self.turns, idle=self._idle, recheck_later=self.recheck_later, slots=self.slots,
-                             on_running=self._run_changed)
+                             on_running=self._run_changed,
+                             server_now=None if self.io.replicated else self.server_clock.now_seconds)
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session

@@ -42,6 +42,19 @@ class ServerClock:
         if self._offset is None or offset > self._offset:
             self._offset = offset
 
+    def saw_seconds(self, stamp: float, seen: float) -> None:
+        """A server timestamp as Unix seconds (0 or less: ignored), seen at ``seen`` on this host's
+        monotonic clock (a token's ``stored_at`` and ``received_at``)."""
+        if stamp <= 0:
+            return
+        offset = stamp - seen
+        if self._offset is None or offset > self._offset:
+            self._offset = offset
+
+    def now_seconds(self) -> float | None:
+        """:meth:`now` as Unix seconds; None before the first stamp."""
+        return None if self._offset is None else self._monotonic() + self._offset
+
     @property
     def known(self) -> bool:
         """Whether a stamp has been seen (before that, :meth:`now` has nothing to go on)."""

@@ -150,3 +150,39 @@ async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_
                     await asyncio.sleep(0.05)
     finally:
         await nc.close()
+
+
+class Note(BaseProcessor):
+    def __init__(self, done: asyncio.Event) -> None:
+        self.done = done
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        self.done.set()
+        return None
+
+
+async def test_a_waiter_removes_a_record_the_server_kept_past_its_ttl_by_the_servers_clock(
+        nats_server: EmbeddedServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A record the server should have expired (here it keeps it 60 s, where its body says 1 s, as a
+    server that lost track of its TTL after a kill -9 and restart) is removed by the waiter once
+    the server's clock, as the tokens' stamps tell it, is past the record's TTL: not after watching it
+    for twice the TTL, which is what the log would say otherwise."""
+    nc = await connect(nats_server.url)
+    config = QueueConfig("kept", ack_wait=3)
+    await Topology(JetStreamApi(nc), config).ensure()
+    done = asyncio.Event()
+    worker = QueueWorker(nc, config, lambda key: Note(done), concurrency=2,
+                         settings=SessionSettings(ack_wait=3, linger=0.05))
+    body = {"worker": "gone", "host": "elsewhere", "pid": 1, "nonce": "not-ours", "ttl": 1, "sent": 0}
+    await worker.io.compare_and_set(config.names.lease("k"), 0, json.dumps(body).encode(), 60)
+    caplog.set_level(logging.WARNING, "keyqueue")
+    try:
+        async with running(worker):
+            await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r1"}, b"", "r1"))
+            async with asyncio.timeout(30):  # well inside the record's 60 s
+                await done.wait()
+    finally:
+        await nc.close()
+    [removed] = [r.getMessage() for r in caplog.records if "removed lease record" in r.getMessage()]
+    assert "past its TTL by the server's own clock" in removed, removed
+    assert "worker gone, pid 1" in removed, removed

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
+from datetime import UTC, datetime
 
 import pytest
 
-from keyqueue.core.lock import KeyLock
+from keyqueue.core.lock import EXPIRED_SLACK, KeyLock
 from keyqueue.errors import ConnectionFailed, KeyqueueTimeout, LeaseLost, WrongLastSequence
 from keyqueue.jetstream.api import StoredMsg
 
@@ -146,3 +148,56 @@ async def test_a_waiter_logs_once_that_a_remote_holder_stopped_renewing_with_the
     clock.now += 20.0
     assert not await role.clear_expired()
     assert len([r for r in caplog.records if "looks gone" in r.getMessage()]) == 1
+
+
+class Stamped(Store):
+    """Records stamped by the server's wall clock, which reads ``server`` seconds."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.server = 1_000_000.0
+
+    async def compare_and_set(self, subject: str, expected: int, body: bytes, ttl: int,
+                              timeout: float | None = None) -> int:
+        seq = await super().compare_and_set(subject, expected, body, ttl, timeout)
+        assert self.last is not None
+        stamp = datetime.fromtimestamp(self.server, UTC).isoformat().replace("+00:00", "Z")
+        self.last = StoredMsg(subject, seq, {}, body, stamp)
+        return seq
+
+
+async def test_a_waiter_removes_a_record_the_server_kept_past_its_ttl_by_the_servers_own_clock(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One server stamps the records and the tokens: once what the worker knows of its clock (never
+    ahead of it) is past a record's TTL, the server should have removed it, and its holder's lease
+    is over. The waiter removes it then, not after watching it for twice the TTL."""
+    clock = Clock()
+    store = Stamped(clock)
+    holder = KeyLock(store, "kq.q.lease.k", 10.0, clock=clock)
+    assert await holder.try_acquire()
+    known: list[float | None] = [None]
+    waiter = KeyLock(store, "kq.q.lease.k", 10.0, clock=clock, server_now=lambda: known[0])
+    assert not await waiter.clear_expired()  # the server's time unknown: only the watch decides
+    assert waiter.expires_in is None
+    known[0] = store.server + 10.0  # the TTL (10 s) is over, but not by the slack
+    assert not await waiter.clear_expired()
+    assert waiter.expires_in == pytest.approx(EXPIRED_SLACK)
+    caplog.set_level(logging.WARNING, "keyqueue.session")
+    known[0] = store.server + 10.0 + EXPIRED_SLACK + 0.01
+    assert await waiter.clear_expired()
+    assert store.last is None
+    assert "past its TTL by the server's own clock" in caplog.text
+
+
+async def test_a_live_holders_record_is_never_past_its_ttl_by_the_servers_clock() -> None:
+    clock = Clock()
+    store = Stamped(clock)
+    holder = KeyLock(store, "kq.q.lease.k", 9.0, clock=clock)
+    assert await holder.try_acquire()
+    waiter = KeyLock(store, "kq.q.lease.k", 9.0, clock=clock, server_now=lambda: store.server)
+    for _ in range(10):  # the holder renews every third of the TTL; the server's clock runs on
+        store.server += 3.0
+        clock.now += 3.0
+        assert await holder.renew()
+        assert not await waiter.clear_expired()
+    assert store.last is not None

@@ -46,3 +46,18 @@ def test_before_any_stamp_the_servers_time_is_unknown() -> None:
     assert not clock.known
     with pytest.raises(LookupError, match="no server timestamp"):
         clock.now()
+
+
+def test_a_tokens_stamp_in_seconds_bounds_the_servers_clock_from_below() -> None:
+    now = [50.0]
+    clock = ServerClock(monotonic=lambda: now[0])
+    assert clock.now_seconds() is None
+    clock.saw_seconds(0.0, 50.0)  # no stamp
+    assert clock.now_seconds() is None
+    clock.saw_seconds(1_000.0, 40.0)  # stored at 1,000, seen 10 s ago
+    assert clock.now_seconds() == 1_010.0
+    clock.saw_seconds(1_012.0, 49.0)  # a fresher stamp: the server is at least at 1,013 now
+    assert clock.now_seconds() == 1_013.0
+    clock.saw_seconds(900.0, 50.0)  # an old one (a redelivered token) never winds it back
+    now[0] = 52.0
+    assert clock.now_seconds() == 1_015.0
