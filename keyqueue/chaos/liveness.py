@@ -84,9 +84,13 @@ If the key's holder's process ended after ``f0`` and before the key moved (its l
 lease alarm ended it, under this fault or one before it), the bound is at least that death plus
 ``moved_after_loss``: its keys move once their leases end, which no fault can hasten.
 
-A hand-off is *alone* when no other fault began after its fault and before the key moved. One
-past its bound fails the run only if it is alone: otherwise its time may be another fault's (a
-soak of a fault a second compounds them), and it is reported, counted apart, but not failed.
+A hand-off is *alone* when no other fault began after its fault and before the key moved, and
+none that began before it was still in effect when it began, on the server (a fault of a node or
+of every worker, a leaderless group's until its election at the latest) or on a holder of the key.
+One past its bound fails the run only if it is alone: otherwise its time may be another fault's
+(a soak of a fault a second compounds them; a node cut off just before a worker's connection was
+reset keeps that worker's lease writes unanswered until it heals, whatever the reset's bound),
+and it is reported, counted apart, but not failed.
 """
 
 from __future__ import annotations
@@ -183,7 +187,8 @@ class Handoff:
     bound: float | None
     """Seconds after ``began`` allowed (None: unbounded)."""
     alone: bool = True
-    """No other fault began between this one and the key's move: the time is this fault's alone."""
+    """No other fault began between this one and the key's move, and none on the server or on the
+    key's holder was still in effect when it began: the time is this fault's alone."""
 
     @property
     def late(self) -> bool:
@@ -573,7 +578,8 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
     for r in ordered:
         if r.get("kind") in PROCESS_ENDS:
             deaths[str(r.get("w"))].append(float(r["t"]))
-    handoffs = _handoffs(faults, holds_by_key, stored, first_start, starts, bounds, end_of_log, busy or {}, deaths)
+    handoffs = _handoffs(faults, holds_by_key, stored, first_start, starts, bounds, end_of_log, busy or {}, deaths,
+                         effect_end)
     by_kind: dict[str, list[float]] = defaultdict(list)
     for handoff in handoffs:
         by_kind[handoff.fault].append(handoff.seconds if handoff.seconds is not None
@@ -605,7 +611,8 @@ def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
               stored: Mapping[tuple[str, str], float], first_start: Mapping[tuple[str, str], float],
               starts: Mapping[str, Sequence[float]], bounds: LivenessBounds | None,
               end_of_log: float, busy: Mapping[str, Sequence[Interval]],
-              deaths: Mapping[str, Sequence[float]] | None = None) -> list[Handoff]:
+              deaths: Mapping[str, Sequence[float]] | None = None,
+              effect_end: Mapping[int, float] | None = None) -> list[Handoff]:
     latest_stored: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for (key, tag), t in stored.items():
         latest_stored[key].append((t, tag))
@@ -616,6 +623,9 @@ def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
     for f in faults:
         if f.kind == "paused":
             continue  # a pause is measured under the process fault that caused it
+        # Faults begun before this one and still in effect when it began (see "alone").
+        active = [g for g in faults if g.start < f.start and g.kind != "paused"
+                  and (effect_end or {}).get(id(g), g.end) > f.start]
         for key, key_holds in holds_by_key.items():
             holders = [h.w for h in key_holds.meeting(f.start, f.start)
                        if (f.target is None or h.w == f.target) and h.start <= f.start <= h.end]
@@ -634,6 +644,7 @@ def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
             moved = max(0.0, key_starts[j] - begin) if j < len(key_starts) else None
             until = key_starts[j] if j < len(key_starts) else end_of_log
             others = bisect.bisect_right(fault_starts, until) - bisect.bisect_right(fault_starts, f.start)
+            others += sum(1 for g in active if g.target is None or g.target in holders)
             bound = _bound(f, bounds)
             # The holder's process ended after the fault began (its loop watchdog or lease alarm
             # ended it, under this fault or another): its keys move once their leases end, which

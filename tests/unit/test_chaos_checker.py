@@ -600,3 +600,22 @@ def test_a_hand_off_counts_from_the_end_of_a_sync_body_running_at_the_fault() ->
     assert verdict.liveness is not None and [h.seconds for h in verdict.liveness.handoffs] == [0.5]
     late = check(log(7.5), {"k": ["a", "b"]}, bounds=BOUNDS)
     assert late.liveness is not None and [(h.seconds, h.alone) for h in late.liveness.late_handoffs] == [(2.5, True)]
+
+
+def test_a_late_hand_off_under_a_server_fault_still_in_effect_is_not_alone() -> None:
+    """A node cut off (or any fault of the server) just before a worker's connection was reset keeps
+    that worker's lease writes unanswered until it heals: the reset's hand-off is late, but the time
+    is the earlier fault's too. A fault then still in effect on another worker does not excuse it."""
+    server = check([*reset_holder(4.5), fault(1.8, "server-restart", None, 2), fault_end(4.0, 2)],
+                   {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert server.liveness is not None
+    assert [(h.fault, h.alone) for h in server.liveness.late_handoffs] == [("net-reset", False)]
+    assert server.ok
+    other_worker = check([ready("w2", 0.0), *reset_holder(4.5), fault(1.8, "net-blackhole", "w2", 2),
+                          fault_end(4.0, 2)], {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert other_worker.liveness is not None
+    assert [(h.fault, h.alone) for h in other_worker.liveness.late_handoffs] == [("net-reset", True)]
+    assert not other_worker.ok
+    ended = check([*reset_holder(4.5), fault(1.0, "server-restart", None, 2), fault_end(1.5, 2)],
+                  {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert ended.liveness is not None and not ended.ok  # over before the reset: no excuse
