@@ -149,13 +149,19 @@ def _new_nonce() -> str:
 class KeyLock:
     """One worker's claim on one key (or on a fleet role such as the reconciler's)."""
 
-    __slots__ = ("_prefix", "ack_wait", "clock", "expires_in", "expiry", "fence", "holder", "lease", "nonce",
-                 "reported", "seq", "server_now", "since", "store", "subject", "ttl", "unsettled")
+    __slots__ = ("_prefix", "ack_wait", "clock", "ended_claim", "expires_in", "expiry", "fence", "holder", "lease",
+                 "nonce", "reported", "seq", "server_now", "since", "store", "subject", "ttl", "unanswered",
+                 "unsettled")
 
     def __init__(self, store: RecordStore, subject: str, ack_wait: float, *, holder: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 server_now: Callable[[], float | None] | None = None) -> None:
+                 server_now: Callable[[], float | None] | None = None,
+                 ended_claim: Callable[[], str | None] | None = None) -> None:
         self.store = store
+        self.ended_claim = ended_claim
+        """The nonce of this process's last claim on the same subject whose session is over and may
+        have left a record behind (a write of it went unanswered, or it lost its lease), if any: a
+        waiter removes such a record at once (see :meth:`clear_expired`)."""
         self.server_now = server_now
         """The server's clock as this worker knows it, never ahead of it (Unix seconds; None while
         unknown), when the records and what it was learnt from are stamped by one clock (one
@@ -179,6 +185,9 @@ class KeyLock:
         self.since = ""
         self.unsettled = False
         """A write of this claim was sent and its reply never came: a newer record of ours may exist."""
+        self.unanswered = False
+        """A write of this claim ever went unanswered: it may be stored even after the release
+        looked for it (a slow or electing stream applies it later)."""
         self.expiry = StaleRecordWatch(clock)
         """What this claim saw of another holder's record while it waited (see :meth:`clear_expired`)."""
         self.reported = 0
@@ -238,10 +247,10 @@ class KeyLock:
             # An earlier try of this claim whose reply was lost may be the record in the way.
             return await self._take_mine(sent) if self.unsettled else False
         except asyncio.CancelledError:
-            self.unsettled = True  # sent, maybe stored: release() looks for it
+            self.unsettled = self.unanswered = True  # sent, maybe stored: release() looks for it
             raise
         except _UNANSWERED:
-            self.unsettled = True
+            self.unsettled = self.unanswered = True
             return await self._take_mine(sent)
         self.fence = self.seq = seq
         self.unsettled = False
@@ -257,11 +266,13 @@ class KeyLock:
         patience = Lease(self.ack_wait, sent, clock=self.clock)
 
         async def look() -> StoredMsg | None:
-            async with asyncio.timeout(max(0.001, patience.remaining())):
-                try:
+            # The deadline's TimeoutError is raised where the block ends: caught outside it, so a
+            # read that hangs is retried like one that timed out (not a session failure).
+            try:
+                async with asyncio.timeout(max(0.001, patience.remaining())):
                     return await self.store.last_record(self.subject)
-                except TimeoutError as e:
-                    raise KeyqueueTimeout(f"no answer from {self.subject}'s stream in time") from e
+            except TimeoutError as e:
+                raise KeyqueueTimeout(f"no answer from {self.subject}'s stream in time") from e
 
         try:
             current = await ride_out(look, patience, self.store)
@@ -311,7 +322,7 @@ class KeyLock:
             lease.lose("another worker acquired the key's lease record")
             raise LeaseLost(lease.lost_reason) from None
         except (*_UNANSWERED, asyncio.CancelledError):
-            self.unsettled = True
+            self.unsettled = self.unanswered = True
             raise
         self.seq = seq
         self.unsettled = False
@@ -319,8 +330,10 @@ class KeyLock:
 
     async def clear_expired(self) -> bool:
         """Look at the record in this waiter's way; delete it if this waiter has seen that same
-        record (same sequence) for twice its TTL (the server failed to expire it): True if one was
-        deleted. A record rewritten meanwhile has another sequence and is untouched."""
+        record (same sequence) for twice its TTL (the server failed to expire it), if the server's
+        clock is past its TTL (:attr:`server_now`), or if it is this process's ended claim's
+        (:attr:`ended_claim`: nothing of that session runs any more): True if one was deleted. A
+        record rewritten meanwhile has another sequence and is untouched."""
         self.expires_in = None
         record = await self.store.last_record(self.subject)
         if record is None:
@@ -330,7 +343,10 @@ class KeyLock:
             ttl = float(body.get("ttl", self.ttl))
         except (ValueError, AttributeError, TypeError):
             body, ttl = {}, float(self.ttl)
-        if self._expired_by_server_clock(record, ttl):
+        ended = self.ended_claim() if self.ended_claim is not None else None
+        if ended is not None and isinstance(body, dict) and body.get("nonce") == ended:
+            why = "it is a claim of this worker's whose session is over"
+        elif self._expired_by_server_clock(record, ttl):
             why = "it is past its TTL by the server's own clock"
         elif self.expiry.stale(record.seq, ttl):
             why = "it was seen unchanged for twice its TTL"

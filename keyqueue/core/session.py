@@ -183,7 +183,8 @@ class KeySession:
                  worker: str = "", turns: Turns | None = None, idle: dict[str, KeySession] | None = None,
                  recheck_later: Callable[[Token, int], None] | None = None, slots: Slots | None = None,
                  on_running: Callable[[KeySession, bool], None] | None = None,
-                 server_now: Callable[[], float | None] | None = None) -> None:
+                 server_now: Callable[[], float | None] | None = None,
+                 ended_claim: Callable[[], str | None] | None = None) -> None:
         self.io = io
         self.token = token
         self.key = token.key
@@ -210,7 +211,7 @@ class KeySession:
         self.lock = KeyLock(io, io.names.lease(self.key), settings.ack_wait,
                             holder={"worker": worker, "host": _HOST, "pid": os.getpid(), "token": token.stream_seq,
                                     "delivered": token.delivered, "ack": token.reply},
-                            server_now=server_now)
+                            server_now=server_now, ended_claim=ended_claim)
         self.lease = Lease(settings.ack_wait, token.received_at)
         self.lease.lose("the key's lease record is not acquired yet")
         self.cursor = 1
@@ -428,7 +429,9 @@ class KeySession:
             await asyncio.sleep(delay)
             self._hurry(True)
             delay = min(longest, delay * 2)
-            if delay >= longest and time.monotonic() >= next_expiry_check:
+            # A record this worker's own ended session may have left is looked at once refused.
+            own = self.lock.ended_claim is not None and self.lock.ended_claim() is not None
+            if (delay >= longest or own) and time.monotonic() >= next_expiry_check:
                 with contextlib.suppress(KeyqueueError):
                     await self.lock.clear_expired()  # logs what it removed, if anything
                 # Look again in half a lease, or once the record is past its TTL by the server's clock.

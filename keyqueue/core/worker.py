@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -177,6 +178,9 @@ class QueueWorker:
         self.server_clock = ServerClock()
         """The server's clock, from the tokens' stamps: on one server, the lease records are stamped
         by the same clock, so a waiter can tell a record the server kept past its TTL (core/lock.py)."""
+        self._ended_claims: dict[str, tuple[str, float]] = {}
+        """Per key, the nonce of this worker's last claim whose session ended having lost its lease or
+        with a write unanswered, and until when it matters (twice its TTL): see :meth:`_ended_claim`."""
         self._redeletes: list[tuple[int, float]] = []
         """Records to remove again once connected: sequence, when to give up."""
         self._unkeyed = unkeyed
@@ -248,7 +252,8 @@ class QueueWorker:
                              draining=self.draining, should_yield=self._should_yield, worker=self.name,
                              turns=self.turns, idle=self._idle, recheck_later=self.recheck_later, slots=self.slots,
                              on_running=self._run_changed,
-                             server_now=None if self.io.replicated else self.server_clock.now_seconds)
+                             server_now=None if self.io.replicated else self.server_clock.now_seconds,
+                             ended_claim=functools.partial(self._ended_claim, token.key))
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session
@@ -277,6 +282,10 @@ class QueueWorker:
                 self.remove_leftover(session.lock)
             elif outcome in _GAVE_BACK and session.lock.seq:
                 self._note_released(session.lock)
+            if outcome == Outcome.LEASE_LOST or session.lock.unanswered:
+                # It may have left a record behind (a write of it stored after its release looked):
+                # the key's next session here removes such a record at once, not after its TTL.
+                self._note_ended_claim(session.key, session.lock)
             return outcome
         except Exception:
             # A session reports its own failures; one that escapes must not take the worker down.
@@ -450,6 +459,23 @@ class QueueWorker:
         if lock.seq or lock.unsettled:
             self._leftovers.append((lock, time.monotonic() + 2 * lock.ttl))
             self._recheck_wanted.set()
+
+    def _ended_claim(self, key: str) -> str | None:
+        """The nonce of this worker's last ended claim on ``key`` that may have left a record (None:
+        none, or it is older than twice its TTL, when the record has expired anyway)."""
+        ended = self._ended_claims.get(key)
+        if ended is None:
+            return None
+        if time.monotonic() >= ended[1]:
+            del self._ended_claims[key]
+            return None
+        return ended[0]
+
+    def _note_ended_claim(self, key: str, lock: KeyLock) -> None:
+        now = time.monotonic()
+        if len(self._ended_claims) >= 1024:
+            self._ended_claims = {k: v for k, v in self._ended_claims.items() if v[1] > now}
+        self._ended_claims[key] = (lock.nonce, now + 2 * lock.ttl)
 
     def _note_released(self, lock: KeyLock) -> None:
         now = time.monotonic()

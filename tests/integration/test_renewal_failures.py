@@ -14,7 +14,7 @@ from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContex
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
 from keyqueue.errors import KeyqueueTimeout
-from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
@@ -186,3 +186,55 @@ async def test_a_waiter_removes_a_record_the_server_kept_past_its_ttl_by_the_ser
     [removed] = [r.getMessage() for r in caplog.records if "removed lease record" in r.getMessage()]
     assert "past its TTL by the server's own clock" in removed, removed
     assert "worker gone, pid 1" in removed, removed
+
+
+async def test_a_record_an_ended_session_of_the_worker_left_is_removed_by_its_next_session_at_once(
+        nats_server: EmbeddedServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A session's acquire goes unanswered; its release looks for a record of its claim and finds
+    none; the write is stored after all (a slow or electing stream applies it late). The key's next
+    session on the same worker removes that record as soon as it is refused: nothing of the ended
+    session runs any more. Here the record is kept 60 s (its TTL), so only that removal frees the key."""
+    nc = await connect(nats_server.url)
+    config = QueueConfig("orphan", ack_wait=3)
+    await Topology(JetStreamApi(nc), config).ensure()
+    done = asyncio.Event()
+    worker = QueueWorker(nc, config, lambda key: Note(done), concurrency=2,
+                         settings=SessionSettings(ack_wait=3, linger=0.05))
+    real_write = worker.io.compare_and_set
+    unanswered: list[bytes] = []
+
+    async def first_acquire_unanswered(subject: str, expected: int, body: bytes, ttl: int,
+                                       timeout: float | None = None) -> int:
+        if subject == config.names.lease("k") and not unanswered:
+            unanswered.append(json.dumps({**json.loads(body), "ttl": 60}).encode())
+            raise KeyqueueTimeout("no reply to the acquire")
+        return await real_write(subject, expected, body, ttl, timeout)
+
+    real_look = worker.io.last_record
+    looks: list[str] = []
+
+    async def first_look_fails(subject: str) -> StoredMsg | None:
+        if subject == config.names.lease("k") and not looks:
+            looks.append(subject)  # the session ends there (failed), without the key
+            raise RuntimeError("the stream could not be read")
+        return await real_look(subject)
+
+    worker.io.compare_and_set = first_acquire_unanswered  # type: ignore[method-assign]
+    worker.io.last_record = first_look_fails  # type: ignore[method-assign]
+    caplog.set_level(logging.WARNING, "keyqueue")
+    try:
+        async with running(worker):
+            await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r1"}, b"", "r1"))
+            async with asyncio.timeout(10):
+                while "k" not in worker.sessions:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            assert await worker.sessions["k"] == Outcome.FAILED
+            # The unanswered acquire lands now, after the failed session's release looked for it.
+            await real_write(config.names.lease("k"), 0, unanswered[0], 60)
+            async with asyncio.timeout(30):  # well inside the record's 60 s
+                await done.wait()
+    finally:
+        await nc.close()
+    [removed] = [r.getMessage() for r in caplog.records if "removed lease record" in r.getMessage()]
+    assert "a claim of this worker's whose session is over" in removed, removed
+    assert "could not acquire the key's lease record: RuntimeError" in caplog.text

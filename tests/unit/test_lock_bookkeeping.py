@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from datetime import UTC, datetime
@@ -201,3 +202,37 @@ async def test_a_live_holders_record_is_never_past_its_ttl_by_the_servers_clock(
         assert await holder.renew()
         assert not await waiter.clear_expired()
     assert store.last is not None
+
+
+class Hanging(Unanswered):
+    """Writes go unanswered and reads hang: nothing comes back at all."""
+
+    async def last_record(self, subject: str) -> StoredMsg | None:
+        self.reads += 1
+        await asyncio.Event().wait()
+        return None
+
+
+async def test_a_claim_whose_look_hangs_gives_up_with_a_connection_error_not_a_bare_timeout() -> None:
+    """The session retries a connection error (KeyqueueTimeout) while the token is its own; a bare
+    TimeoutError from the look's deadline would end the session as failed instead."""
+    store = Hanging(Clock())
+    lock = KeyLock(store, "kq.q.lease.k", 1.0)  # the real clock: a second of patience
+    with pytest.raises(KeyqueueTimeout, match="could not learn whether a write"):
+        await lock.try_acquire()
+    assert store.reads >= 1 and lock.unsettled and lock.unanswered
+
+
+async def test_a_waiter_removes_at_once_a_record_of_its_own_workers_ended_claim(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    store = Store(clock)
+    ended = KeyLock(store, "kq.q.lease.k", 10.0, clock=clock)
+    assert await ended.try_acquire()  # a claim whose session is over, its record left behind
+    stranger = KeyLock(store, "kq.q.lease.k", 10.0, clock=clock, ended_claim=lambda: "another claim")
+    assert not await stranger.clear_expired()
+    caplog.set_level(logging.WARNING, "keyqueue.session")
+    waiter = KeyLock(store, "kq.q.lease.k", 10.0, clock=clock, ended_claim=lambda: ended.nonce)
+    assert await waiter.clear_expired()  # at first sight, not after twice the TTL
+    assert store.last is None
+    assert "a claim of this worker's whose session is over" in caplog.text
