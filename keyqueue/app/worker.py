@@ -78,9 +78,8 @@ _BACKLOG_WARN_INTERVAL: Final = 60.0
 _NOT_WRAPPED: Final = contextlib.nullcontext()
 """What an attempt is wrapped in when no plugin wraps it."""
 
-HookCall = Callable[[], Awaitable[None] | None]
-"""One lifecycle hook call, bound to its arguments: made at once when no earlier one waits (its
-synchronous implementations run then), else by the dispatcher; what it returns is awaited there."""
+HookCall = Callable[[], Awaitable[None]]
+"""One lifecycle hook call, bound to its arguments, waiting for the dispatcher."""
 
 
 class Worker:
@@ -137,11 +136,6 @@ class Worker:
         # Unbounded as a container (a session's notifications are sync and cannot wait), bounded
         # by back-pressure: see wait_for_room.
         self._events: asyncio.Queue[HookCall | None] = asyncio.Queue()
-        self._dispatcher_up = False
-        """The dispatcher task runs: only then is a call made at once (one it left to await is its)."""
-        self._dispatching = False
-        """The dispatcher is running and between two hook calls' ends: a call made now could pass
-        one it is still making (see :meth:`_queue`)."""
         self._room = asyncio.Event()
         self._room.set()
         self._warned_at = -_BACKLOG_WARN_INTERVAL
@@ -533,14 +527,6 @@ class Worker:
             yield
 
     def _queue(self, call: HookCall) -> None:
-        # With no earlier call waiting or being made, this one is made now: its synchronous
-        # implementations (most are) run without a queue entry, a wake-up of the dispatcher or a
-        # coroutine; what it leaves to await goes to the dispatcher, in order with later calls.
-        if not self._dispatching and self._dispatcher_up and self._events.empty():
-            pending = call()
-            if pending is None:
-                return
-            call = functools.partial(_awaited, pending)
         self._events.put_nowait(call)
         if self._events.qsize() >= self.event_backlog:
             self._room.clear()
@@ -563,26 +549,13 @@ class Worker:
         await self._room.wait()
 
     async def _dispatch(self) -> None:
-        self._dispatcher_up = True
         try:
             while (call := await self._events.get()) is not None:
                 if self._events.qsize() < self.event_backlog:
                     self._room.set()
-                self._dispatching = True
-                try:
-                    pending = call()
-                    if pending is not None:
-                        await pending
-                finally:
-                    self._dispatching = False
+                await call()
         finally:
-            self._dispatcher_up = False
             self._room.set()  # nothing may wait for a dispatcher that has ended
-
-
-def _awaited(pending: Awaitable[None]) -> Awaitable[None]:
-    """A hook call's remainder (:meth:`Worker._queue`), as a call for the dispatcher."""
-    return pending
 
 
 def _began(attempt: RequestAttempt) -> tuple[str, str, str]:

@@ -19,7 +19,7 @@ import importlib.metadata
 import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import CoroutineType
@@ -203,36 +203,6 @@ class PluginManager(pluggy.PluginManager):
             except Exception:
                 log.exception("plugin %s failed in %s; carrying on", impl.plugin_name, hook_name)
 
-    def notify_now(self, hook_name: str, *, reverse: bool = False, **kwargs: Any) -> Awaitable[None] | None:
-        """:meth:`notify` without a coroutine while the implementations are synchronous: they run
-        now, and None is returned. From the first that returns an awaitable on, what is left (that
-        awaitable, then the rest of the implementations in turn) is returned, to be awaited."""
-        impls = self.implementations(hook_name)
-        ordered = impls if reverse else impls[::-1]
-        for index, impl in enumerate(ordered):
-            try:
-                result = impl.function(*[kwargs[name] for name in impl.argnames])
-            except Exception:
-                log.exception("plugin %s failed in %s; carrying on", impl.plugin_name, hook_name)
-                continue
-            if type(result) is CoroutineType or (result is not None and inspect.isawaitable(result)):
-                return self._notify_rest(hook_name, impl, result, ordered[index + 1:], kwargs)
-        return None
-
-    async def _notify_rest(self, hook_name: str, impl: Any, pending: Awaitable[Any], rest: Sequence[Any],
-                           kwargs: Mapping[str, Any]) -> None:
-        try:
-            await pending
-        except Exception:
-            log.exception("plugin %s failed in %s; carrying on", impl.plugin_name, hook_name)
-        for impl in rest:
-            try:
-                result = impl.function(*[kwargs[name] for name in impl.argnames])
-                if type(result) is CoroutineType or (result is not None and inspect.isawaitable(result)):
-                    await result
-            except Exception:
-                log.exception("plugin %s failed in %s; carrying on", impl.plugin_name, hook_name)
-
     def wrappers(self, hook_name: str, **kwargs: Any) -> list[Any]:
         """The context managers an around-style hook returned, in call order."""
         return [w for w in getattr(self.hook, hook_name)(**kwargs) if w is not None]
@@ -279,14 +249,11 @@ class LifecycleHooks:
 
     Each method takes exactly its hook's arguments, by keyword, and returns the call of the hook
     through :meth:`PluginManager.notify` to await: isolated, closing hooks in reverse order. (Plain
-    methods returning that coroutine: an ``async def`` around it would add one per event.) The hooks
-    of a worker's keys, requests and pins go through :meth:`PluginManager.notify_now` instead: their
-    synchronous implementations run at the call, and what is left to await, if anything, is returned.
+    methods returning that coroutine: an ``async def`` around it would add one per event.)
     """
 
     def __init__(self, manager: PluginManager) -> None:
         self._notify = manager.notify
-        self._now = manager.notify_now
 
     def worker_started(self, *, worker: Worker) -> Awaitable[None]:
         return self._notify("keyqueue_worker_started", worker=worker)
@@ -294,44 +261,44 @@ class LifecycleHooks:
     def worker_stopping(self, *, worker: Worker) -> Awaitable[None]:
         return self._notify("keyqueue_worker_stopping", reverse=True, worker=worker)
 
-    def worker_pinned(self, *, worker: Worker, queue: str, pin_id: str) -> Awaitable[None] | None:
-        return self._now("keyqueue_worker_pinned", worker=worker, queue=queue, pin_id=pin_id)
+    def worker_pinned(self, *, worker: Worker, queue: str, pin_id: str) -> Awaitable[None]:
+        return self._notify("keyqueue_worker_pinned", worker=worker, queue=queue, pin_id=pin_id)
 
-    def worker_unpinned(self, *, worker: Worker, queue: str, pin_id: str) -> Awaitable[None] | None:
-        return self._now("keyqueue_worker_unpinned", reverse=True, worker=worker, queue=queue, pin_id=pin_id)
+    def worker_unpinned(self, *, worker: Worker, queue: str, pin_id: str) -> Awaitable[None]:
+        return self._notify("keyqueue_worker_unpinned", reverse=True, worker=worker, queue=queue, pin_id=pin_id)
 
-    def key_acquired(self, *, worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> Awaitable[None] | None:
-        return self._now("keyqueue_key_acquired", worker=worker, queue=queue, key=key, fencing=fencing)
+    def key_acquired(self, *, worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> Awaitable[None]:
+        return self._notify("keyqueue_key_acquired", worker=worker, queue=queue, key=key, fencing=fencing)
 
-    def key_released(self, *, worker: Worker, queue: str, key: str, outcome: str) -> Awaitable[None] | None:
-        return self._now("keyqueue_key_released", reverse=True, worker=worker, queue=queue, key=key,
+    def key_released(self, *, worker: Worker, queue: str, key: str, outcome: str) -> Awaitable[None]:
+        return self._notify("keyqueue_key_released", reverse=True, worker=worker, queue=queue, key=key,
                             outcome=outcome)
 
     def request_started(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                        attempt: int, enqueued_at: float | None = None) -> Awaitable[None] | None:
-        return self._now("keyqueue_request_started", worker=worker, queue=queue, key=key, request_id=request_id,
+                        attempt: int, enqueued_at: float | None = None) -> Awaitable[None]:
+        return self._notify("keyqueue_request_started", worker=worker, queue=queue, key=key, request_id=request_id,
                             message_type=message_type, attempt=attempt, enqueued_at=enqueued_at)
 
     def request_failed(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                       attempt: int, error: BaseException, elapsed: float) -> Awaitable[None] | None:
-        return self._now("keyqueue_request_failed", reverse=True, worker=worker, queue=queue, key=key,
+                       attempt: int, error: BaseException, elapsed: float) -> Awaitable[None]:
+        return self._notify("keyqueue_request_failed", reverse=True, worker=worker, queue=queue, key=key,
                             request_id=request_id, message_type=message_type, attempt=attempt, error=error,
                             elapsed=elapsed)
 
     def request_retried(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                        attempt: int, delay: float, error: str) -> Awaitable[None] | None:
-        return self._now("keyqueue_request_retried", reverse=True, worker=worker, queue=queue, key=key,
+                        attempt: int, delay: float, error: str) -> Awaitable[None]:
+        return self._notify("keyqueue_request_retried", reverse=True, worker=worker, queue=queue, key=key,
                             request_id=request_id, message_type=message_type, attempt=attempt, delay=delay,
                             error=error)
 
     def request_succeeded(self, *, worker: Worker, queue: str, key: str, request_id: str, message_type: str,
-                          elapsed: float) -> Awaitable[None] | None:
-        return self._now("keyqueue_request_succeeded", reverse=True, worker=worker, queue=queue, key=key,
+                          elapsed: float) -> Awaitable[None]:
+        return self._notify("keyqueue_request_succeeded", reverse=True, worker=worker, queue=queue, key=key,
                             request_id=request_id, message_type=message_type, elapsed=elapsed)
 
     def request_superseded(self, *, worker: Worker, queue: str, key: str, request_id: str,
-                           message_type: str, superseded_by: str) -> Awaitable[None] | None:
-        return self._now("keyqueue_request_superseded", reverse=True, worker=worker, queue=queue, key=key,
+                           message_type: str, superseded_by: str) -> Awaitable[None]:
+        return self._notify("keyqueue_request_superseded", reverse=True, worker=worker, queue=queue, key=key,
                             request_id=request_id, message_type=message_type, superseded_by=superseded_by)
 
     def workflow_changed(self, *, app: App, queue: str, workflow_id: str, change: str, step: int | None = None,
@@ -341,7 +308,7 @@ class LifecycleHooks:
                             step=step, task=task, key=key, reason=reason)
 
     def request_dead_lettered(self, *, worker: Worker, queue: str, key: str, request_id: str,
-                              message_type: str, reason: str, attempts: int, error: str) -> Awaitable[None] | None:
-        return self._now("keyqueue_request_dead_lettered", reverse=True, worker=worker, queue=queue, key=key,
+                              message_type: str, reason: str, attempts: int, error: str) -> Awaitable[None]:
+        return self._notify("keyqueue_request_dead_lettered", reverse=True, worker=worker, queue=queue, key=key,
                             request_id=request_id, message_type=message_type, reason=reason, attempts=attempts,
                             error=error)

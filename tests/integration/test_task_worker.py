@@ -342,7 +342,6 @@ async def test_hooks_nest_in_order_and_a_failing_hook_does_not_stop_the_worker(
 
         @keyqueue.hookimpl
         async def keyqueue_key_acquired(self, key: str, fencing: tuple[int, int]) -> None:
-            await asyncio.sleep(0.05)  # the sync hooks of later steps, made at once when nothing waits, wait for it
             log.append(f"{self.name}:acquired:{key}")
 
         @keyqueue.hookimpl

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.metadata
 import inspect
@@ -105,9 +104,7 @@ async def test_each_typed_caller_calls_its_own_hook_closing_hooks_in_reverse() -
     order: dict[str, list[str]] = {}
     for name, spec in specs.items():
         log.clear()
-        pending = getattr(manager.lifecycle, name)(**dict.fromkeys(inspect.signature(spec).parameters))
-        if pending is not None:  # the hooks of keys and requests return None when nothing is left to await
-            await pending
+        await getattr(manager.lifecycle, name)(**dict.fromkeys(inspect.signature(spec).parameters))
         assert {hook for _, hook in log} == {f"keyqueue_{name}"}
         order[name] = [tag for tag, _ in log]
     assert {name for name, tags in order.items() if tags == ["first", "second"]} == CLOSING
@@ -239,45 +236,3 @@ def test_spark_commands_come_through_the_entry_point() -> None:
     assert "report" in listed.output and "backfill" in listed.output
     helped = CliRunner().invoke(main, ["report", "--help"])
     assert helped.exit_code == 0 and "--events-from" in helped.output
-
-
-async def test_notify_now_runs_sync_implementations_at_once_and_returns_the_rest_to_await(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """A key's or request's lifecycle hook costs no coroutine while its implementations are sync;
-    from the first async one on, the rest run in order once what it returned is awaited, and a
-    failing implementation is logged while the others still run."""
-    log: list[str] = []
-
-    class Sync:
-        @keyqueue.hookimpl
-        def keyqueue_key_acquired(self, key: str) -> None:
-            log.append(f"sync {key}")
-
-    class Failing:
-        @keyqueue.hookimpl
-        def keyqueue_key_acquired(self, key: str) -> None:
-            raise RuntimeError("broken plugin")
-
-    class Async:
-        @keyqueue.hookimpl
-        async def keyqueue_key_acquired(self, key: str) -> None:
-            await asyncio.sleep(0)
-            log.append(f"async {key}")
-
-    class Last:
-        @keyqueue.hookimpl
-        def keyqueue_key_acquired(self, key: str) -> None:
-            log.append(f"last {key}")
-
-    only_sync = PluginManager(autoload=False, plugins=[Sync(), Failing()])
-    assert only_sync.lifecycle.key_acquired(worker=None, queue="q", key="k", fencing=(1, 1)) is None  # type: ignore[arg-type]
-    assert log == ["sync k"]
-    assert "broken plugin" in caplog.text
-    log.clear()
-    # pluggy calls the last registered first: Last, Async, Sync.
-    mixed = PluginManager(autoload=False, plugins=[Sync(), Async(), Last()])
-    pending = mixed.lifecycle.key_acquired(worker=None, queue="q", key="k", fencing=(1, 1))  # type: ignore[arg-type]
-    assert pending is not None
-    assert log == ["last k"]  # Async's coroutine is not started; Sync waits behind it
-    await pending
-    assert log == ["last k", "async k", "sync k"]
