@@ -180,7 +180,11 @@ class Ctx:
 async def test_a_request_s_headers_are_read_once_for_its_policy_and_its_run(monkeypatch: pytest.MonkeyPatch) -> None:
     app, _ = make_app()
     reads: list[object] = []
-    monkeypatch.setattr(processor, "peek", lambda headers: reads.append(headers) or peek(headers))
+    def counted_peek(headers: Any) -> Any:
+        reads.append(headers)
+        return peek(headers)
+
+    monkeypatch.setattr(processor, "peek", counted_peek)
     proc = TaskProcessor(app, "shop", "k1", app.queue_tasks("shop"))
     for seq in (1, 2):
         req = request(seq, **{H.REPLY_INBOX: "_INBOX.r"})
