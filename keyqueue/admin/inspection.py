@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, Literal, TypeVar
 
-from keyqueue.errors import StreamNotFound
+from keyqueue.errors import ConsumerNotFound, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.subjects import QueueNames
 
@@ -153,6 +153,12 @@ class QueueReport:
     inbox_last_seq: int = 0
     """The inbox's last sequence, read just before the keys' backlogs: every request those
     backlogs count that was stored before the read has a sequence at or below it."""
+    unkeyed: int = 0
+    """Requests of unkeyed tasks stored in the work stream, running or not (0: none, or no work stream)."""
+    unkeyed_running: int = 0
+    """Of those, how many a worker has taken and not yet finished (the work consumer's ack pending)."""
+    oldest_unkeyed: datetime | None = None
+    """When the oldest stored unkeyed request was stored (None with none)."""
 
     @property
     def truncated(self) -> bool:
@@ -200,6 +206,7 @@ async def inspect_queue(api: JetStreamApi, queue: str, *, every_key: bool = Fals
         dlq = int((await api.stream_info(names.dlq_stream))["state"].get("messages", 0))
     except StreamNotFound:
         dlq = 0
+    unkeyed, unkeyed_running, oldest_unkeyed = await _unkeyed(api, names)
     every, states = await _off_loop(_key_states, tokens, backlog, held, holders, every_key)
     workers = Counter(h.worker for key, h in holders.items() if key in held and h.worker)
     config = consumer.get("config") or {}
@@ -227,7 +234,25 @@ async def inspect_queue(api: JetStreamApi, queue: str, *, every_key: bool = Fals
         oldest_request=parse_time(state.get("first_ts")) if int(state.get("messages", 0)) else None,
         delivered_through=delivered,
         inbox_last_seq=int(state.get("last_seq", 0)),
+        unkeyed=unkeyed,
+        unkeyed_running=unkeyed_running,
+        oldest_unkeyed=oldest_unkeyed,
     )
+
+
+async def _unkeyed(api: JetStreamApi, names: QueueNames) -> tuple[int, int, datetime | None]:
+    """Unkeyed requests stored, of those taken by a worker, and when the oldest was stored: from the
+    work stream and its consumer, created by the first unkeyed enqueue or worker (none yet: zeros)."""
+    try:
+        state = (await api.stream_info(names.work_stream)).get("state") or {}
+    except StreamNotFound:
+        return 0, 0, None
+    stored = int(state.get("messages", 0))
+    try:
+        running = int((await api.consumer_info(names.work_stream, names.consumer)).get("num_ack_pending", 0))
+    except (StreamNotFound, ConsumerNotFound):
+        running = 0
+    return stored, min(running, stored), parse_time(state.get("first_ts")) if stored else None
 
 
 def _keys_of(prefix: str, subjects: dict[str, int]) -> dict[str, int]:

@@ -88,9 +88,9 @@ def inspect_command(queue: str | None, key: str | None, as_json: bool, runs: int
                 elif not reports:
                     click.echo("no queues on this server")
                 else:
-                    rows = [[r.queue, r.requests, r.keys_with_backlog, r.keys_held, r.pending_tokens, r.dlq_size]
-                            for r in reports]
-                    click.echo(table(["QUEUE", "REQUESTS", "KEYS", "HELD", "PENDING TOKENS", "DLQ"], rows))
+                    rows = [[r.queue, r.requests, r.keys_with_backlog, r.keys_held, r.pending_tokens, r.unkeyed,
+                             r.dlq_size] for r in reports]
+                    click.echo(table(["QUEUE", "REQUESTS", "KEYS", "HELD", "PENDING TOKENS", "UNKEYED", "DLQ"], rows))
                 return
             report = await _report(api, queue)
             registry = await queue_workers(api, queue)
@@ -104,7 +104,8 @@ def inspect_command(queue: str | None, key: str | None, as_json: bool, runs: int
 
 def _summary(r: QueueReport) -> dict[str, Any]:
     return {"queue": r.queue, "requests": r.requests, "keys_with_backlog": r.keys_with_backlog,
-            "keys_held": r.keys_held, "pending_tokens": r.pending_tokens, "dlq": r.dlq_size}
+            "keys_held": r.keys_held, "pending_tokens": r.pending_tokens, "unkeyed": r.unkeyed,
+            "unkeyed_running": r.unkeyed_running, "dlq": r.dlq_size}
 
 
 def _report_fields(r: QueueReport) -> dict[str, Any]:
@@ -126,7 +127,8 @@ def _readable_report(r: QueueReport) -> str:
     c = r.consumer
     lines = [
         f"queue {r.queue}: {r.requests} request(s) on {r.keys_with_backlog} key(s); "
-        f"{r.keys_held} key(s) held; {r.pending_tokens} pending token(s); DLQ {r.dlq_size}",
+        f"{r.keys_held} key(s) held; {r.pending_tokens} pending token(s); DLQ {r.dlq_size}"
+        + (f"; {r.unkeyed} unkeyed request(s), {r.unkeyed_running} running" if r.unkeyed else ""),
         f"consumer: ack_pending={c['ack_pending']} redelivered={c['redelivered']} "
         f"waiting_pulls={c['waiting_pulls']} ack_wait={c['ack_wait_s']:g}s "
         f"max_ack_pending={c['max_ack_pending']} priority={c['priority_policy']}",

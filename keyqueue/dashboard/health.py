@@ -71,17 +71,19 @@ def judge(report: QueueReport, workers: Sequence[WorkerState], *, now: float, ma
     live = [w for w in workers if w.live]
     live_names = {w.name for w in live}
     gone = {w.name for w in workers if not w.live}
-    oldest = now - report.oldest_request.timestamp() if report.oldest_request is not None else None
+    stamps = [t.timestamp() for t in (report.oldest_request, report.oldest_unkeyed) if t is not None]
+    oldest = now - min(stamps) if stamps else None
+    backlog = report.requests + report.unkeyed
     held_by_gone = [k for k in report.keys if k.holder is not None and k.holder.worker in gone]
     overdue = [k for k in held_by_gone if k.holder is not None and k.holder.renewed is not None
                and k.holder.ttl is not None and now - k.holder.renewed.timestamp() > 2 * k.holder.ttl]
-    grew = report.requests - backlog_then if backlog_then is not None else None
+    grew = backlog - backlog_then if backlog_then is not None else None
     dlq_grew = report.dlq_size - dlq_then if dlq_then is not None else None
     fails: list[str] = []
     warns: list[str] = []
-    if report.requests and not live:
+    if backlog and not live:
         growth = f", {grew:+d} in the last {GROWTH_SPAN:g}s" if grew is not None else ""
-        fails.append(f"{report.requests} request(s) stored{growth} and no live worker serves the queue")
+        fails.append(f"{backlog} request(s) stored{growth} and no live worker serves the queue")
     if oldest is not None and oldest > max_wait:
         fails.append(f"the oldest stored request has waited {oldest:.0f}s (bound {max_wait:g}s)")
     if overdue:
@@ -93,7 +95,7 @@ def judge(report: QueueReport, workers: Sequence[WorkerState], *, now: float, ma
     if dlq_grew is not None and dlq_grew > 0:
         warns.append(f"the DLQ grew by {dlq_grew} in the last {DLQ_SPAN / 60:g} min ({report.dlq_size} now)")
     status: Status = "fail" if fails else "warn" if warns else "ok"
-    figures = {"backlog": report.requests, "backlog_growth": grew, "oldest_wait_s": oldest,
+    figures = {"backlog": backlog, "unkeyed": report.unkeyed, "backlog_growth": grew, "oldest_wait_s": oldest,
                "live_workers": len(live_names), "dlq": report.dlq_size, "dlq_growth": dlq_grew,
                "keys_held_by_gone_workers": len(held_by_gone)}
     return Verdict(report.queue, status, fails + warns, figures)

@@ -75,6 +75,8 @@ class Sample:
     last_seq: int
     messages: int
     dlq: int = 0
+    unkeyed: int = 0
+    """Unkeyed requests stored in the work stream (``messages`` counts the keyed inbox)."""
 
 
 @dataclass
@@ -281,7 +283,7 @@ class Monitor:
         state = info.get("state") or {}
         now = time.monotonic()
         view.history.append(Sample(now, int(state.get("last_seq", 0)), int(state.get("messages", 0)),
-                                   report.dlq_size))
+                                   report.dlq_size, report.unkeyed))
         while view.history and now - view.history[0].at > SAMPLES_KEPT:
             view.history.popleft()
         return view

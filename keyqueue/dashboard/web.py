@@ -155,7 +155,7 @@ class Pages:
         for _, view in sorted(self.monitor.snapshot.queues.items()):
             backlog_then, dlq_then = view.sample_ago(GROWTH_SPAN), view.sample_ago(DLQ_SPAN)
             found.append(judge(view.report, view.workers, now=now, max_wait=self.options.max_wait,
-                               backlog_then=backlog_then.messages if backlog_then else None,
+                               backlog_then=backlog_then.messages + backlog_then.unkeyed if backlog_then else None,
                                dlq_then=dlq_then.dlq if dlq_then else None))
         return found
 

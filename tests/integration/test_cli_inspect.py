@@ -65,7 +65,8 @@ async def test_inspect_json_has_stable_keys_and_numbers(holding: None, nats_url:
     assert code == 0, err
     report = json.loads(out)
     assert sorted(report) == ["consumer", "dlq", "keys", "keys_held", "keys_truncated", "keys_with_backlog",
-                              "pending_tokens", "queue", "registry", "requests", "workers"]
+                              "pending_tokens", "queue", "registry", "requests", "unkeyed", "unkeyed_running",
+                              "workers"]
     [registered] = report["registry"]
     # "used" is as of the worker's last heartbeat (one is written at its start, then every 5 s).
     assert (registered["name"], registered["live"], registered["slots"]) == ("w-test", True, 1)
@@ -83,7 +84,32 @@ async def test_inspect_json_has_stable_keys_and_numbers(holding: None, nats_url:
     code, out, err = await run(nats_url, "inspect", "--json")
     assert code == 0, err
     assert json.loads(out) == {"queues": [{"queue": "shop", "requests": 2, "keys_with_backlog": 1, "keys_held": 1,
-                                           "pending_tokens": 0, "dlq": 0}]}
+                                           "pending_tokens": 0, "unkeyed": 0, "unkeyed_running": 0, "dlq": 0}]}
+
+
+async def test_inspect_counts_unkeyed_requests_waiting_in_the_work_stream(nats_url: str) -> None:
+    app = keyqueue.App("tasks", url=nats_url, set_as_default=False, autoload_plugins=False)
+
+    @app.task
+    async def send_mail(to: str) -> None:
+        pass
+
+    try:
+        await send_mail.enqueue(to="a@example.com")
+        await send_mail.enqueue(to="b@example.com")
+    finally:
+        await app.close()
+    code, out, err = await run(nats_url, "inspect", "tasks", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["requests"], report["unkeyed"], report["unkeyed_running"]) == (0, 2, 0)
+    code, out, err = await run(nats_url, "inspect", "tasks")
+    assert code == 0, err
+    assert "; 2 unkeyed request(s), 0 running" in out, out
+    code, out, err = await run(nats_url, "inspect")
+    assert code == 0, err
+    assert re.search(r"^QUEUE\s+REQUESTS\s+KEYS\s+HELD\s+PENDING TOKENS\s+UNKEYED\s+DLQ\n"
+                     r"tasks\s+0\s+0\s+0\s+0\s+2\s+0$", out, re.MULTILINE), out
 
 
 async def test_a_lease_record_without_its_acquisition_time_shows_the_last_renewal_and_says_so(nats_url: str) -> None:

@@ -164,6 +164,18 @@ def test_health_verdicts() -> None:
     assert overall([ok, dlq]) == "warn" and overall([ok, dlq, orphan]) == "fail" and overall([]) == "ok"
 
 
+def test_health_counts_unkeyed_requests_in_the_backlog_and_their_wait() -> None:
+    """A queue whose only work is unkeyed tasks is judged like one with keyed requests."""
+    orphan = judge(report(unkeyed=4), [worker("w1", live=False)], now=NOW, max_wait=300, backlog_then=1,
+                   dlq_then=None)
+    assert orphan.status == "fail" and orphan.reasons == [
+        "4 request(s) stored, +3 in the last 60s and no live worker serves the queue"]
+    assert (orphan.figures["backlog"], orphan.figures["unkeyed"]) == (4, 4)
+    late = judge(report(requests=1, oldest_request=at(-10), unkeyed=1, oldest_unkeyed=at(-900)), [worker("w1")],
+                 now=NOW, max_wait=300, backlog_then=None, dlq_then=None)
+    assert late.status == "fail" and "waited 900s (bound 300s)" in late.reasons[0]
+
+
 # --- the request filter and the search index ---------------------------------------------------------
 
 
