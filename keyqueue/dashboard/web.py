@@ -456,6 +456,8 @@ def _registry(monitor: Monitor) -> CollectorRegistry:
                       registry=registry),
         "waiting": Gauge("keyqueue_queue_keys_waiting", "Keys waiting for a worker", ["keyqueue_queue"],
                          registry=registry),
+        "unkeyed": Gauge("keyqueue_queue_unkeyed_requests", "Requests of unkeyed tasks stored in the work stream",
+                         ["keyqueue_queue"], registry=registry),
         "dlq": Gauge("keyqueue_queue_dead_letters", "Requests in the dead-letter queue", ["keyqueue_queue"],
                      registry=registry),
         "workers": Gauge("keyqueue_queue_workers", "Live workers", ["keyqueue_queue"], registry=registry),
@@ -468,6 +470,7 @@ def _registry(monitor: Monitor) -> CollectorRegistry:
             gauges["keys_backlog"].labels(queue).set(r.keys_with_backlog)
             gauges["held"].labels(queue).set(r.keys_held)
             gauges["waiting"].labels(queue).set(r.pending_tokens)
+            gauges["unkeyed"].labels(queue).set(r.unkeyed)
             gauges["dlq"].labels(queue).set(r.dlq_size)
             gauges["workers"].labels(queue).set(len(found.live_workers))
 
