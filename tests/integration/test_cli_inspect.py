@@ -90,7 +90,7 @@ async def test_inspect_json_has_stable_keys_and_numbers(holding: None, nats_url:
 async def test_inspect_counts_unkeyed_requests_waiting_in_the_work_stream(nats_url: str) -> None:
     app = keyqueue.App("tasks", url=nats_url, set_as_default=False, autoload_plugins=False)
 
-    @app.task
+    @app.task()
     async def send_mail(to: str) -> None:
         pass
 
