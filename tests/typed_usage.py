@@ -56,8 +56,16 @@ async def add(x: int, y: int) -> int:
     return x + y
 
 
+@app.task
+async def double(x: int) -> int:
+    """An unkeyed task with every default, declared without parentheses."""
+    return 2 * x
+
+
 async def unkeyed() -> None:
     assert_type(await add.call(x=1, y=2), int)
+    assert_type(await double.call(x=2), int)
+    await double.enqueue(x="2")  # type: ignore[arg-type]
     await add.enqueue(x=1, y="2")  # type: ignore[arg-type]
     assert (await add.enqueue(x=1, y=2)).key == keyqueue.UNKEYED
     app.task(policy="batch")  # type: ignore[call-overload]  # a batch task needs a key

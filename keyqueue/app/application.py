@@ -91,6 +91,8 @@ __all__ = ["App", "default_app", "shared_task_owner", "shared_tasks_elsewhere", 
 log = logging.getLogger("keyqueue.app")
 
 T = TypeVar("T")
+_TaskFn = TypeVar("_TaskFn", bound=Callable[..., Any])
+"""A task's function, for ``@app.task`` without options."""
 
 
 # --- process-wide: the default app and the tasks declared on it -----------------------------------
@@ -317,13 +319,15 @@ class App:
     # --- tasks and processors ---
 
     @overload
-    def task(self, *, key: KeySpec, policy: Literal["batch"], queue: str | None = None, name: str | None = None,
+    def task(self, fn: _TaskFn, /) -> Task[_TaskFn]: ...
+    @overload
+    def task(self, /, *, key: KeySpec, policy: Literal["batch"], queue: str | None = None, name: str | None = None,
              max_attempts: int = 5, backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
              upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
              result_ttl: float | None = None, rate_limit: str | None = None, soft_timeout: float | None = None,
          retry_on: Sequence[type[BaseException]] | None = None) -> BatchTaskDecorator: ...
     @overload
-    def task(self, *, key: KeySpec | None = None, policy: Literal["serial", "latest", "merge"] = "serial",
+    def task(self, /, *, key: KeySpec | None = None, policy: Literal["serial", "latest", "merge"] = "serial",
              queue: str | None = None, name: str | None = None, max_attempts: int = 5,
              backoff: Backoff | float = ..., timeout: float | None = None, version: int = 1,
              upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
@@ -331,14 +335,16 @@ class App:
              rate_limit: str | None = None, soft_timeout: float | None = None,
              retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator: ...
 
-    def task(self, *, key: KeySpec | None = None, policy: Policy = "serial", queue: str | None = None,
-             name: str | None = None,
+    def task(self, fn: Callable[..., Any] | None = None, /, *, key: KeySpec | None = None, policy: Policy = "serial",
+             queue: str | None = None, name: str | None = None,
              max_attempts: int = 5, backoff: Backoff | float = Backoff(), timeout: float | None = None,  # noqa: B008
              version: int = 1, upgrades: Mapping[int, Upgrade] | None = None, max_batch: int = 100,
              merge: Merge | None = None, result_ttl: float | None = None,
              rate_limit: str | None = None, soft_timeout: float | None = None,
-             retry_on: Sequence[type[BaseException]] | None = None) -> TaskDecorator | BatchTaskDecorator:
-        """Declare a task of this app.
+             retry_on: Sequence[type[BaseException]] | None = None
+             ) -> TaskDecorator | BatchTaskDecorator | Task[Any]:
+        """Declare a task of this app: ``@app.task(...)`` with options, or ``@app.task`` alone for an
+        unkeyed task with every default (as ``@app.task()``).
 
         ``key``: a template over the arguments (``"{order_id}"``, ``"{user}.{doc}"``) or a callable
         taking the task's arguments and returning the key: requests of one key run one at a time, in
@@ -360,10 +366,16 @@ class App:
         or hour across the fleet (a key's later requests wait, in order; other keys do not); for an
         unkeyed task, N runs of the task across the fleet.
         """
-        return declare(key=key, queue=queue or self.name, name=name, policy=policy, max_attempts=max_attempts,
-                       backoff=backoff, timeout=timeout, version=version, upgrades=upgrades,
-                       max_batch=max_batch, merge=merge, register=self._register, dispatcher=lambda: self,
-                       result_ttl=result_ttl, rate_limit=rate_limit, soft_timeout=soft_timeout, retry_on=retry_on)
+        decorator = declare(key=key, queue=queue or self.name, name=name, policy=policy,
+                            max_attempts=max_attempts, backoff=backoff, timeout=timeout, version=version,
+                            upgrades=upgrades, max_batch=max_batch, merge=merge, register=self._register,
+                            dispatcher=lambda: self, result_ttl=result_ttl, rate_limit=rate_limit,
+                            soft_timeout=soft_timeout, retry_on=retry_on)
+        if fn is None:
+            return decorator
+        if not callable(fn) or not isinstance(decorator, TaskDecorator):
+            raise TypeError(f"app.task takes its options by keyword (app.task(key=...)), not {fn!r}")
+        return decorator(fn)
 
     def _register(self, task: AnyTask) -> None:
         tasks = self._all_tasks()

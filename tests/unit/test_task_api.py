@@ -61,6 +61,25 @@ def test_a_task_has_name_queue_and_policy(app: keyqueue.App) -> None:
     assert app.queues == ["unit"]
 
 
+def test_a_task_without_options_may_be_declared_without_parentheses(app: keyqueue.App) -> None:
+    """``@app.task``, as Celery users write it, is ``@app.task()``: an unkeyed task with every default."""
+
+    @app.task
+    async def send_mail(to: str) -> None:
+        pass
+
+    @app.task()
+    def resize(path: str) -> None:
+        pass
+
+    assert isinstance(send_mail, keyqueue.Task) and app.find_task("send_mail") is send_mail
+    assert (send_mail.spec.unkeyed, send_mail.queue, send_mail.spec.max_attempts, send_mail.spec.policy) == (
+        resize.spec.unkeyed, resize.queue, resize.spec.max_attempts, resize.spec.policy)
+    assert send_mail.spec.unkeyed
+    with pytest.raises(TypeError, match=r"app.task takes its options by keyword \(app.task\(key=...\)\)"):
+        app.task("{order_id}")  # type: ignore[call-overload]
+
+
 def test_the_context_parameter_is_found_by_annotation_or_name() -> None:
     def annotated(c: keyqueue.Context, x: int) -> None: ...
     def by_name(ctx, x: int) -> None: ...  # type: ignore[no-untyped-def]
