@@ -343,21 +343,20 @@ class KeyLock:
             ttl = float(body.get("ttl", self.ttl))
         except (ValueError, AttributeError, TypeError):
             body, ttl = {}, float(self.ttl)
+        holder = body if isinstance(body, dict) else {}
         ended = self.ended_claim() if self.ended_claim is not None else None
-        if ended is not None and isinstance(body, dict) and body.get("nonce") == ended:
+        if ended is not None and holder.get("nonce") == ended:
             why = "it is a claim of this worker's whose session is over"
         elif self._expired_by_server_clock(record, ttl):
-            why = "it is past its TTL by the server's own clock"
+            why = "the server kept it past its TTL by the server's own clock"
         elif self.expiry.stale(record.seq, ttl):
-            why = "it was seen unchanged for twice its TTL"
+            why = "the server kept it: it was seen unchanged for twice its TTL"
         else:
-            self._report_gone_holder(record.seq, body if isinstance(body, dict) else {}, ttl)
+            self._report_gone_holder(record.seq, holder, ttl)
             return False
         await self.store.remove_record(record.seq)
-        holder = body if isinstance(body, dict) else {}
-        log.warning("%s: removed lease record %d (worker %s, pid %s, stored %s), which the server kept: %s",
-                    self.subject, record.seq, holder.get("worker", "?"), holder.get("pid", "?"),
-                    record.timestamp or "?", why)
+        log.warning("%s: removed lease record %d (worker %s, pid %s, stored %s): %s", self.subject, record.seq,
+                    holder.get("worker", "?"), holder.get("pid", "?"), record.timestamp or "?", why)
         return True
 
     def _expired_by_server_clock(self, record: StoredMsg, ttl: float) -> bool:

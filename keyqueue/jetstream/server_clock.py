@@ -38,9 +38,7 @@ class ServerClock:
         """A server timestamp just read from a stored message (None, or a naive one: ignored)."""
         if stamp is None or stamp.tzinfo is None:
             return
-        offset = (stamp - _EPOCH).total_seconds() - self._monotonic()
-        if self._offset is None or offset > self._offset:
-            self._offset = offset
+        self.saw_seconds((stamp - _EPOCH).total_seconds(), self._monotonic())
 
     def saw_seconds(self, stamp: float, seen: float) -> None:
         """A server timestamp as Unix seconds (0 or less: ignored), seen at ``seen`` on this host's

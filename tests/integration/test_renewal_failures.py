@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 import pytest
+from nats.aio.client import Client
 from queue_workers import running
 
 from keyqueue.core.observer import Outcome
@@ -32,24 +34,47 @@ class Hold(BaseProcessor):
         return None
 
 
+class Note(BaseProcessor):
+    def __init__(self, done: asyncio.Event) -> None:
+        self.done = done
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        self.done.set()
+        return None
+
+
+async def lease_worker(url: str, queue: str, processor: Callable[[], BaseProcessor]
+                       ) -> tuple[Client, QueueConfig, QueueWorker]:
+    """A worker of a fresh queue (a 3 s lease, 0.05 s linger) on a connection of its own."""
+    nc = await connect(url)
+    config = QueueConfig(queue, ack_wait=3)
+    await Topology(JetStreamApi(nc), config).ensure()
+    return nc, config, QueueWorker(nc, config, lambda key: processor(), concurrency=2,
+                                   settings=SessionSettings(ack_wait=3, linger=0.05))
+
+
+async def enqueue_one(nc: Client, config: QueueConfig) -> None:
+    await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r1"}, b"", "r1"))
+
+
+def kept_60s(body: bytes) -> bytes:
+    """A lease record's body saying a TTL of 60 s (written with that TTL: what a waiter's rules read too)."""
+    return json.dumps({**json.loads(body), "ttl": 60}).encode()
+
+
 async def test_a_lease_lost_to_failed_renewals_is_logged_with_why_they_failed(
     nats_server: EmbeddedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    nc = await connect(nats_server.url)
-    config = QueueConfig("renewals", ack_wait=3)
-    api = JetStreamApi(nc)
-    await Topology(api, config).ensure()
     arrived = asyncio.Event()
-    worker = QueueWorker(nc, config, lambda key: Hold(arrived), concurrency=2,
-                         settings=SessionSettings(ack_wait=3, linger=0.05))
+    nc, config, worker = await lease_worker(nats_server.url, "renewals", lambda: Hold(arrived))
     caplog.set_level(logging.INFO, "keyqueue")
     try:
         async with running(worker):
-            await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r1"}, b"", "r1"))
+            await enqueue_one(nc, config)
             await arrived.wait()
             session = worker.sessions["k"]
             # The lease records' stream is gone: every renewal gets "no responders" until the lease ends.
-            await api.delete_stream(config.names.lease_stream)
+            await JetStreamApi(nc).delete_stream(config.names.lease_stream)
             assert await session == Outcome.LEASE_LOST
     finally:
         await nc.close()
@@ -64,13 +89,8 @@ async def test_a_lost_lease_s_record_is_removed_by_its_holder_once_its_work_ende
     better: once its session ended with the lease lost (its work over), it removes its own record.
     Here the server keeps the record for 60 s (its TTL, where the lease is 3 s), and a waiter (the
     same worker, once the token comes back) would wait 120 s: only the former holder removes it sooner."""
-    nc = await connect(nats_server.url)
-    config = QueueConfig("leftover", ack_wait=3)
-    api = JetStreamApi(nc)
-    await Topology(api, config).ensure()
     arrived = asyncio.Event()
-    worker = QueueWorker(nc, config, lambda key: Hold(arrived), concurrency=2,
-                         settings=SessionSettings(ack_wait=3, linger=0.05))
+    nc, config, worker = await lease_worker(nats_server.url, "leftover", lambda: Hold(arrived))
     real_write = worker.io.compare_and_set
     failing = False
 
@@ -78,13 +98,12 @@ async def test_a_lost_lease_s_record_is_removed_by_its_holder_once_its_work_ende
                                          timeout: float | None = None) -> int:
         if failing:
             raise KeyqueueTimeout("the renewal is not answered")
-        kept = {**json.loads(body), "ttl": 60}  # what a waiter's watch (twice the TTL) reads too
-        return await real_write(subject, expected, json.dumps(kept).encode(), 60, timeout)
+        return await real_write(subject, expected, kept_60s(body), 60, timeout)
 
     worker.io.compare_and_set = kept_long_then_unrenewable  # type: ignore[method-assign]
     try:
         async with running(worker):
-            await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r1"}, b"", "r1"))
+            await enqueue_one(nc, config)
             await arrived.wait()
             session = worker.sessions["k"]
             record = await worker.io.last_record(config.names.lease("k"))
@@ -98,11 +117,6 @@ async def test_a_lost_lease_s_record_is_removed_by_its_holder_once_its_work_ende
         await nc.close()
 
 
-class Quick(BaseProcessor):
-    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
-        return None
-
-
 async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_reconnect(
         nats_server: EmbeddedServer) -> None:
     """A worker gives a key back, the server answers the record's delete, and is killed before its
@@ -111,17 +125,12 @@ async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_
     worker removes the records it removed just before a connection drop again once reconnected.
     Here the delete is answered and not done (the lost write), the record is kept 60 s (its TTL,
     where the lease is 3 s), and a server restart drops the connection."""
-    nc = await connect(nats_server.url)
-    config = QueueConfig("lostdelete", ack_wait=3)
-    await Topology(JetStreamApi(nc), config).ensure()
-    worker = QueueWorker(nc, config, lambda key: Quick(), concurrency=2,
-                         settings=SessionSettings(ack_wait=3, linger=0.05))
+    nc, config, worker = await lease_worker(nats_server.url, "lostdelete", lambda: Note(asyncio.Event()))
     real_write, real_remove = worker.io.compare_and_set, worker.io.remove_record
     lost: list[int] = []
 
     async def kept_long(subject: str, expected: int, body: bytes, ttl: int, timeout: float | None = None) -> int:
-        kept = {**json.loads(body), "ttl": 60}
-        return await real_write(subject, expected, json.dumps(kept).encode(), 60, timeout)
+        return await real_write(subject, expected, kept_60s(body), 60, timeout)
 
     async def first_delete_lost(seq: int) -> None:
         if not lost:
@@ -134,7 +143,7 @@ async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_
     subject = config.names.lease("k")
     try:
         async with running(worker):
-            await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r1"}, b"", "r1"))
+            await enqueue_one(nc, config)
             async with asyncio.timeout(10):  # until the session gave the key back
                 while not lost or "k" in worker.sessions:  # noqa: ASYNC110
                     await asyncio.sleep(0.005)
@@ -151,33 +160,20 @@ async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_
         await nc.close()
 
 
-class Note(BaseProcessor):
-    def __init__(self, done: asyncio.Event) -> None:
-        self.done = done
-
-    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
-        self.done.set()
-        return None
-
-
 async def test_a_waiter_removes_a_record_the_server_kept_past_its_ttl_by_the_servers_clock(
         nats_server: EmbeddedServer, caplog: pytest.LogCaptureFixture) -> None:
     """A record the server should have expired (here it keeps it 60 s, where its body says 1 s, as a
     server that lost track of its TTL after a kill -9 and restart) is removed by the waiter once
     the server's clock, as the tokens' stamps tell it, is past the record's TTL: not after watching it
     for twice the TTL, which is what the log would say otherwise."""
-    nc = await connect(nats_server.url)
-    config = QueueConfig("kept", ack_wait=3)
-    await Topology(JetStreamApi(nc), config).ensure()
     done = asyncio.Event()
-    worker = QueueWorker(nc, config, lambda key: Note(done), concurrency=2,
-                         settings=SessionSettings(ack_wait=3, linger=0.05))
+    nc, config, worker = await lease_worker(nats_server.url, "kept", lambda: Note(done))
     body = {"worker": "gone", "host": "elsewhere", "pid": 1, "nonce": "not-ours", "ttl": 1, "sent": 0}
     await worker.io.compare_and_set(config.names.lease("k"), 0, json.dumps(body).encode(), 60)
     caplog.set_level(logging.WARNING, "keyqueue")
     try:
         async with running(worker):
-            await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r1"}, b"", "r1"))
+            await enqueue_one(nc, config)
             async with asyncio.timeout(30):  # well inside the record's 60 s
                 await done.wait()
     finally:
@@ -193,19 +189,15 @@ async def test_a_record_an_ended_session_of_the_worker_left_is_removed_by_its_ne
     none; the write is stored after all (a slow or electing stream applies it late). The key's next
     session on the same worker removes that record as soon as it is refused: nothing of the ended
     session runs any more. Here the record is kept 60 s (its TTL), so only that removal frees the key."""
-    nc = await connect(nats_server.url)
-    config = QueueConfig("orphan", ack_wait=3)
-    await Topology(JetStreamApi(nc), config).ensure()
     done = asyncio.Event()
-    worker = QueueWorker(nc, config, lambda key: Note(done), concurrency=2,
-                         settings=SessionSettings(ack_wait=3, linger=0.05))
+    nc, config, worker = await lease_worker(nats_server.url, "orphan", lambda: Note(done))
     real_write = worker.io.compare_and_set
     unanswered: list[bytes] = []
 
     async def first_acquire_unanswered(subject: str, expected: int, body: bytes, ttl: int,
                                        timeout: float | None = None) -> int:
         if subject == config.names.lease("k") and not unanswered:
-            unanswered.append(json.dumps({**json.loads(body), "ttl": 60}).encode())
+            unanswered.append(kept_60s(body))
             raise KeyqueueTimeout("no reply to the acquire")
         return await real_write(subject, expected, body, ttl, timeout)
 
@@ -223,7 +215,7 @@ async def test_a_record_an_ended_session_of_the_worker_left_is_removed_by_its_ne
     caplog.set_level(logging.WARNING, "keyqueue")
     try:
         async with running(worker):
-            await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r1"}, b"", "r1"))
+            await enqueue_one(nc, config)
             # The first session fails on its look (logged below) and gives the token back for a
             # second later: wait until it is over.
             async with asyncio.timeout(10):
