@@ -197,12 +197,14 @@ async def _registered(api: JetStreamApi, count: int, timeout: float = 60.0) -> N
 
 async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, profile: Path | None = None, *,
                   processes: int = 1, end_to_end: bool = True, monitoring: str | Sequence[str] = (),
-                  loop: str | None = None, task: str = "note", replicas: int = 1, unkeyed: int = 0) -> ProductRates:
+                  loop: str | None = None, task: str = "note", replicas: int = 1, unkeyed: int = 0,
+                  py_spy: Path | None = None) -> ProductRates:
     """Start ``keyqueue worker bench.user_app:app`` on ``url`` (``--processes``, ``--loop``); time the
     hot then the cold workload of ``task``, then ``unkeyed`` requests of the unkeyed no-op task, each
     stored first, then (``end_to_end``) again stored and served at once. With ``monitoring`` (the
     server's monitoring URL, or every cluster member's), also what the server saw per request.
-    ``replicas``: the queue's stream replicas (3 on a cluster)."""
+    ``replicas``: the queue's stream replicas (3 on a cluster). ``py_spy``: sample the worker with
+    py-spy (from its registration to its end; collapsed stacks, native frames left out) to this file."""
     app.settings = app.settings.with_url(url)
     user_app.configure(replicas)
     env = {**os.environ, "KEYQUEUE_URL": url, user_app.REPLICAS_ENV: str(replicas)}
@@ -214,11 +216,16 @@ async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, pro
     urls = [monitoring] if isinstance(monitoring, str) else list(monitoring)
     nc = await connect(url)
     api = JetStreamApi(nc)
+    sampler = None
     try:
         await note.enqueue(k="warmup", i=0)  # the worker is up once it has taken this
         await _drained(api, timeout=60)
         await _registered(api, processes)
         workers = _Workers(worker.pid, processes)
+        if py_spy is not None:
+            sampler = await asyncio.create_subprocess_exec(
+                str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(worker.pid), "--rate", "500", "--format", "raw", "--nonblocking",
+                "--output", str(py_spy), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         hot = await _timed(api, workers, hot_keys, hot_per_key, "h", end_to_end, urls, task)
         cold = await _timed(api, workers, cold_keys, 1, "c", end_to_end, urls, task)
         plain = await _timed(api, workers, 1, unkeyed, "u", end_to_end, urls, "unkeyed_note")
@@ -226,6 +233,9 @@ async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, pro
         worker.terminate()
         async with asyncio.timeout(60):
             await worker.wait()
+        if sampler is not None:
+            async with asyncio.timeout(60):
+                await sampler.wait()  # it ends with the process it samples, writing its file
         await nc.close()
         await app.close()
     enqueue = (hot.enqueue_cpu_us * hot_keys * hot_per_key + cold.enqueue_cpu_us * cold_keys) / (
@@ -241,7 +251,7 @@ async def main(args: argparse.Namespace) -> None:
             product = await measure(server.url, args.hot_keys, args.hot_per_key, args.cold_keys, args.profile,
                                     processes=args.processes, end_to_end=args.end_to_end,
                                     monitoring=server.monitoring_url, loop=args.loop, task=args.task,
-                                    unkeyed=args.unkeyed)
+                                    unkeyed=args.unkeyed, py_spy=args.py_spy)
     hot = f"hot keys {args.hot_keys} x {args.hot_per_key}"
     cold = f"cold keys {args.cold_keys:,} x 1"
     plain = f"unkeyed {args.unkeyed:,}"
@@ -286,6 +296,7 @@ if __name__ == "__main__":
                         help="also time each workload stored and served at once")
     parser.add_argument("--raw", type=int, default=20_000, help="messages for raw fetch(200)+ack")
     parser.add_argument("--profile", type=Path, help="run the worker under cProfile, statistics to this file")
+    parser.add_argument("--py-spy", type=Path, help="sample the worker with py-spy, collapsed stacks to this file")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default=None, help="keyqueue worker --loop")
     parser.add_argument("--task", choices=("note", "io_note", "unkeyed_note"), default="note",
                         help="note: a no-op; io_note: awaits 1 ms; unkeyed_note: a no-op without a key")

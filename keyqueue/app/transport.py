@@ -174,6 +174,11 @@ class Connections:
             weakref.WeakKeyDictionary()
         )
 
+    def connected(self) -> LoopConnection | None:
+        """The running loop's connection if it is open (no await: a key session's first step asks), else None."""
+        state = self._by_loop.get(asyncio.get_running_loop())
+        return state if state is not None and state.nc is not None and not state.nc.is_closed else None
+
     async def current(self) -> LoopConnection:
         """The running loop's connection, connected (again, if it was closed)."""
         loop = asyncio.get_running_loop()
@@ -405,6 +410,13 @@ class NatsTransport:
                     return None
             state.workflows[queue] = store
         return store
+
+    def current_cancel_watch(self, queue: str) -> CancelWatch | None:
+        """The queue's cancel watch when it is started on this loop's open connection and its records
+        are current (nothing to await: what each key session's processor asks first), else None."""
+        state = self.connections.connected()
+        watch = state.cancel_watches.get(queue) if state is not None else None
+        return watch if watch is not None and not watch.stale() else None
 
     async def cancel_watch(self, queue: str) -> CancelWatch:
         """The queue's cancel requests as this loop's connection sees them (started on first use)."""

@@ -113,8 +113,11 @@ class RecordingTaskProcessor(TaskProcessor):
     async def open(self, ctx: SessionContext) -> None:
         transport = self.app.transport()
         if isinstance(transport, NatsTransport):
-            self.watch = watch = await ctx.steady(functools.partial(transport.cancel_watch, self.queue))
-            await ctx.steady(watch.refresh)
+            watch = transport.current_cancel_watch(self.queue)
+            if watch is None:  # the first key on this connection, or the first since a reconnect
+                watch = await ctx.steady(functools.partial(transport.cancel_watch, self.queue))
+                await ctx.steady(watch.refresh)
+            self.watch = watch
             self.records = watch.records
             if self.runs is None:
                 self.runs = self.records

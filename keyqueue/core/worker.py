@@ -295,6 +295,7 @@ class QueueWorker:
             if self._held.get(session.key) is session:
                 self.sessions.pop(session.key, None)
                 del self._held[session.key]
+            session.forget()
             await self.slots.changed()  # a parked session may take the slot
             self.puller.wake()
 

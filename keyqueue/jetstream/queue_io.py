@@ -100,9 +100,11 @@ class Watch:
             self.notify()
 
     async def close(self) -> None:
-        if self.sub is not None:
+        # Dropped once closed: its future's callback is this watch (a cycle for the collector).
+        sub, self.sub = self.sub, None
+        if sub is not None:
             try:
-                await self.sub.unsubscribe()
+                await sub.unsubscribe()
             except Exception:
                 pass
 
