@@ -56,7 +56,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check keyqueue plugins contrib tests
 	$(PY) -m mypy keyqueue plugins contrib tests/typed_usage.py tests/unit/test_session_states.py \
 		tests/unit/test_reconciler.py tests/unit/test_lock_bookkeeping.py tests/unit/test_product_path.py \
-		tests/unit/test_server_clock.py tests/unit/test_chaos_checker.py
+		tests/unit/test_server_clock.py tests/unit/test_chaos_checker.py tests/unit/test_inbound.py
 
 # Spark (keyqueue-spark: tests/spark, keyqueue report / backfill, examples/spark) needs Java 17+.
 # Without it, install Debian's headless JRE (as root, or with sudo).

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -33,6 +32,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout, ReplyLost
+from keyqueue.jetstream.inbound import LeanParser, parse_header_lines
 from keyqueue.jetstream.subjects import check_publish_line
 
 log = logging.getLogger("keyqueue.connection")
@@ -61,52 +61,6 @@ _REPORTED_TIMEOUTS: Final = (nats.errors.FlushTimeoutError, nats.errors.DrainTim
 
 _SELF_EXPLAINING: Final = (nats.errors.Error, ConnectionFailed, KeyqueueTimeout)
 """Errors logged in one line, without a traceback: nats-py's own, and keyqueue's connection errors."""
-
-
-_ASCII_SPACE: Final = " \t\n\r\x0b\x0c"
-"""What ``bytes.strip()`` strips."""
-
-_SPACE_IN_NAME: Final = re.compile("[\t\n\x0b\x0c\r\x1c-\x1f ]")
-"""The ASCII characters for which ``str.isspace()`` is true."""
-
-
-def parse_header_lines(raw: bytes) -> dict[str, str]:
-    """The ``Name: value`` lines of a NATS header block as a dict, exactly as nats-py 2.16 reads them.
-
-    nats-py skips lines without a colon and names that are not ASCII or hold whitespace, strips
-    names and values, decodes values as UTF-8 with replacement, and keeps the last of repeated
-    names. It does so line by line in bytes, testing each character of each name; this decodes an
-    ASCII block (every block keyqueue writes) once and tests a name with one regular expression.
-    ``tests/unit/test_connect_headers.py`` checks both give the same on tricky input.
-    """
-    if not raw.isascii():
-        return _parse_header_lines_bytes(raw)
-    out: dict[str, str] = {}
-    for line in raw.decode("ascii").split("\r\n"):
-        name, sep, value = line.partition(":")
-        if not sep:
-            continue
-        name = name.strip(_ASCII_SPACE)
-        # A printable name holds no whitespace but the space (the usual case, tested without the
-        # regular expression); any other is tested with it.
-        if (" " not in name) if name.isprintable() else _SPACE_IN_NAME.search(name) is None:
-            out[name] = value.strip(_ASCII_SPACE)
-    return out
-
-
-def _parse_header_lines_bytes(raw: bytes) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in raw.split(b"\r\n"):
-        name, sep, value = line.partition(b":")
-        if not sep:
-            continue
-        try:
-            key = name.strip().decode("ascii")
-        except UnicodeDecodeError:
-            continue
-        if _SPACE_IN_NAME.search(key) is None:
-            out[key] = value.strip().decode("utf-8", "replace")
-    return out
 
 
 class Link:
@@ -259,6 +213,7 @@ class KeyqueueClient(Client):
 
     def __init__(self) -> None:
         super().__init__()
+        self._ps = LeanParser(self)  # keyqueue's own subscriptions' messages handed on at once
         self.link = Link()
         self.target: str | ConnectOptions | None = None
         """What :func:`connect` was given: another connection to the same servers, with the same
