@@ -428,7 +428,7 @@ class KeySession:
                 self.ctx.fencing = (self.lock.fence, self.token.delivered)
                 self.observer.key_acquired(self.hold())
                 if first_read is not None:
-                    with contextlib.suppress(Exception):  # read again in the session
+                    with contextlib.suppress(KeyqueueError):  # read again in the session
                         msgs, self.more = await self._first_read_result(first_read)
                         self.buffer.extend(self._requests(msgs))
                 return True
@@ -464,11 +464,10 @@ class KeySession:
             return None
 
     async def _first_read_result(self, sent: asyncio.Future[Any]) -> tuple[list[StoredMsg], bool]:
-        result = await sent
         if not self.io.direct:
-            read: tuple[list[StoredMsg], bool] = result
+            read: tuple[list[StoredMsg], bool] = await sent
             return read
-        return await self.io.read_reply(self.key, result)
+        return await self.io.read_reply(self.key, sent)
 
     async def _run(self) -> Outcome:
         """Work until the key is given back; sets :attr:`ending` before giving it back.

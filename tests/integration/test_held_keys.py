@@ -8,13 +8,14 @@ import collections
 import gc
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from queue_workers import running
 from ulid import ULID
 
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
-from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.wire import headers as H
@@ -137,3 +138,37 @@ async def test_a_key_given_back_leaves_nothing_for_the_cyclic_collector(nc: Clie
     assert worker.counts.get("released") == KEYS
     parts = ("KeySession", "KeyLock", "Removals", "LeaseKeeper", "HandBack", "_Context", "Lease")
     assert {name: left[name] for name in parts if left[name]} == {}
+
+
+async def test_a_cold_key_is_read_once_its_first_read_beside_its_acquire(nc: Client) -> None:
+    # A key's first read goes out beside its acquire, and its answer is used: a key with one
+    # request, given back at once because other keys wait for a worker, reads its inbox once. (Its
+    # answer was once dropped by a slip, and every cold key read twice.) The last keys, with none
+    # waiting behind them, open an arrival watch and read once more after it, by design.
+    config = QueueConfig("readonce", ack_wait=30.0)
+    await Topology(JetStreamApi(nc), config).ensure()
+    publisher = Publisher(nc, config.names)
+    processor = Counting()
+    worker = QueueWorker(nc, config, lambda key: processor, concurrency=4,
+                         settings=SessionSettings(ack_wait=30.0, linger=0.01))
+    reads: collections.Counter[str] = collections.Counter()
+    io = worker.io
+    send_read, read = io.send_read, io.read
+
+    async def counted_send_read(key: str, from_seq: int, limit: int) -> asyncio.Future[list[Msg]]:
+        reads[key] += 1
+        return await send_read(key, from_seq, limit)
+
+    async def counted_read(key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
+        reads[key] += 1
+        return await read(key, from_seq, limit)
+
+    io.send_read = counted_send_read  # type: ignore[method-assign]
+    io.read = counted_read  # type: ignore[method-assign]
+    cold = 40
+    await publisher.enqueue_many([request(f"k{i}", b"once") for i in range(cold)])
+    async with running(worker):
+        await processor.ran_at_least(cold)
+    assert sorted(key for key, _ in processor.ran) == sorted(f"k{i}" for i in range(cold))
+    read_twice = sorted(key for key in reads if reads[key] > 1)
+    assert len(read_twice) <= 4, read_twice  # at most the last keys, one per slot
