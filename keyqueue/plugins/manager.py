@@ -179,10 +179,18 @@ class PluginManager(pluggy.PluginManager):
 
     async def first(self, hook_name: str, **kwargs: Any) -> Any:
         """Call a ``firstresult`` hook and await its result if it is awaitable."""
+        impls = self.implementations(hook_name)
+        if len(impls) == 1:  # the usual case (a built-in alone), per key or request: no pluggy machinery
+            return await maybe_await(impls[0].function(*[kwargs[name] for name in impls[0].argnames]))
         return await maybe_await(getattr(self.hook, hook_name)(**kwargs))
 
     async def collect(self, hook_name: str, **kwargs: Any) -> list[Any]:
-        """Call a hook and await each result that is awaitable; results in call order."""
+        """Call a hook and await each result that is awaitable; results in call order (a result of
+        None left out, as pluggy leaves it out)."""
+        impls = self.implementations(hook_name)
+        if len(impls) == 1:
+            result = impls[0].function(*[kwargs[name] for name in impls[0].argnames])
+            return [] if result is None else [await maybe_await(result)]
         return [await maybe_await(result) for result in getattr(self.hook, hook_name)(**kwargs)]
 
     async def notify(self, hook_name: str, *, reverse: bool = False, **kwargs: Any) -> None:

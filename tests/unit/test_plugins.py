@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import inspect
@@ -236,3 +237,48 @@ def test_spark_commands_come_through_the_entry_point() -> None:
     assert "report" in listed.output and "backfill" in listed.output
     helped = CliRunner().invoke(main, ["report", "--help"])
     assert helped.exit_code == 0 and "--events-from" in helped.output
+
+
+@pytest.mark.parametrize("implementations", [1, 2])
+def test_first_and_collect_answer_as_pluggy_does_with_one_implementation_or_more(implementations: int) -> None:
+    # One implementation is called without pluggy's machinery (a key's processor, each request's
+    # settled hook): the answers must not differ from pluggy's, None results and awaitables included.
+    calls: list[str] = []
+
+    class Answers:
+        def __init__(self, name: str, result: Any) -> None:
+            self.name, self.result = name, result
+
+        @keyqueue.hookimpl
+        def keyqueue_retry_policy(self, task: TaskSpec | None) -> Any:
+            calls.append(f"policy:{self.name}")
+            return self.result
+
+        @keyqueue.hookimpl
+        async def keyqueue_request_settled(self, queue: str, status: str) -> str:
+            calls.append(f"settled:{self.name}:{queue}:{status}")
+            return f"{self.name}-{status}"
+
+    class Silent:
+        @keyqueue.hookimpl
+        def keyqueue_request_settled(self, status: str) -> None:
+            calls.append(f"silent:{status}")
+
+    plugins: list[object] = [Answers("a", None)] if implementations == 1 else [Silent(), Answers("a", None)]
+    manager = PluginManager(autoload=False, plugins=plugins)
+    manager.unregister(name="keyqueue.builtins.processor")  # its keyqueue_retry_policy: ours alone or two
+    manager.unregister(name="keyqueue.builtins.workflows")  # its keyqueue_request_settled
+
+    async def run() -> tuple[Any, list[Any]]:
+        first = await manager.first("keyqueue_retry_policy", app=None, queue="q", task=None, request=None)
+        collected = await manager.collect("keyqueue_request_settled", app=None, queue="q", key="k", request=None,
+                                          task=None, status="ok", reply=None, error=None, reason=None,
+                                          elapsed=0.0, context=None)
+        return first, collected
+
+    first, collected = asyncio.run(run())
+    assert first is None
+    assert collected == ["a-ok"]
+    expected = ["policy:a", "settled:a:q:ok"] if implementations == 1 else ["policy:a", "silent:ok", "settled:a:q:ok"]
+    assert calls == expected
+    assert len(manager.implementations("keyqueue_request_settled")) == implementations
