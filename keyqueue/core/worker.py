@@ -565,16 +565,20 @@ class QueueWorker:
     # --- the lease alarm (core/alarm.py) -------------------------------------------------------------
 
     def _run_changed(self, session: KeySession, running: bool) -> None:
-        """A session's work began or ended: keep the lease alarm at the earliest kill point of the runs
-        going on (a later one moves it on the next tick)."""
+        """A session's work began or ended: keep the lease alarm no later than the earliest kill point
+        of the runs going on. A run that ends leaves the alarm where it is, at a kill point no later
+        than the others', until the next tick of the loop (every :data:`LOOP_TICK`) moves it to the
+        earliest of those still going on: a loop that stalls meanwhile for most of a lease is ended
+        a little sooner than it had to be, never later. (Moving it at once cost a scan of every run
+        and a system call for each of most cold keys.) The last run to end disarms it."""
         if running:
             self._running.add(session)
             if self.alarm is not None and (self.alarm.armed is None or session.lease.kill_point < self.alarm.armed):
                 self.alarm.set(session.lease.kill_point)
             return
         self._running.discard(session)
-        if self.alarm is not None and self.alarm.armed is not None and session.lease.kill_point <= self.alarm.armed:
-            self._arm_alarm()
+        if self.alarm is not None and not self._running:
+            self.alarm.set(None)
 
     def _arm_alarm(self) -> None:
         if self.alarm is not None:
