@@ -268,7 +268,12 @@ class KeySession:
         looked at): each part calls back into the session, so together they form reference cycles
         that only the cyclic garbage collector would free, some fifty objects per key, which made
         collections a tenth of a cold key's CPU. A processor that kept the context can still ask
-        it about the lease; it can no longer hold a removal."""
+        it about the lease; it can no longer hold a removal. A give-back still running (a session
+        cut off while giving its key back) keeps them until it ends."""
+        back = self._hand_back
+        if back is not None and back.task is not None and not back.task.done():
+            back.task.add_done_callback(lambda _: self.forget())
+            return
         self._hand_back = self._dead_letters = None
         del self.removals, self.keeper, self.ctx
 
