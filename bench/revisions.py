@@ -13,6 +13,13 @@ virtualenv; OTHER defaults to this working tree, uncommitted changes included. B
 
     python -m bench.revisions 953fd7c            # the last commit before a change, against the tree
     python -m bench.revisions v0.1.0 main --rounds 5 --cold-keys 10000
+    python -m bench.revisions 3c556ac --calls    # Python calls per cold key and per hot request
+
+``--calls`` counts instead of timing: the Python calls the worker makes per cold key and per hot
+request, by cProfile, as the difference between two runs of different sizes (so start-up and
+shut-down drop out). A count does not vary from run to run as the machine's speed does, so one
+run of each revision shows a change of a few percent in the Python per request; it does not see
+what a call costs, nor the collector, the kernel or the server.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import pstats
 import re
 import statistics
 import subprocess
@@ -81,6 +89,26 @@ def measure(tree: Path, args: argparse.Namespace) -> Figures:
     return parse(done.stdout)
 
 
+def calls(tree: Path, args: argparse.Namespace, into: Path) -> tuple[float, float]:
+    """The Python calls the worker of ``tree`` makes per cold key and per hot request."""
+    def count(hot_per_key: int, cold_keys: int) -> int:
+        stats = into / f"calls-{tree.name}-{hot_per_key}-{cold_keys}.prof"
+        command = [sys.executable, "-m", "bench.user_path", "--hot-keys", str(args.hot_keys if hot_per_key else 0),
+                   "--hot-per-key", str(hot_per_key), "--cold-keys", str(cold_keys), "--unkeyed", "1",
+                   "--no-end-to-end", "--raw", "2000", "--profile", str(stats)]
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"bench.user_path failed in {tree} ({done.returncode}):\n{done.stderr[-2000:]}")
+        return sum(entry[1] for entry in pstats.Stats(str(stats)).stats.values())  # type: ignore[attr-defined]
+
+    small, large = max(1, args.cold_keys // 4), args.cold_keys
+    per_key = (count(0, large) - count(0, small)) / (large - small)
+    few, many = max(1, args.hot_per_key // 4), args.hot_per_key
+    per_request = (count(many, 0) - count(few, 0)) / (args.hot_keys * (many - few))
+    return per_key, per_request
+
+
 def ratios(base: Sequence[Figures], other: Sequence[Figures]) -> Figures:
     """The median over the rounds of each round's OTHER / BASE."""
     def median(field: str) -> float:
@@ -112,8 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cold-keys", type=int, default=5000)
     parser.add_argument("--raw", type=int, default=5000, help="messages of raw fetch+ack each run measures first")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    parser.add_argument("--calls", action="store_true",
+                        help="count the worker's Python calls per cold key and per hot request instead (one run each)")
     args = parser.parse_args(argv)
     names = (args.base, args.other or "working tree")
+    if args.calls:
+        return _count_calls(args, names)
     results: dict[str, list[Figures]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="kq-revisions-") as tmp, \
             checkout(args.base, Path(tmp)) as base_tree, checkout(args.other, Path(tmp)) as other_tree:
@@ -129,6 +161,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_row(f"median, {name}", medians(results[name])))
     print(_row(f"{names[1]} / {names[0]}", ratios(results[names[0]], results[names[1]]), "x"))
     print("(the last row: the median over the rounds of each round's ratio; CPU below 1x is less CPU)")
+    return 0
+
+
+def _count_calls(args: argparse.Namespace, names: tuple[str, str]) -> int:
+    counted: list[tuple[float, float]] = []
+    with tempfile.TemporaryDirectory(prefix="kq-revisions-") as tmp, \
+            checkout(args.base, Path(tmp)) as base_tree, checkout(args.other, Path(tmp)) as other_tree:
+        print(f"{'revision':28} {'calls per cold key':>18} {'per hot request':>16}", flush=True)
+        for name, tree in zip(names, (base_tree, other_tree), strict=True):
+            counted.append(calls(tree, args, Path(tmp)))
+            print(f"{name:28} {counted[-1][0]:18,.0f} {counted[-1][1]:16,.0f}", flush=True)
+    (base_key, base_request), (key, request) = counted
+    print(f"{names[1] + ' / ' + names[0]:28} {key / base_key:17.2f}x {request / base_request:15.2f}x")
     return 0
 
 
