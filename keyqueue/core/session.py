@@ -433,9 +433,14 @@ class KeySession:
                 self.ctx.fencing = (self.lock.fence, self.token.delivered)
                 self.observer.key_acquired(self.hold())
                 if first_read is not None:
-                    with contextlib.suppress(KeyqueueError):  # read again in the session
+                    try:
                         msgs, self.more = await self._first_read_result(first_read)
                         self.buffer.extend(self._requests(msgs))
+                    except KeyqueueError:
+                        pass  # the session reads again
+                    except Exception:  # a bug (one hid here once: every key read twice); read again
+                        log.exception("queue %s key %s: the first read could not be used", self.io.names.queue,
+                                      self.key)
                 return True
             if first_read is not None:
                 first_read.cancel()

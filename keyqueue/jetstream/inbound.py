@@ -18,9 +18,9 @@ Every other message goes through nats-py's own ``_process_msg``, and every other
 What it relies on in nats-py 2.x (``nats/protocol/parser.py``, ``nats/aio/client.py``): the
 client's ``_ps`` parser with ``buf``, ``state``, ``needed``, ``header_needed`` and ``msg_arg``; its
 ``_subs`` by sid; a subscription's ``_pending_queue``, ``_jsi``, ``_future``, ``_max_msgs`` and
-``_received``; the client's ``stats``; ``Msg``'s fields; how ``_process_headers`` reads a status
-line. ``tests/unit/test_inbound.py`` checks each against the installed nats-py, so an upgrade that
-changes them fails loudly rather than misreading messages.
+``_received``; the client's ``stats`` and ``msg_class`` (``Msg``, its fields in order); how
+``_process_headers`` reads a status line. ``tests/unit/test_inbound.py`` checks each against the
+installed nats-py, so an upgrade that changes them fails loudly rather than misreading messages.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import logging
 import re
 from typing import Any, Final
 
-from nats.aio.msg import Msg
 from nats.errors import ProtocolError
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, MAX_CONTROL_LINE_SIZE, Parser
 
@@ -93,14 +92,16 @@ def read_headers(block: bytes) -> dict[str, str] | None:
     """A message's header block as nats-py's ``Client._process_headers`` reads it (with keyqueue's
     :func:`~keyqueue.jetstream.connect.parse_header_lines`): an inline status (``NATS/1.0 404 No
     Messages``) becomes ``Status`` and ``Description``, the ``Name: value`` lines after it the rest;
-    None for a block with neither."""
+    None for a block with neither. One difference: a status line that is not UTF-8 (the server
+    writes ASCII; a stored message's own header block can say anything) is read with replacement
+    characters, where nats-py raises and its read loop drops the connection."""
     rest = block[len(_HEADER_LINE):]
     if not rest:
         return None
     headers: dict[str, str] | None = None
     if rest[0] == 0x20:  # an inline status, perhaps with a description and headers after it
         line = block[len(_HEADER_LINE) + 1:]
-        status = line[:3].strip().decode()
+        status = line[:3].strip().decode(errors="replace")
         description = line[4:len(line) - 4]
         headers = {}
         if status.isdigit():
@@ -110,10 +111,10 @@ def read_headers(block: bytes) -> dict[str, str] | None:
         if description:
             end = description.find(b"\r\n")
             if end > 0:
-                headers[_DESCRIPTION] = description[:end].decode()
+                headers[_DESCRIPTION] = description[:end].decode(errors="replace")
                 headers.update(parse_header_lines(description[end + 2:]))
             else:
-                headers[_DESCRIPTION] = description.decode()
+                headers[_DESCRIPTION] = description.decode(errors="replace")
     if len(rest) <= 2:
         return headers
     lines = parse_header_lines(block[len(_HEADER_LINE) + 2:])
@@ -193,7 +194,8 @@ class LeanParser(Parser):
         stats["in_msgs"] += 1
         stats["in_bytes"] += len(payload)
         sub._received += 1
-        msg = Msg(nc, subject.decode(), reply.decode(), payload, read_headers(block) if block else None, _sid=sid)
+        msg = nc.msg_class(nc, subject.decode(), reply.decode(), payload, read_headers(block) if block else None,
+                           _sid=sid)
         try:
             handle(msg)
         except Exception:  # a bug: it must not reach nats-py's read loop (the connection would end)

@@ -212,7 +212,12 @@ class PluginManager(pluggy.PluginManager):
                 log.exception("plugin %s failed in %s; carrying on", impl.plugin_name, hook_name)
 
     def wrappers(self, hook_name: str, **kwargs: Any) -> list[Any]:
-        """The context managers an around-style hook returned, in call order."""
+        """The context managers an around-style hook returned, in call order (one implementation,
+        such as the OpenTelemetry plugin's around each attempt, is called directly, as in :meth:`first`)."""
+        impls = self.implementations(hook_name)
+        if len(impls) == 1:
+            wrapper = impls[0].function(*[kwargs[name] for name in impls[0].argnames])
+            return [] if wrapper is None else [wrapper]
         return [w for w in getattr(self.hook, hook_name)(**kwargs) if w is not None]
 
     async def enter_wrappers(self, stack: AsyncExitStack, hook_name: str, **kwargs: Any) -> None:

@@ -164,7 +164,18 @@ def test_the_nats_py_internals_the_lean_path_relies_on_are_there() -> None:
     for name in ("_pending_queue", "_jsi", "_future", "_max_msgs", "_received"):
         assert hasattr(sub, name), name
     # Msg, built with its fields in this order.
+    assert client.msg_class is Msg and KeyqueueClient.msg_class is Msg
     assert [f.name for f in dataclasses.fields(Msg)][:5] == ["_client", "subject", "reply", "data", "headers"]
     assert "_sid" in {f.name for f in dataclasses.fields(Msg)}
     build = inspect.getsource(Client._build_message)
     assert "subject=subject.decode()" in build and "reply=reply.decode()" in build
+
+
+def test_a_status_line_that_is_not_utf8_is_read_with_replacements_not_a_dropped_connection() -> None:
+    # A stored message's own header block reaches a pull subscription as it was published: a
+    # producer can write a status-like first line. nats-py raises on one that is not UTF-8, and its
+    # read loop then drops the connection; this reads it.
+    block = b"NATS/1.0 4\xff4 Bad \xfe\r\nName: v\r\n\r\n"
+    with pytest.raises(UnicodeDecodeError):
+        asyncio.run(Client()._process_headers(block))
+    assert read_headers(block) == {"Description": "Bad \ufffd", "Name": "v"}

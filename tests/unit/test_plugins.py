@@ -282,3 +282,36 @@ def test_first_and_collect_answer_as_pluggy_does_with_one_implementation_or_more
     expected = ["policy:a", "settled:a:q:ok"] if implementations == 1 else ["policy:a", "silent:ok", "settled:a:q:ok"]
     assert calls == expected
     assert len(manager.implementations("keyqueue_request_settled")) == implementations
+
+
+def test_an_around_hook_with_one_implementation_is_entered_as_with_more() -> None:
+    log: list[str] = []
+
+    class Span:
+        @keyqueue.hookimpl
+        def keyqueue_wrap_process(self, queue: str, key: str) -> Any:
+            @contextlib.contextmanager
+            def span() -> Iterator[None]:
+                log.append(f"open {queue}/{key}")
+                yield
+                log.append("close")
+
+            return span()
+
+    class Nothing:
+        @keyqueue.hookimpl
+        def keyqueue_wrap_process(self) -> None:
+            log.append("asked")
+
+    async def run(plugin: object) -> list[Any]:
+        manager = PluginManager(autoload=False, plugins=[plugin])
+        assert len(manager.implementations("keyqueue_wrap_process")) == 1
+        wrappers = manager.wrappers("keyqueue_wrap_process", queue="q", key="k", requests=[1], context=None)
+        async with contextlib.AsyncExitStack() as stack:
+            await manager.enter_each(stack, "keyqueue_wrap_process", wrappers)
+            log.append("process")
+        return wrappers
+
+    assert len(asyncio.run(run(Span()))) == 1
+    assert asyncio.run(run(Nothing())) == []
+    assert log == ["open q/k", "process", "close", "asked", "process"]
