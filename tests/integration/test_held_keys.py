@@ -135,7 +135,8 @@ async def test_a_key_given_back_leaves_nothing_for_the_cyclic_collector(nc: Clie
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
-    assert worker.counts.get("released") == KEYS
+    # (A key may be acquired and given back once more: a token published again by a re-check.)
+    assert worker.counts.get("succeeded") == KEYS and worker.counts.get("released", 0) >= KEYS
     parts = ("KeySession", "KeyLock", "Removals", "LeaseKeeper", "HandBack", "_Context", "Lease")
     assert {name: left[name] for name in parts if left[name]} == {}
 
@@ -170,5 +171,8 @@ async def test_a_cold_key_is_read_once_its_first_read_beside_its_acquire(nc: Cli
     async with running(worker):
         await processor.ran_at_least(cold)
     assert sorted(key for key, _ in processor.ran) == sorted(f"k{i}" for i in range(cold))
-    read_twice = sorted(key for key in reads if reads[key] > 1)
-    assert len(read_twice) <= 4, read_twice  # at most the last keys, one per slot
+    # One read per session (a key may have two: a token published again by a re-check), and one
+    # more for at most the last keys, one per slot.
+    sessions = worker.counts.get("acquired", 0)
+    assert sessions >= cold
+    assert sum(reads.values()) - sessions <= 4, reads
