@@ -65,6 +65,11 @@ BUILTIN_PLUGINS: Final = ("keyqueue.builtins.processor", "keyqueue.builtins.life
 """keyqueue's own behaviour, as plugin modules: tasks and retries, lifecycle logging, events, workflows."""
 
 
+def _call(impl: pluggy.HookImpl, kwargs: Mapping[str, Any]) -> Any:
+    """Call one hook implementation with the arguments it names, as pluggy does."""
+    return impl.function(*[kwargs[name] for name in impl.argnames])
+
+
 async def maybe_await(value: T | Awaitable[T]) -> T:
     """``value``, awaited first if it is awaitable (how keyqueue runs hooks that may be async)."""
     if inspect.isawaitable(value):
@@ -181,7 +186,7 @@ class PluginManager(pluggy.PluginManager):
         """Call a ``firstresult`` hook and await its result if it is awaitable."""
         impls = self.implementations(hook_name)
         if len(impls) == 1:  # the usual case (a built-in alone), per key or request: no pluggy machinery
-            return await maybe_await(impls[0].function(*[kwargs[name] for name in impls[0].argnames]))
+            return await maybe_await(_call(impls[0], kwargs))
         return await maybe_await(getattr(self.hook, hook_name)(**kwargs))
 
     async def collect(self, hook_name: str, **kwargs: Any) -> list[Any]:
@@ -189,7 +194,7 @@ class PluginManager(pluggy.PluginManager):
         None left out, as pluggy leaves it out)."""
         impls = self.implementations(hook_name)
         if len(impls) == 1:
-            result = impls[0].function(*[kwargs[name] for name in impls[0].argnames])
+            result = _call(impls[0], kwargs)
             return [] if result is None else [await maybe_await(result)]
         return [await maybe_await(result) for result in getattr(self.hook, hook_name)(**kwargs)]
 
@@ -203,7 +208,7 @@ class PluginManager(pluggy.PluginManager):
         # Listed in registration order; pluggy calls them last first.
         for impl in impls if reverse else reversed(impls):
             try:
-                result = impl.function(*[kwargs[name] for name in impl.argnames])
+                result = _call(impl, kwargs)
                 # Most implementations are coroutine functions or return None: both are told
                 # apart without inspect's checks (this runs several times per request).
                 if type(result) is CoroutineType or (result is not None and inspect.isawaitable(result)):
@@ -216,7 +221,7 @@ class PluginManager(pluggy.PluginManager):
         such as the OpenTelemetry plugin's around each attempt, is called directly, as in :meth:`first`)."""
         impls = self.implementations(hook_name)
         if len(impls) == 1:
-            wrapper = impls[0].function(*[kwargs[name] for name in impls[0].argnames])
+            wrapper = _call(impls[0], kwargs)
             return [] if wrapper is None else [wrapper]
         return [w for w in getattr(self.hook, hook_name)(**kwargs) if w is not None]
 
