@@ -78,6 +78,8 @@ WITHDRAWN_TTL: Final = 3600
 RESULT_RECHECK_FIRST: Final = 0.1
 RESULT_RECHECK_MAX: Final = 2.0
 """Seconds between reads while a reader waits for a result (the first, then doubling up to this)."""
+RESULT_STORE_RECHECK: Final = 0.005
+"""Seconds ``wait_result`` waits before reading again a result it saw published but not yet stored."""
 
 TTL: Final = "Nats-TTL"
 """Publish header: this message's time to live (nats-server >= 2.11, at least one second)."""
@@ -254,6 +256,12 @@ class RequestRecords:
         before the subscribe reached the server can still be stored only after that read (the
         server stores asynchronously) and never reach the subscription: so while it waits, it
         reads again now and then (after 0.1 s, then doubling up to 2 s).
+
+        What it returns is always read back from the stream, never taken from the subscription: the
+        server hands a publish to subscribers before its stream has stored it (or refused it), so a
+        result returned from the wire could be one that ``status`` and every other reader do not
+        see yet, or ever. A result seen arriving makes it read again at once (then after 5 ms,
+        doubling) until the stream has it.
         """
         subject = self.result_subject(request_id)
         loop = asyncio.get_running_loop()
@@ -267,13 +275,9 @@ class RequestRecords:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return None
-                try:
-                    async with asyncio.timeout(min(pause, remaining)):
-                        while True:
-                            msg = await arrivals.get()
-                            if (msg.headers or {}).get(H.STATUS) != PENDING:
-                                return dict(msg.headers or {}), msg.data
-                except TimeoutError:
+                if await _result_arrived(arrivals, min(pause, remaining)):
+                    pause = RESULT_STORE_RECHECK
+                else:
                     pause = min(2 * pause, RESULT_RECHECK_MAX)
 
     @asynccontextmanager
@@ -374,3 +378,15 @@ class RequestRecords:
             return set()
         found.discard("")
         return found
+
+
+async def _result_arrived(arrivals: asyncio.Queue[Msg], within: float) -> bool:
+    """Whether a result (a record that is not a producer's pending one) arrives on ``arrivals``
+    within ``within`` seconds."""
+    try:
+        async with asyncio.timeout(within):
+            while (msg := await arrivals.get()).headers is not None and msg.headers.get(H.STATUS) == PENDING:
+                pass
+    except TimeoutError:
+        return False
+    return True

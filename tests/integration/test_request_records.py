@@ -347,6 +347,37 @@ async def test_a_result_stored_after_the_readers_first_read_is_still_found(nc: A
     assert len(reads) == 2
 
 
+async def test_a_result_is_returned_only_once_the_stream_has_stored_it(nc: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server hands a publish to the subject's subscribers before its stream stores it, and
+    # whether or not the stream then refuses it. A reader that returned what its subscription saw
+    # could answer "done" where ``status`` (which reads the stream) still says pending. Here a
+    # result the stream refuses (a wrong expected sequence) reaches the reader's subscription first;
+    # the reader must return the one stored after it, and what it returns is what the stream holds.
+    records = RequestRecords(nc, "ledger")
+    await records.ensure()
+    await records.put_result("race-1", {"X-KQ-Status": "pending"}, b"", 60)
+    real_last = records._last
+    first_read = asyncio.Event()
+
+    async def reading(subject: str) -> Any:
+        first_read.set()  # its subscription was sent before this read
+        return await real_last(subject)
+
+    monkeypatch.setattr(records, "_last", reading)
+    waiting = asyncio.ensure_future(records.wait_result("race-1", timeout=10))
+    await first_read.wait()
+    subject = records.result_subject("race-1")
+    await nc.publish(subject, b'"never stored"', headers={"X-KQ-Status": "ok",
+                                                          "Nats-Expected-Last-Subject-Sequence": "999999"})
+    await nc.flush()
+    await records.put_result("race-1", {"X-KQ-Status": "ok"}, b'"stored"', 60)
+    headers, body = await waiting or ({}, b"")
+    assert body == b'"stored"' and headers.get("X-KQ-Status") == "ok"
+    kept = await real_last(subject)
+    assert kept is not None and kept.data == b'"stored"'
+
+
 async def test_kept_results_are_pipelined_and_confirmed_before_their_requests_leave_the_inbox(
         nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A result is sent beside the work (the key's next requests run before its reply is read) and
