@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import datetime
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -61,6 +61,65 @@ class StoredMsg:
     headers: dict[str, str]
     data: bytes
     timestamp: str = ""
+
+
+RECHECK_FIRST: Final = 0.1
+RECHECK_MAX: Final = 2.0
+"""Seconds between reads while :func:`wait_stored` waits (the first, then doubling up to this)."""
+ARRIVED_RECHECK: Final = 0.005
+"""Seconds :func:`wait_stored` waits before reading again a message it saw published but not yet stored."""
+
+
+async def wait_stored(nc: Client, subject: str, read: Callable[[str], Awaitable[StoredMsg | None]],
+                      accept: Callable[[StoredMsg], bool], timeout: float) -> StoredMsg | None:
+    """The last message ``read`` finds stored on ``subject`` once ``accept`` takes it, waiting up to
+    ``timeout`` seconds; None if none came.
+
+    Subscribes before reading, so a message stored after the read is seen. One published just
+    before the subscribe reached the server can still be stored only after that read (the server
+    stores asynchronously) and never reach the subscription: so while it waits, it reads again now
+    and then (after 0.1 s, then doubling up to 2 s).
+
+    What it returns is always read back from the stream, never taken from the subscription: the
+    server hands a publish to subscribers before its stream has stored it (or refused it), so a
+    message returned from the wire could be one that every other reader does not see yet, or ever.
+    An acceptable message seen arriving makes it read again at once (then after 5 ms, doubling)
+    until the stream has it.
+    """
+    arrivals: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def on_msg(msg: Msg) -> None:
+        arrivals.put_nowait(msg)
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pause = RECHECK_FIRST
+    sub = await nc.subscribe(subject, cb=on_msg)
+    try:
+        while True:
+            stored = await read(subject)
+            if stored is not None and accept(stored):
+                return stored
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            if await _arrives(arrivals, accept, min(pause, remaining)):
+                pause = ARRIVED_RECHECK
+            else:
+                pause = min(2 * pause, RECHECK_MAX)
+    finally:
+        await sub.unsubscribe()
+
+
+async def _arrives(arrivals: asyncio.Queue[Msg], accept: Callable[[StoredMsg], bool], within: float) -> bool:
+    """Whether a message ``accept`` takes arrives on ``arrivals`` within ``within`` seconds."""
+    try:
+        async with asyncio.timeout(within):
+            while not accept(StoredMsg((msg := await arrivals.get()).subject, 0, dict(msg.headers or {}), msg.data)):
+                pass
+    except TimeoutError:
+        return False
+    return True
 
 
 def stored_seconds(timestamp: str) -> float | None:

@@ -30,12 +30,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from keyqueue.errors import JetStreamError, StreamNotFound, TopologyMismatch, WrongLastSequence
-from keyqueue.jetstream.api import JetStreamApi, StoredMsg, parse_pub_ack
+from keyqueue.jetstream.api import JetStreamApi, StoredMsg, parse_pub_ack, wait_stored
 from keyqueue.jetstream.kv import EXPECTED_LAST_SUBJECT_SEQUENCE
 from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.subjects import request_id_token, validate_queue_name
@@ -74,12 +73,6 @@ PENDING: Final = "pending"
 
 WITHDRAWN_TTL: Final = 3600
 """Seconds a withdrawn cancel record is kept (workers that missed it reload the records)."""
-
-RESULT_RECHECK_FIRST: Final = 0.1
-RESULT_RECHECK_MAX: Final = 2.0
-"""Seconds between reads while a reader waits for a result (the first, then doubling up to this)."""
-RESULT_STORE_RECHECK: Final = 0.005
-"""Seconds ``wait_result`` waits before reading again a result it saw published but not yet stored."""
 
 TTL: Final = "Nats-TTL"
 """Publish header: this message's time to live (nats-server >= 2.11, at least one second)."""
@@ -250,48 +243,12 @@ class RequestRecords:
         return await self._last(self.result_subject(request_id))
 
     async def wait_result(self, request_id: str, timeout: float) -> tuple[dict[str, str], bytes] | None:
-        """The kept reply (or an expiry marker's empty headers), waiting up to ``timeout`` seconds; None if none came.
-
-        Subscribes before reading, so a result stored after the read is seen. One published just
-        before the subscribe reached the server can still be stored only after that read (the
-        server stores asynchronously) and never reach the subscription: so while it waits, it
-        reads again now and then (after 0.1 s, then doubling up to 2 s).
-
-        What it returns is always read back from the stream, never taken from the subscription: the
-        server hands a publish to subscribers before its stream has stored it (or refused it), so a
-        result returned from the wire could be one that ``status`` and every other reader do not
-        see yet, or ever. A result seen arriving makes it read again at once (then after 5 ms,
-        doubling) until the stream has it.
-        """
-        subject = self.result_subject(request_id)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        pause = RESULT_RECHECK_FIRST
-        async with self._watch(subject) as arrivals:
-            while True:
-                stored = await self._last(subject)
-                if stored is not None and stored.headers.get(H.STATUS) != PENDING:
-                    return stored.headers, stored.data
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return None
-                if await _result_arrived(arrivals, min(pause, remaining)):
-                    pause = RESULT_STORE_RECHECK
-                else:
-                    pause = min(2 * pause, RESULT_RECHECK_MAX)
-
-    @asynccontextmanager
-    async def _watch(self, subject: str) -> AsyncIterator[asyncio.Queue[Msg]]:
-        arrivals: asyncio.Queue[Msg] = asyncio.Queue()
-
-        async def on_msg(msg: Msg) -> None:
-            arrivals.put_nowait(msg)
-
-        sub = await self.nc.subscribe(subject, cb=on_msg)
-        try:
-            yield arrivals
-        finally:
-            await sub.unsubscribe()
+        """The kept reply (or an expiry marker's empty headers), waiting up to ``timeout`` seconds; None
+        if none came. It is read back from the stream (:func:`~keyqueue.jetstream.api.wait_stored`),
+        so once it is returned every reader, ``status`` too, finds it."""
+        stored = await wait_stored(self.nc, self.result_subject(request_id), self._last,
+                                   lambda msg: msg.headers.get(H.STATUS) != PENDING, timeout)
+        return (stored.headers, stored.data) if stored is not None else None
 
     # --- progress ---
 
@@ -379,14 +336,3 @@ class RequestRecords:
         found.discard("")
         return found
 
-
-async def _result_arrived(arrivals: asyncio.Queue[Msg], within: float) -> bool:
-    """Whether a result (a record that is not a producer's pending one) arrives on ``arrivals``
-    within ``within`` seconds."""
-    try:
-        async with asyncio.timeout(within):
-            while (msg := await arrivals.get()).headers is not None and msg.headers.get(H.STATUS) == PENDING:
-                pass
-    except TimeoutError:
-        return False
-    return True

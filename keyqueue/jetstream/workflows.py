@@ -24,19 +24,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from keyqueue.errors import JetStreamError, StreamNotFound, TopologyMismatch, WireError
-from keyqueue.jetstream.api import DESCRIPTION, STATUS, JetStreamApi, StoredMsg, parse_pub_ack
+from keyqueue.jetstream.api import DESCRIPTION, STATUS, JetStreamApi, StoredMsg, parse_pub_ack, wait_stored
 from keyqueue.jetstream.kv import EXPECTED_LAST_SUBJECT_SEQUENCE
 from keyqueue.jetstream.subjects import validate_queue_name
 from keyqueue.wire import CBOR, dumps, loads
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
-    from nats.aio.msg import Msg
 
 __all__ = ["WORKFLOW_TTL", "WorkflowStore", "decode_record", "existing_store", "find_workflow_queue"]
 
@@ -44,10 +42,6 @@ WORKFLOW_TTL: Final = 7 * 24 * 3600
 """Seconds a workflow's records are kept after their last write."""
 
 TTL: Final = "Nats-TTL"
-
-RECHECK_FIRST: Final = 0.1
-RECHECK_MAX: Final = 2.0
-"""Seconds between reads while a reader waits for a record (the first, then doubling up to this)."""
 
 
 def decode_record(stored: StoredMsg | None) -> dict[str, Any] | None:
@@ -173,44 +167,9 @@ class WorkflowStore:
         return found
 
     async def wait(self, subject: str, timeout: float, accept: Callable[[StoredMsg], bool]) -> StoredMsg | None:
-        """The subject's record once ``accept`` takes it, waiting up to ``timeout`` seconds; else None.
-
-        Subscribes before reading, so a record written after the read is seen; reads again now and
-        then (0.1 s, doubling up to 2 s) for one stored just before the subscription began.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        pause = RECHECK_FIRST
-        async with self._watch(subject) as arrivals:
-            while True:
-                stored = await self.last(subject)
-                if stored is not None and accept(stored):
-                    return stored
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return None
-                try:
-                    async with asyncio.timeout(min(pause, remaining)):
-                        while True:
-                            msg = await arrivals.get()
-                            seen = StoredMsg(msg.subject, 0, dict(msg.headers or {}), msg.data)
-                            if accept(seen):
-                                return seen
-                except TimeoutError:
-                    pause = min(2 * pause, RECHECK_MAX)
-
-    @asynccontextmanager
-    async def _watch(self, subject: str) -> AsyncIterator[asyncio.Queue[Msg]]:
-        arrivals: asyncio.Queue[Msg] = asyncio.Queue()
-
-        async def on_msg(msg: Msg) -> None:
-            arrivals.put_nowait(msg)
-
-        sub = await self.nc.subscribe(subject, cb=on_msg)
-        try:
-            yield arrivals
-        finally:
-            await sub.unsubscribe()
+        """The subject's record once ``accept`` takes it, waiting up to ``timeout`` seconds; else None
+        (read back from the stream: :func:`~keyqueue.jetstream.api.wait_stored`)."""
+        return await wait_stored(self.nc, subject, self.last, accept, timeout)
 
 
 async def existing_store(nc: Client, queue: str) -> WorkflowStore | None:
