@@ -32,7 +32,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from keyqueue.errors import ConnectionFailed, Disconnected, KeyqueueTimeout, ReplyLost
-from keyqueue.jetstream.inbound import LeanParser, parse_header_lines
+from keyqueue.jetstream.inbound import LeanParser, parse_header_lines, read_headers, readable_subject
 from keyqueue.jetstream.subjects import check_publish_line
 
 log = logging.getLogger("keyqueue.connection")
@@ -222,6 +222,19 @@ class KeyqueueClient(Client):
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
         return parse_header_lines(raw)
+
+    async def _process_headers(self, headers: bytes) -> dict[str, str] | None:
+        # nats-py's own raises on a status line that is not UTF-8, in its read loop (the
+        # connection drops); this reads it with replacements (keyqueue/jetstream/inbound.py).
+        return read_headers(headers) if headers else None
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        # A subject that is not UTF-8 would make nats-py raise in its read loop; read it with
+        # escapes instead (the lean parser does so too; this covers the messages nats-py's own
+        # parser reads, after a PING or an INFO in the same read).
+        if not (subject.isascii() and reply.isascii()):
+            subject, reply = readable_subject(subject), readable_subject(reply)
+        await super()._process_msg(sid, subject, reply, data, headers)
 
     async def close(self) -> None:
         self.link.closed_by_owner = True

@@ -15,6 +15,18 @@ built and handed to it right there, headers read once (:func:`read_headers`), wi
 Every other message goes through nats-py's own ``_process_msg``, and every other protocol line
 (``PING``, ``PONG``, ``INFO``, ``+OK``, ``-ERR``) through nats-py's own parser, unchanged.
 
+**Anything read from the wire is hostile.** A publisher that is not keyqueue can write a subject
+or a reply subject that is not UTF-8 (nats-server takes any bytes but spaces), and a header block
+whose status line is not UTF-8. nats-py raises on either while building the message, in its read
+loop, and the connection drops: one core publish on ``kq.<queue>.cancel.<bytes>`` (every worker
+subscribes to that wildcard) dropped every worker's connection, and a token on such a subject did
+so to worker after worker as it was redelivered. Here such a subject is read with its bad bytes
+written as ``\\xNN`` escapes (:func:`readable_subject`), logged at WARNING, and the message is
+delivered as any other: a token names a key nobody writes (its session finds nothing and gives
+the key back), a request or a record is dead-lettered or ignored by the rules that already apply
+to what it says. ``KeyqueueClient`` reads every header block with :func:`read_headers`, and
+passes every message nats-py builds through :func:`readable_subject` first.
+
 What it relies on in nats-py 2.x (``nats/protocol/parser.py``, ``nats/aio/client.py``): the
 client's ``_ps`` parser with ``buf``, ``state``, ``needed``, ``header_needed`` and ``msg_arg``; its
 ``_subs`` by sid; a subscription's ``_pending_queue``, ``_jsi``, ``_future``, ``_max_msgs`` and
@@ -27,12 +39,13 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import Any, Final
 
 from nats.errors import ProtocolError
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, MAX_CONTROL_LINE_SIZE, Parser
 
-__all__ = ["LeanParser", "parse_header_lines", "read_headers"]
+__all__ = ["LeanParser", "parse_header_lines", "read_headers", "readable_subject"]
 
 log = logging.getLogger("keyqueue.connection")
 
@@ -45,6 +58,32 @@ _ASCII_SPACE: Final = " \t\n\r\x0b\x0c"
 
 _SPACE_IN_NAME: Final = re.compile("[\t\n\x0b\x0c\r\x1c-\x1f ]")
 """The ASCII characters for which ``str.isspace()`` is true."""
+
+
+UNREADABLE_LOG_INTERVAL: Final = 10.0
+"""Seconds between two warnings about subjects that are not UTF-8 (the ones between are counted)."""
+
+_unreadable = {"count": 0, "logged": -UNREADABLE_LOG_INTERVAL}
+
+
+def readable_subject(raw: bytes) -> bytes:
+    """``raw`` if it is UTF-8 (any subject keyqueue or a NATS client library writes), else the same
+    bytes with each one that is not part of a UTF-8 character written as a ``\\xNN`` escape, so
+    that nats-py can decode it; logged at WARNING (at most every :data:`UNREADABLE_LOG_INTERVAL`
+    seconds). Callers test ``raw.isascii()`` first: the usual subject costs nothing more."""
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        readable = raw.decode(errors="backslashreplace").encode()
+        _unreadable["count"] += 1
+        now = time.monotonic()
+        if now - _unreadable["logged"] >= UNREADABLE_LOG_INTERVAL:
+            log.warning("received a message on a subject that is not UTF-8 (%d since the last warning), read as "
+                        "%s: a publisher other than keyqueue wrote it; it is handled under that name",
+                        _unreadable["count"], readable[:200].decode())
+            _unreadable["count"], _unreadable["logged"] = 0, now
+        return readable
+    return raw
 
 
 def parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -147,8 +186,11 @@ class LeanParser(Parser):
                 del buf[:needed + 2]
                 self.state = AWAITING_CONTROL_LINE
                 arg = self.msg_arg
-                if not self._hand_on(arg["sid"], arg["subject"], arg["reply"], payload, block):
-                    await self.nc._process_msg(arg["sid"], arg["subject"], arg["reply"], payload, block)
+                subject, reply = arg["subject"], arg["reply"]
+                if not (subject.isascii() and reply.isascii()):
+                    subject, reply = readable_subject(subject), readable_subject(reply)
+                if not self._hand_on(arg["sid"], subject, reply, payload, block):
+                    await self.nc._process_msg(arg["sid"], subject, reply, payload, block)
                 continue
             if not (buf.startswith(b"HMSG ") or buf.startswith(b"MSG ")):
                 await Parser.parse(self)  # another protocol line: nats-py's own parser reads on

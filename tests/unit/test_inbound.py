@@ -17,7 +17,7 @@ from nats.aio.subscription import Subscription
 from nats.protocol.parser import Parser
 
 from keyqueue.jetstream.connect import KeyqueueClient
-from keyqueue.jetstream.inbound import LeanParser, read_headers
+from keyqueue.jetstream.inbound import LeanParser, read_headers, readable_subject
 from keyqueue.jetstream.mux import SyncDispatch
 
 DIRECT_GET = (b"NATS/1.0\r\nNats-Stream: KQ_q_INBOX\r\nNats-Subject: kq.q.in.c1\r\nNats-Sequence: 12\r\n"
@@ -179,3 +179,35 @@ def test_a_status_line_that_is_not_utf8_is_read_with_replacements_not_a_dropped_
     with pytest.raises(UnicodeDecodeError):
         asyncio.run(Client()._process_headers(block))
     assert read_headers(block) == {"Description": "Bad \ufffd", "Name": "v"}
+
+
+def test_a_subject_that_is_not_utf8_is_read_with_escapes_on_every_path_not_a_dropped_connection() -> None:
+    # nats-server takes any bytes but spaces in a subject; nats-py raises on one that is not UTF-8
+    # while building the message (in its read loop: the connection drops). keyqueue's connections
+    # read it with escapes, on the lean path (sid 5), on nats-py's (sid 7), and after a PING, where
+    # nats-py's own parser reads the rest of the chunk.
+    stream = (b"MSG kq.q.tok.\xff\xfe 5 $JS.ACK.KQ_q_TOKENS.workers.1.7.7.1.0 0\r\n\r\n"
+              b"MSG kq.q.cancel.\xff 7 2\r\nhi\r\n"
+              b"PING\r\n"
+              b"MSG kq.q.ask.r 7 _INBOX.\xc3\x28 0\r\n\r\n"
+              b"MSG kq.q.caf\xc3\xa9 7 0\r\n\r\n")  # UTF-8 that is not ASCII: kept as it is
+    with pytest.raises(UnicodeDecodeError):
+        Client()._build_message(1, b"kq.q.cancel.\xff", b"", b"", None)  # nats-py's own
+    for parser in (LeanParser, Parser):
+        seen, _, received = delivered(parser, [stream])
+        assert [(e[0], e[1], e[2][0], e[2][1]) for e in seen if e[0] != "ping"] == [
+            ("handed", 5, "kq.q.tok.\\xff\\xfe", "$JS.ACK.KQ_q_TOKENS.workers.1.7.7.1.0"),
+            ("queued", 7, "kq.q.cancel.\\xff", ""),
+            ("queued", 7, "kq.q.ask.r", "_INBOX.\\xc3("),
+            ("queued", 7, "kq.q.caf\u00e9", ""),
+        ], parser
+        assert received == [1, 0, 3]
+    assert readable_subject(b"kq.q.in.plain") == b"kq.q.in.plain"
+
+
+def test_keyqueue_connections_read_every_header_block_as_the_lean_path_does() -> None:
+    # nats-py's _process_msg reads headers through the client's _process_headers, which
+    # KeyqueueClient makes read_headers: a status line that is not UTF-8 drops no connection there.
+    assert "hdr = await self._process_headers(headers)" in inspect.getsource(Client._process_msg)
+    block = b"NATS/1.0 \xff\xfe\xfd\r\n\r\n"
+    assert asyncio.run(KeyqueueClient()._process_headers(block)) == read_headers(block)
