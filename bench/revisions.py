@@ -14,6 +14,7 @@ virtualenv; OTHER defaults to this working tree, uncommitted changes included. B
     python -m bench.revisions 953fd7c            # the last commit before a change, against the tree
     python -m bench.revisions v0.1.0 main --rounds 5 --cold-keys 10000
     python -m bench.revisions 3c556ac --calls    # Python calls per cold key and per hot request
+    python -m bench.revisions 3e0b63d --cluster  # on a 3-node cluster, R3 streams
 
 ``--calls`` counts instead of timing: the Python calls the worker makes per cold key and per hot
 request, by cProfile, as the difference between two runs of different sizes (so start-up and
@@ -81,7 +82,7 @@ def measure(tree: Path, args: argparse.Namespace) -> Figures:
     """One ``bench.user_path`` run of the code in ``tree``."""
     command = [sys.executable, "-m", "bench.user_path", "--hot-keys", str(args.hot_keys), "--hot-per-key",
                str(args.hot_per_key), "--cold-keys", str(args.cold_keys), "--unkeyed", "1", "--no-end-to-end",
-               "--raw", str(args.raw)]
+               "--raw", str(args.raw)] + (["--cluster"] if args.cluster else [])
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
@@ -140,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cold-keys", type=int, default=5000)
     parser.add_argument("--raw", type=int, default=5000, help="messages of raw fetch+ack each run measures first")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    parser.add_argument("--cluster", action="store_true",
+                        help="on a 3-node cluster with R3 streams (both revisions' bench.user_path need --cluster)")
     parser.add_argument("--calls", action="store_true",
                         help="count the worker's Python calls per cold key and per hot request instead (one run each)")
     args = parser.parse_args(argv)

@@ -34,7 +34,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,14 +244,28 @@ async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, pro
                         hot.server, cold.server, plain.rate, plain.cpu_us, plain.end_to_end, plain.server)
 
 
+@contextlib.asynccontextmanager
+async def servers(cluster: bool, scratch: Path) -> AsyncIterator[tuple[str, list[str]]]:
+    """One embedded nats-server, or (``cluster``) a 3-node cluster: its URL and monitoring URLs."""
+    if cluster:
+        from keyqueue.server.cluster import EmbeddedCluster
+
+        async with EmbeddedCluster(3, store_root=scratch / "r3") as nodes:
+            yield nodes.url, [s.monitoring_url for s in nodes.servers]
+    else:
+        async with EmbeddedServer(store_dir=scratch / "store") as server:
+            yield server.url, [server.monitoring_url]
+
+
 async def main(args: argparse.Namespace) -> None:
+    replicas = 3 if args.cluster else 1
     with tempfile.TemporaryDirectory() as tmp:
-        async with EmbeddedServer(store_dir=Path(tmp) / "store") as server:
-            rates = await raw.measure(server.url, args.raw, monitoring=server.monitoring_url)
-            product = await measure(server.url, args.hot_keys, args.hot_per_key, args.cold_keys, args.profile,
+        async with servers(args.cluster, Path(tmp)) as (url, monitoring):
+            rates = await raw.measure(url, args.raw, monitoring=monitoring, replicas=replicas)
+            product = await measure(url, args.hot_keys, args.hot_per_key, args.cold_keys, args.profile,
                                     processes=args.processes, end_to_end=args.end_to_end,
-                                    monitoring=server.monitoring_url, loop=args.loop, task=args.task,
-                                    unkeyed=args.unkeyed, py_spy=args.py_spy)
+                                    monitoring=monitoring, loop=args.loop, task=args.task,
+                                    unkeyed=args.unkeyed, py_spy=args.py_spy, replicas=replicas)
     hot = f"hot keys {args.hot_keys} x {args.hot_per_key}"
     cold = f"cold keys {args.cold_keys:,} x 1"
     plain = f"unkeyed {args.unkeyed:,}"
@@ -300,6 +314,8 @@ if __name__ == "__main__":
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default=None, help="keyqueue worker --loop")
     parser.add_argument("--task", choices=("note", "io_note", "unkeyed_note"), default="note",
                         help="note: a no-op; io_note: awaits 1 ms; unkeyed_note: a no-op without a key")
+    parser.add_argument("--cluster", action="store_true",
+                        help="on a 3-node cluster with R3 streams (raw fetch+ack too), not one server")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=False,
                         help="also run Celery, Dramatiq and procrastinate on both workloads, and print the ratios")
     asyncio.run(main(parser.parse_args()))

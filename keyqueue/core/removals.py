@@ -31,6 +31,13 @@ log = logging.getLogger("keyqueue.session")
 MAX_UNCONFIRMED_DELETES: Final = 8
 """Deletes (and purges) in flight before the session waits for their confirmations."""
 
+MAX_UNCONFIRMED_REQUESTS: Final = 24
+"""Requests done whose removal is sent but not confirmed, before the session waits for the
+confirmations. They are what runs again if the connection is lost without a word (its removals
+never reach the server): a session reading ahead runs its next requests without any I/O, so
+without this bound it ran :data:`MAX_UNCONFIRMED_DELETES` purges of :data:`PURGE_EVERY` requests,
+64, on a connection already dead."""
+
 PURGE_EVERY: Final = 8
 """Requests done one after another that one purge removes at most."""
 
@@ -45,7 +52,7 @@ class Removals:
     """The removals of one key session: sent, coalesced, confirmed."""
 
     __slots__ = ("_beside", "_cursor", "_in_hand", "_lease", "_steady", "_timer", "deletes", "io", "key", "owed",
-                 "purged_through", "unpurged")
+                 "purged_through", "unconfirmed", "unpurged")
 
     def __init__(self, io: KeyIO, key: str, *, lease: Callable[[], Lease], cursor: Callable[[], int],
                  in_hand: Callable[[], int], steady: Steady) -> None:
@@ -66,6 +73,8 @@ class Removals:
         """Requests done and not yet removed: the next purge of the key's subject removes them."""
         self.purged_through = 0
         """The last inbox sequence a removal sent so far covers (confirmed or not)."""
+        self.unconfirmed = 0
+        """Requests covered by the removals sent and not known to be confirmed."""
         self._timer: asyncio.TimerHandle | None = None
         self._beside: asyncio.Future[None] | None = None
         """The purge the timer sent while the session worked on (see :meth:`_purge_soon`)."""
@@ -86,7 +95,7 @@ class Removals:
         if self.unpurged >= PURGE_EVERY or (not more_read and not self.io.release_markers):
             await self.after_beside()
             await self.purge()
-            if len(self.deletes) >= MAX_UNCONFIRMED_DELETES:
+            if len(self.deletes) >= MAX_UNCONFIRMED_DELETES or self.unconfirmed >= MAX_UNCONFIRMED_REQUESTS:
                 await self.settle()
 
     async def done_through(self, through: int) -> None:
@@ -107,6 +116,8 @@ class Removals:
         if self.unpurged and linger > long_wait:
             await self.purge()
         self.deletes = [d for d in self.deletes if not self.io.confirmed(d)]
+        if not self.deletes:
+            self.unconfirmed = 0
 
     # --- sending ---------------------------------------------------------------------------------
 
@@ -121,6 +132,7 @@ class Removals:
             await self.settle_owed()
             self.deletes.append(await self._steady(functools.partial(self.io.purge_soon, self.key, through)))
             self.purged_through = max(self.purged_through, through)
+            self.unconfirmed += done
         except BaseException:
             self.unpurged += done  # still stored: the settle sends it again
             raise
@@ -183,6 +195,7 @@ class Removals:
             if cursor > 1:
                 await self._steady(functools.partial(self.io.purge_through, self.key, cursor - 1))
                 self.purged_through = max(self.purged_through, cursor - 1)
+        self.unconfirmed = 0
 
     async def last_stored(self, marker_seq: int) -> int:
         """The inbox sequence of the last message on the key's subject, if no request arrived after
@@ -207,4 +220,5 @@ class Removals:
         for sent in self.deletes:
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.deletes = []
+        self.unconfirmed = 0
         self.unpurged = 0

@@ -717,3 +717,39 @@ async def test_a_session_reads_from_any_replica_only_above_a_request_the_leader_
     empty = ReadLog()
     assert await session(empty, Handles(steps), steps).run() is Outcome.RELEASED
     assert empty.reads and all(not anywhere for _, anywhere in empty.reads)
+
+
+class Unanswered(FakeIO):
+    """Removals sent into a connection that is gone without a word: never confirmed."""
+
+    def __init__(self, *requests: StoredMsg) -> None:
+        super().__init__(*requests)
+        self.settling = asyncio.Event()
+        self.given_up = asyncio.Event()
+
+    async def purge_soon(self, key: str, seq: int) -> asyncio.Future[list[Msg]]:
+        self.writes.append(("purge", seq))
+        return asyncio.get_running_loop().create_future()  # its reply never comes
+
+    async def settle(self, futures: Sequence[asyncio.Future[list[Msg]]]) -> None:
+        self.settling.set()
+        await self.given_up.wait()  # then as QueueIO.settle past its timeout
+        raise KeyqueueTimeout(f"{len(futures)} delete(s) unconfirmed")
+
+
+async def test_a_session_stops_running_requests_once_enough_of_their_removals_go_unconfirmed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read ahead, a session runs its next requests without I/O: on a connection lost without a word,
+    # every request it runs there runs again elsewhere. It waits for confirmations once
+    # MAX_UNCONFIRMED_REQUESTS are outstanding (it ran 64 before, 8 purges of 8).
+    monkeypatch.setattr(removals_module, "PURGE_WINDOW", 60.0)  # purges by count only
+    io = Unanswered(*(stored(seq, b"x") for seq in range(1, 101)))
+    steps = Steps()
+    running = asyncio.ensure_future(session(io, Handles(steps), steps).run())
+    await asyncio.wait_for(io.settling.wait(), 10)
+    handled = [s for s in steps.steps if s[0] == "handle"]
+    assert len(handled) == removals_module.MAX_UNCONFIRMED_REQUESTS
+    assert sent(io, "purge") == [("purge", n) for n in range(PURGE_EVERY, len(handled) + 1, PURGE_EVERY)]
+    io.given_up.set()  # each removal is sent again as one purge; the session goes on and ends
+    assert await asyncio.wait_for(running, 30) is Outcome.RELEASED
+    assert io.inbox == {}
