@@ -51,11 +51,8 @@ class KeyIO(RecordStore, Protocol):
 
     # --- the key's requests ------------------------------------------------------------------------
 
-    async def read(self, key: str, from_seq: int, limit: int, *,
-                   anywhere: bool = False) -> tuple[list[StoredMsg], bool]:
-        """Up to ``limit`` of the key's requests from ``from_seq`` on; whether more remain after them.
-        ``anywhere``: the stream leader has shown this session a request below ``from_seq``, so a
-        replicated inbox may be read from any of its replicas."""
+    async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
+        """Up to ``limit`` of the key's requests from ``from_seq`` on; whether more remain after them."""
 
     async def send_read(self, key: str, from_seq: int, limit: int) -> asyncio.Future[list[Msg]]:
         """:meth:`read` sent now, its replies read by :meth:`read_reply` (only where :attr:`direct`)."""

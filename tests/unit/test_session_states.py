@@ -60,8 +60,7 @@ class FakeIO:
         """Called each time a lease write is refused."""
 
     # the key's requests
-    async def read(self, key: str, from_seq: int, limit: int, *,
-                   anywhere: bool = False) -> tuple[list[StoredMsg], bool]:
+    async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
         found = [self.inbox[s] for s in sorted(self.inbox) if s >= from_seq]
         return found[:limit], len(found) > limit
 
@@ -519,10 +518,9 @@ class Outage(FakeIO):
         await asyncio.sleep(self.down_for)
         return True
 
-    async def read(self, key: str, from_seq: int, limit: int, *,
-                   anywhere: bool = False) -> tuple[list[StoredMsg], bool]:
+    async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
         self._maybe_fail("read")
-        return await super().read(key, from_seq, limit, anywhere=anywhere)
+        return await super().read(key, from_seq, limit)
 
     async def reply(self, inbox: str, headers: Mapping[str, str], body: bytes) -> None:
         self._maybe_fail("reply")
@@ -689,34 +687,6 @@ async def test_a_removal_waits_for_the_purge_beside_the_work_that_still_confirms
     assert await run is Outcome.RELEASED
     assert purged_with and all(confirmed for _, confirmed in purged_with)
     assert io.inbox == {}
-
-
-class ReadLog(FakeIO):
-    """Answers one request per read, and notes where each read started and whether any replica
-    could answer it."""
-
-    def __init__(self, *requests: StoredMsg) -> None:
-        super().__init__(*requests)
-        self.reads: list[tuple[int, bool]] = []
-
-    async def read(self, key: str, from_seq: int, limit: int, *,
-                   anywhere: bool = False) -> tuple[list[StoredMsg], bool]:
-        self.reads.append((from_seq, anywhere))
-        found = [self.inbox[s] for s in sorted(self.inbox) if s >= from_seq]
-        return found[:1], len(found) > 1
-
-
-async def test_a_session_reads_from_any_replica_only_above_a_request_the_leader_showed_it() -> None:
-    # A lagging replica of a replicated inbox may still hold requests a former holder removed; above
-    # a request the leader showed this session, it can only miss some (QueueIO.read asks the leader then).
-    io = ReadLog(stored(3, b"a"), stored(5, b"b"))
-    steps = Steps()
-    assert await session(io, Handles(steps), steps).run() is Outcome.RELEASED
-    assert io.reads == [(1, False), (4, True), (6, True)]
-    # The leader showed nothing: every read goes to it, however far the session has come.
-    empty = ReadLog()
-    assert await session(empty, Handles(steps), steps).run() is Outcome.RELEASED
-    assert empty.reads and all(not anywhere for _, anywhere in empty.reads)
 
 
 class Unanswered(FakeIO):
