@@ -14,7 +14,7 @@ virtualenv; OTHER defaults to this working tree, uncommitted changes included. B
     python -m bench.revisions 953fd7c            # the last commit before a change, against the tree
     python -m bench.revisions v0.1.0 main --rounds 5 --cold-keys 10000
     python -m bench.revisions 3c556ac --calls    # Python calls per cold key and per hot request
-    python -m bench.revisions 3e0b63d --cluster  # on a 3-node cluster, R3 streams
+    python -m bench.revisions 4659dc3 --cluster  # on a 3-node cluster, R3 streams (both need --cluster)
 
 ``--calls`` counts instead of timing: the Python calls the worker makes per cold key and per hot
 request, by cProfile, as the difference between two runs of different sizes (so start-up and
