@@ -45,9 +45,10 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 from keyqueue.admin.dead_letters import dead_letters
 from keyqueue.chaos.checker import LivenessBounds, Verdict, check, read_log
@@ -306,7 +307,7 @@ async def soak(options: SoakOptions) -> SoakResult:
                 await proxy.start()
         nc = await connect(",".join(node_urls), name="chaos-soak")
         config = QueueConfig(QUEUE, ack_wait=options.ack_wait, replicas=replicas)
-        await Topology(Publisher(nc, config.names).api, config).ensure()
+        await _set_up(Topology(Publisher(nc, config.names).api, config).ensure)
         store = FencedStore(nc, replicas=replicas)
         await store.ensure()
         pool_size = options.pool_size if "process" in options.handlers else 0
@@ -440,3 +441,22 @@ async def _snapshot(store: FencedStore, patience: float = 120.0) -> FenceSnapsho
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(1.0)
+
+
+SET_UP_WAIT: Final = 60.0
+"""Seconds the soak waits for a freshly started cluster to create its streams (an election, routes
+still forming) before it gives up."""
+
+
+async def _set_up(step: Callable[[], Awaitable[None]]) -> None:
+    """``step()``, tried again while a fresh cluster does not answer yet (a stream create can time
+    out while its first leader is elected), as the workers' own start-up does."""
+    deadline = time.monotonic() + SET_UP_WAIT
+    while True:
+        try:
+            await step()
+            return
+        except (KeyqueueTimeout, ConnectionFailed):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
