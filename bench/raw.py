@@ -6,12 +6,15 @@ spread over the same keys as the keyed workloads.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import nats
+from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import ServiceUnavailableError
 
 from bench import server_counters
 from bench.records import body
@@ -50,10 +53,16 @@ async def measure(url: str, n: int, keys: int = 100, sequential: int = 2000, *,
 
         psub = await js.pull_subscribe("raw.>", durable="raw",
                                        config=ConsumerConfig(max_ack_pending=-1, ack_wait=30))
+        await _consumer_led(js, "RAW_WQ", "raw")
         got = 0
         t0 = time.perf_counter()
         while got < n:
-            for msg in await psub.fetch(200, timeout=5):
+            try:
+                batch = await psub.fetch(200, timeout=5)
+            except ServiceUnavailableError:  # the consumer's leader moved: a new one is elected in a moment
+                await asyncio.sleep(0.05)
+                continue
+            for msg in batch:
                 await msg.ack()
                 got += 1
         await nc.flush()
@@ -70,3 +79,17 @@ async def measure(url: str, n: int, keys: int = 100, sequential: int = 2000, *,
     finally:
         await nc.close()
     return RawRates(publish_async, publish_sequential, fetch_ack, server)
+
+
+async def _consumer_led(js: JetStreamContext, stream: str, durable: str, timeout: float = 30.0) -> None:
+    """Return once the consumer has a leader. On a replicated stream a consumer just created elects
+    its own leader; until then a pull request has no responder and fails with 503, which the
+    measured loop must not time (a fresh cluster in CI took longer than the first fetch)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = await js.consumer_info(stream, durable)
+        if info.cluster is None or info.cluster.leader:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"consumer {stream}/{durable} elected no leader in {timeout:g}s")
+        await asyncio.sleep(0.05)
