@@ -48,29 +48,31 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
+
+from nats.aio.client import Client
 
 from keyqueue.admin.dead_letters import dead_letters
 from keyqueue.chaos.checker import LivenessBounds, Verdict, check, read_log
-from keyqueue.chaos.fenced import FencedStore, FenceSnapshot
+from keyqueue.chaos.fenced import FencedStore
 from keyqueue.chaos.fleet import Faults, Fleet, LogTail, RssSample, RssWatch, WorkerSpec
 from keyqueue.chaos.handlers import BAD_INPUTS, HANDLERS, RUNNING, SLOW, STALLING, bad_request, work_headers
 from keyqueue.chaos.injectors import NODE_FAULT_CLASSES, node_faults, process_faults, server_faults
 from keyqueue.chaos.proxy import DEFAULT_FAULTS, Faultable, FaultProxy, FaultScript, InjectedFault, ProxyGroup
+from keyqueue.core.outage import Deadline, ride_out
 from keyqueue.errors import (
-    ConnectionFailed,
     EnqueueError,
-    JetStreamUnavailable,
     KeyqueueError,
-    KeyqueueTimeout,
     TokenPublishFailed,
 )
 from keyqueue.jetstream.api import JetStreamApi
-from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.connect import connect, link_of
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.server.cluster import EmbeddedCluster
 from keyqueue.server.embedded import HOST, EmbeddedServer
+
+T = TypeVar("T")
 
 QUEUE = "chaos"
 CLASSES = ("network", "process", "server", "cluster", "partition", "stepdown", "clock")
@@ -307,9 +309,10 @@ async def soak(options: SoakOptions) -> SoakResult:
                 await proxy.start()
         nc = await connect(",".join(node_urls), name="chaos-soak")
         config = QueueConfig(QUEUE, ack_wait=options.ack_wait, replicas=replicas)
-        await _set_up(Topology(Publisher(nc, config.names).api, config).ensure)
+        await _patiently(nc, Topology(Publisher(nc, config.names).api, config).ensure, SET_UP_WAIT,
+                         "creating the soak's streams")
         store = FencedStore(nc, replicas=replicas)
-        await store.ensure()
+        await _patiently(nc, store.ensure, SET_UP_WAIT, "creating the fenced store")
         pool_size = options.pool_size if "process" in options.handlers else 0
         fleet = Fleet(WorkerSpec(QUEUE, options.ack_wait, options.concurrency, replicas, pool_size),
                       {name: ",".join(group.urls) for name, group in groups.items()}, log_path, offsets)
@@ -386,7 +389,7 @@ async def soak(options: SoakOptions) -> SoakResult:
         await sampling
         await supervising
         rss_samples = rss.final()
-        snapshot = await _snapshot(store)
+        snapshot = await _patiently(nc, store.snapshot, SNAPSHOT_WAIT, "reading the fenced store's history")
         verdict = check(read_log(log_path), producer.expected, store_history=snapshot.history(),
                         handover_after=options.ack_wait / 2,
                         bounds=options.bounds or LivenessBounds.for_lease(options.ack_wait))
@@ -430,33 +433,18 @@ async def _settle(log_path: Path, expected: dict[str, list[str]], timeout: float
         await asyncio.sleep(0.25)
 
 
-async def _snapshot(store: FencedStore, patience: float = 120.0) -> FenceSnapshot:
-    """The fenced store's history; a cluster still electing after the last fault answers "temporarily
-    unavailable" or nothing for a while: ask again until it answers (or ``patience`` runs out)."""
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            return await store.snapshot()
-        except (JetStreamUnavailable, KeyqueueTimeout, ConnectionFailed):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(1.0)
-
+SNAPSHOT_WAIT: Final = 120.0
+"""Seconds the soak waits for the fenced store's history after the last fault (a cluster still
+electing answers "temporarily unavailable" or nothing for a while)."""
 
 SET_UP_WAIT: Final = 60.0
 """Seconds the soak waits for a freshly started cluster to create its streams (an election, routes
 still forming) before it gives up."""
 
 
-async def _set_up(step: Callable[[], Awaitable[None]]) -> None:
-    """``step()``, tried again while a fresh cluster does not answer yet (a stream create can time
-    out while its first leader is elected), as the workers' own start-up does."""
-    deadline = time.monotonic() + SET_UP_WAIT
-    while True:
-        try:
-            await step()
-            return
-        except (KeyqueueTimeout, ConnectionFailed):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.5)
+async def _patiently(nc: Client, step: Callable[[], Awaitable[T]], seconds: float, what: str) -> T:
+    """``step()``, tried again while the cluster does not answer yet or the soak's own connection is
+    down (as the workers' own steps are: :func:`~keyqueue.core.outage.ride_out`), for ``seconds``."""
+    link = link_of(nc)
+    assert link is not None, "the soak's connection is opened by keyqueue's connect"
+    return await ride_out(step, Deadline(seconds, what), link)

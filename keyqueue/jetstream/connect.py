@@ -176,6 +176,9 @@ class Link:
             return False
         return self.is_up
 
+    wait_connected = wait_up
+    """The name :func:`keyqueue.core.outage.ride_out` waits by: a ``Link`` is an outage ``Link``."""
+
 
 _POLL: Final = 0.05
 """Seconds between looks at a plain nats-py client's state (one not opened by :func:`connect`)."""
