@@ -43,17 +43,20 @@ async def measure(url: str, n: int, keys: int = 100, sequential: int = 2000, *,
     try:
         await js.add_stream(StreamConfig(name="RAW_WQ", subjects=["raw.>"], retention=RetentionPolicy.WORK_QUEUE,
                                          storage=StorageType.FILE, num_replicas=replicas))
+        await _led(js, "RAW_WQ")
         subjects = [f"raw.k{i % keys}" for i in range(n)]
         before = await server_counters.snapshot(monitoring) if monitoring else None
         t0 = time.perf_counter()
-        for i, subject in enumerate(subjects):
-            await js.publish_async(subject, body(i))
+        acks = [await js.publish_async(subject, body(i)) for i, subject in enumerate(subjects)]
         await js.publish_async_completed()
         publish_async = n / (time.perf_counter() - t0)
+        failed = [e for e in (ack.exception() for ack in acks) if e is not None]
+        if failed:  # else the fetch below would wait for messages never stored
+            raise RuntimeError(f"raw publish_async: {len(failed)} of {n} not stored (first: {failed[0]!r})")
 
         psub = await js.pull_subscribe("raw.>", durable="raw",
                                        config=ConsumerConfig(max_ack_pending=-1, ack_wait=30))
-        await _consumer_led(js, "RAW_WQ", "raw")
+        await _led(js, "RAW_WQ", "raw")
         got = 0
         t0 = time.perf_counter()
         while got < n:
@@ -81,15 +84,16 @@ async def measure(url: str, n: int, keys: int = 100, sequential: int = 2000, *,
     return RawRates(publish_async, publish_sequential, fetch_ack, server)
 
 
-async def _consumer_led(js: JetStreamContext, stream: str, durable: str, timeout: float = 30.0) -> None:
-    """Return once the consumer has a leader. On a replicated stream a consumer just created elects
-    its own leader; until then a pull request has no responder and fails with 503, which the
-    measured loop must not time (a fresh cluster in CI took longer than the first fetch)."""
+async def _led(js: JetStreamContext, stream: str, durable: str | None = None, timeout: float = 30.0) -> None:
+    """Return once the stream (or its consumer ``durable``) has a leader. On a cluster each replicated
+    stream and consumer elects its own leader once created; until then a publish or a pull request
+    has no responder (503), which the timed loops must not meet: a fresh cluster in CI took longer
+    than the first publish."""
     deadline = time.monotonic() + timeout
     while True:
-        info = await js.consumer_info(stream, durable)
+        info = await (js.consumer_info(stream, durable) if durable else js.stream_info(stream))
         if info.cluster is None or info.cluster.leader:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"consumer {stream}/{durable} elected no leader in {timeout:g}s")
+            raise TimeoutError(f"{stream}{'/' + durable if durable else ''} elected no leader in {timeout:g}s")
         await asyncio.sleep(0.05)
