@@ -77,7 +77,10 @@ stored copy), or, for a
 ``long-inbox`` request (whose body is good), done (a ``succeeded`` event: the worker ran it and
 could not reply, which it records rather than sends). One never settled is *unsettled* and fails
 the run (it was lost, or its key blocked). Bad requests never count for completions, order or
-``unexpected``; their runs count for overlaps like any other.
+``unexpected``; their runs count for overlaps like any other. A ``foreign-subject`` record (lines
+no client library writes, sent on the queue's subjects over a bare connection: its ``key`` is the
+one a worker reads from the token it stored on a subject that is not UTF-8) is settled once a
+worker gave that key back (a ``released`` or ``handed-off`` event for it after the record).
 
 *Completions and order.* An ``end`` not marked ``"ok": false`` completes its ``(key, tag)``. Per
 key, each request's *first* completion must come in enqueue order (the ``expected`` list); an
@@ -549,10 +552,17 @@ def _bad_inputs(ordered: Sequence[Record]) -> list[BadInput]:
             settled[str(r["request_id"])] = ("dead-lettered", str(r["reason"]))
         elif r.get("event") == "succeeded":
             settled[str(r["request_id"])] = ("done", "")
+    given_back = defaultdict(list)  # key -> when a worker gave it back (for foreign-subject tokens)
+    for r in ordered:
+        if r.get("kind") == "event" and r.get("event") in ("released", "handed-off"):
+            given_back[str(r.get("key"))].append(float(r["t"]))
     found = []
     for r in stored:
         rid, bad = str(r["request_id"]), str(r.get("bad", ""))
         how, reason = settled.get(rid, ("", ""))
+        if bad == "foreign-subject":
+            t = float(r["t"])
+            how = "given back" if any(at >= t for at in given_back.get(str(r["key"]), ())) else ""
         if how == "done" and bad != "long-inbox":
             how = ""  # a request the worker must refuse was run: not settled as it should be
         found.append(BadInput(str(r["key"]), str(r["tag"]), rid, bad, how, reason))

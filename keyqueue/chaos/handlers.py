@@ -41,7 +41,7 @@ from keyqueue.wire import headers as H
 from keyqueue.wire.envelope import peek
 
 __all__ = ["BAD_INPUTS", "HANDLERS", "RUNNING", "SHAPES", "SLOW", "STALLING", "WORK_TYPE", "RunLog", "app",
-           "bad_request", "hold_gil", "read_work", "sync_fields", "sync_work", "work_headers"]
+           "bad_request", "foreign_subjects", "hold_gil", "read_work", "sync_fields", "sync_work", "work_headers"]
 
 SHAPES: Final = ("async", "thread", "process", "gil", "blocking")
 """Handler shapes; ``async`` is the shape of a request when no running shape is chosen."""
@@ -54,10 +54,12 @@ SLOW: Final = ("thread", "process")
 (the session renews meanwhile; a fault that costs the lease meets a body that cannot be cut off)."""
 HANDLERS: Final = (*SHAPES, "bad-input")
 """What ``--handlers`` accepts (``all``: every one)."""
-BAD_INPUTS: Final = ("malformed-body", "unknown-type", "bad-version", "long-inbox")
-"""Bad requests the producer mixes in: a body that is not JSON, an unknown ``X-MESSAGE-TYPE``, an
-``X-MESSAGE-VERSION`` newer than the worker reads, a 5 KiB ``X-Reply-Inbox`` (over nats-server's
-4 KiB control line: a reply to it would close the connection)."""
+BAD_INPUTS: Final = ("malformed-body", "unknown-type", "bad-version", "long-inbox", "foreign-subject")
+"""Bad input the producer mixes in: requests with a body that is not JSON, an unknown
+``X-MESSAGE-TYPE``, an ``X-MESSAGE-VERSION`` newer than the worker reads, a 5 KiB ``X-Reply-Inbox``
+(over nats-server's 4 KiB control line: a reply to it would close the connection); and
+``foreign-subject``: what no NATS client library writes, sent over a bare connection
+(:func:`foreign_subjects`)."""
 
 WORK_TYPE: Final = "chaos.work"
 """The ``X-MESSAGE-TYPE`` of the soak's requests."""
@@ -101,8 +103,29 @@ def bad_request(kind: str, request_id: str, tag: str) -> tuple[dict[str, str], b
     elif kind == "long-inbox":
         headers[H.REPLY_INBOX] = "_INBOX." + "x" * (LONG_INBOX_BYTES - len("_INBOX."))
     else:
-        raise ValueError(f"unknown bad input {kind!r}; choose from {', '.join(BAD_INPUTS)}")
+        raise ValueError(f"unknown bad request {kind!r}; choose from {', '.join(BAD_INPUTS[:-1])}")
     return headers, body
+
+
+def foreign_subjects(queue: str, n: int) -> tuple[bytes, str]:
+    """Protocol lines a publisher other than keyqueue can send on a queue's subjects, none of them
+    UTF-8 where a client library reads text, and the key a worker sees for its token.
+
+    A core message on the cancel subject every worker subscribes to, a request with a reply subject
+    that is not UTF-8, a header block whose status line is not UTF-8, and a token stored in the
+    token stream on a subject that is not UTF-8 (``kq.<queue>.tok.\\xff\\xfe<n>``): it is delivered to
+    a worker, which reads its key with ``\\xNN`` escapes, finds no request and gives the key back.
+    Each once dropped the connection of every worker that read it. Ends with a PING."""
+    raw_key = b"\xff\xfe" + str(n).encode()
+    status = b"NATS/1.0 \xff\xfe\xfd\r\n\r\n"
+    prefix = f"kq.{queue}.".encode()
+    lines = (b"PUB " + prefix + b"cancel." + raw_key + b" 0\r\n\r\n"
+             + b"PUB " + prefix + b"ask.foreign-" + str(n).encode() + b" _INBOX.\xff" + raw_key + b" 0\r\n\r\n"
+             + b"HPUB " + prefix + b"ask.foreign-" + str(n).encode() + b" %d %d\r\n%s\r\n" % (
+                 len(status), len(status), status)
+             + b"PUB " + prefix + b"tok." + raw_key + b" 0\r\n\r\n"
+             + b"PING\r\n")
+    return lines, raw_key.decode(errors="backslashreplace")
 
 
 def read_work(request: Request) -> dict[str, Any]:

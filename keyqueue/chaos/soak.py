@@ -56,7 +56,16 @@ from keyqueue.admin.dead_letters import dead_letters
 from keyqueue.chaos.checker import LivenessBounds, Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore
 from keyqueue.chaos.fleet import Faults, Fleet, LogTail, RssSample, RssWatch, WorkerSpec
-from keyqueue.chaos.handlers import BAD_INPUTS, HANDLERS, RUNNING, SLOW, STALLING, bad_request, work_headers
+from keyqueue.chaos.handlers import (
+    BAD_INPUTS,
+    HANDLERS,
+    RUNNING,
+    SLOW,
+    STALLING,
+    bad_request,
+    foreign_subjects,
+    work_headers,
+)
 from keyqueue.chaos.injectors import NODE_FAULT_CLASSES, node_faults, process_faults, server_faults
 from keyqueue.chaos.proxy import DEFAULT_FAULTS, Faultable, FaultProxy, FaultScript, InjectedFault, ProxyGroup
 from keyqueue.core.outage import Deadline, ride_out
@@ -182,8 +191,11 @@ class _Producer:
     mixed in every ``bad_every`` seconds on a random key, logged as ``bad_input`` rather than
     ``stored`` (it is expected in the dead-letter queue, never run in order)."""
 
-    def __init__(self, publisher: Publisher, options: SoakOptions, rng: random.Random, fleet: Fleet) -> None:
+    def __init__(self, publisher: Publisher, options: SoakOptions, rng: random.Random, fleet: Fleet,
+                 urls: list[str]) -> None:
         self.publisher, self.options, self.rng, self.fleet = publisher, options, rng, fleet
+        self.urls = urls
+        """The servers' client URLs, for what only a bare connection can send (``foreign-subject``)."""
         self.expected: dict[str, list[str]] = {f"k{i}": [] for i in range(options.keys)}
         self.enqueued = 0
         self.bad = 0
@@ -228,6 +240,9 @@ class _Producer:
                 next_bad += options.bad_every
                 key = self._shape_rng.choice(keys)
                 kind = next(bad_kinds)
+                if kind == "foreign-subject":
+                    await self._foreign()
+                    kind = next(bad_kinds)
                 tag = f"{key}-bad-{self.bad}"
                 self.bad += 1
                 rid = f"{options.seed}-{tag}"
@@ -238,6 +253,34 @@ class _Producer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ending.wait(), 0.1)
         return self.enqueued
+
+    async def _foreign(self) -> None:
+        """Send :func:`~keyqueue.chaos.handlers.foreign_subjects` over a bare connection to one of the
+        servers, logged as a ``bad_input`` once the server answered the PING after them (a server
+        down meanwhile: not sent, nor logged; the next turn sends another)."""
+        n = self.bad
+        lines, key = foreign_subjects(QUEUE, n)
+        host, port = self.rng.choice(self.urls).removeprefix("nats://").rsplit(":", 1)
+        sent_at = time.time()  # the log's clock (a worker may give the key back before the PONG)
+        try:
+            async with asyncio.timeout(5.0):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                try:
+                    await reader.readline()  # INFO
+                    writer.write(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n' + lines)
+                    await writer.drain()
+                    while (line := await reader.readline()) and not line.startswith(b"PONG"):
+                        if line.startswith(b"PING"):
+                            writer.write(b"PONG\r\n")
+                finally:
+                    writer.close()
+            if not line:
+                return  # the server closed the connection before its PONG
+        except (OSError, TimeoutError):
+            return
+        self.bad += 1
+        self.fleet.note("producer", "bad_input", key=key, tag=f"foreign-{n}", request_id=f"foreign-{n}",
+                        bad="foreign-subject", t=sent_at)
 
     async def _enqueue(self, pending: list[OutgoingRequest]) -> None:
         while pending:
@@ -338,7 +381,8 @@ async def soak(options: SoakOptions) -> SoakResult:
         def reverted(fault: InjectedFault) -> None:
             faults.end(network_ids.pop(id(fault)))
 
-        producer = _Producer(Publisher(nc, config.names), options, random.Random(options.seed + 2), fleet)
+        producer = _Producer(Publisher(nc, config.names), options, random.Random(options.seed + 2), fleet,
+                             node_urls)
         producing = asyncio.create_task(producer.run(ending))
         # Until every request has completed: a worker that dies after the last fault (a stalling
         # handler's first run, a watchdog) is started again as well.

@@ -220,6 +220,7 @@ async def main() -> None:
     worker: QueueWorker | None = None
 
     async def reconnected() -> None:
+        log.write("reconnected")
         if worker is not None:
             worker.reconnected()
 

@@ -586,6 +586,22 @@ def test_a_bad_request_whose_only_trace_is_its_stored_dead_letter_copy_is_settle
     assert [b.tag for b in verdict.unsettled] == ["k-bad-1"]
 
 
+def test_a_foreign_token_is_settled_once_a_worker_gives_its_key_back_after_it_was_sent() -> None:
+    # Tokens stored on subjects that are not UTF-8: a worker reads each key with \\xNN escapes,
+    # finds no request and gives it back. One given back only before it was sent is not settled.
+    foreign = [rec("bad_input", "producer", 1.0, "\\xff\\xfe0", "foreign-0", request_id="foreign-0",
+                   bad="foreign-subject"),
+               rec("bad_input", "producer", 2.0, "\\xff\\xfe1", "foreign-1", request_id="foreign-1",
+                   bad="foreign-subject")]
+    given_back = [event("released", "w1", 1.01, "\\xff\\xfe0"), event("handed-off", "w2", 1.5, "\\xff\\xfe1")]
+    verdict = check([*clean_log(), *foreign, *given_back], {**EXPECTED, "j": ["x"]})
+    assert [(b.tag, b.settled) for b in verdict.bad_inputs] == [("foreign-0", "given back"), ("foreign-1", "")]
+    assert not verdict.ok and "unsettled bad input \\xff\\xfe1: foreign-1" in verdict.summary()
+    verdict = check([*clean_log(), *foreign, *given_back, event("released", "w2", 2.2, "\\xff\\xfe1")],
+                    {**EXPECTED, "j": ["x"]})
+    assert verdict.ok, verdict.summary()
+
+
 def test_a_hand_off_counts_from_the_end_of_a_sync_body_running_at_the_fault() -> None:
     # w1's thread runs a from 1.1 to 5.0 (a slow sync task) when its connection is reset at 2; b can
     # only start once a is done: the hand-off is measured from 5.0, not 2.0.
