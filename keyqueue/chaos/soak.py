@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import random
 import time
 from collections import Counter
@@ -196,6 +197,8 @@ class _Producer:
         self.publisher, self.options, self.rng, self.fleet = publisher, options, rng, fleet
         self.urls = urls
         """The servers' client URLs, for what only a bare connection can send (``foreign-subject``)."""
+        self.foreign: dict[str, float] = {}
+        """The key of each foreign token sent, and when (a worker must give it back after that)."""
         self.expected: dict[str, list[str]] = {f"k{i}": [] for i in range(options.keys)}
         self.enqueued = 0
         self.bad = 0
@@ -279,6 +282,7 @@ class _Producer:
         except (OSError, TimeoutError):
             return
         self.bad += 1
+        self.foreign[key] = sent_at
         self.fleet.note("producer", "bad_input", key=key, tag=f"foreign-{n}", request_id=f"foreign-{n}",
                         bad="foreign-subject", t=sent_at)
 
@@ -427,7 +431,7 @@ async def soak(options: SoakOptions) -> SoakResult:
                 fleet.start(name)
         enqueued = await producing
         say(f"chaos: faults stopped after {time.monotonic() - began:.0f}s; waiting for {enqueued} requests")
-        await _settle(log_path, producer.expected, options.settle_timeout)
+        await _settle(log_path, producer.expected, producer.foreign, options.settle_timeout)
         await _note_dead_letters(fleet, JetStreamApi(nc))
         settled.set()
         await sampling
@@ -465,14 +469,22 @@ async def _note_dead_letters(fleet: Fleet, api: JetStreamApi) -> None:
         fleet.note("soak", "dlq", key=letter.key, request_id=letter.request_id, reason=letter.reason)
 
 
-async def _settle(log_path: Path, expected: dict[str, list[str]], timeout: float) -> None:
-    """Wait until every expected request has completed (or ``timeout``: the checker reports the rest)."""
+async def _settle(log_path: Path, expected: dict[str, list[str]], foreign: dict[str, float], timeout: float) -> None:
+    """Wait until every expected request has completed and every foreign token's key was given back
+    after it was sent (or ``timeout``: the checker reports the rest)."""
     wanted = {(key, tag) for key, tags in expected.items() for tag in tags}
+    tokens = dict(foreign)
     tail = LogTail(log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        wanted -= {(r["key"], r["tag"]) for r in tail.new_records() if r["kind"] == "end" and r.get("ok", True)}
-        if not wanted:
+        for r in tail.new_records():
+            if r["kind"] == "end" and r.get("ok", True):
+                wanted.discard((r["key"], r["tag"]))
+            elif r.get("event") in ("released", "handed-off"):
+                key = str(r["key"])
+                if float(str(r["t"])) >= tokens.get(key, math.inf):
+                    del tokens[key]
+        if not wanted and not tokens:
             return
         await asyncio.sleep(0.25)
 
