@@ -332,3 +332,77 @@ async def test_the_release_marker_on_r3_is_refused_after_an_arrival_alone_otherw
         assert await io.mark_released("k", seqs[2]) is True
         assert await io.next_request("k", 1, requests_only=True) is None
         assert await io.request_remains("k", 1) is False
+
+
+class Records(BaseProcessor):
+    """Notes each request it runs, by key, in the order it ran them."""
+
+    def __init__(self, runs: dict[str, list[bytes]]) -> None:
+        self.runs = runs
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        self.runs.setdefault(request.key, []).append(request.data)
+        return None
+
+
+async def run_backlogs(cluster: EmbeddedCluster, config: QueueConfig, producer_nc: Client,
+                       ncs: list[Client], keys: int, per_key: int) -> tuple[dict[str, list[bytes]], int, list[bool]]:
+    """``per_key`` requests on each of ``keys`` keys, stored first, served by a worker on each of
+    ``ncs``: what ran per key, how many reads the stream leader answered, and each worker's
+    ``replica_reads``."""
+    runs: dict[str, list[bytes]] = {}
+    leader_reads = 0
+    workers = [QueueWorker(nc, config, lambda key: Records(runs), settings=SessionSettings(ack_wait=10, linger=0),
+                           reconcile_interval=3600, name=f"w{i}", concurrency=16) for i, nc in enumerate(ncs)]
+    for w in workers:
+        real = w.io.next_request
+
+        async def counted(key: str, from_seq: int, *, requests_only: bool = False, real: Any = real) -> Any:
+            nonlocal leader_reads
+            leader_reads += 1
+            return await real(key, from_seq, requests_only=requests_only)
+
+        w.io.next_request = counted  # type: ignore[method-assign]
+    await Publisher(producer_nc, config.names).enqueue_many(
+        [request(f"k{k}", b"%03d" % n) for k in range(keys) for n in range(per_key)])
+    tasks = [asyncio.create_task(w.run()) for w in workers]
+    try:
+        deadline = time.monotonic() + 90
+        while sum(len(r) for r in runs.values()) < keys * per_key:
+            assert time.monotonic() < deadline, f"{sum(len(r) for r in runs.values())} of {keys * per_key} ran"
+            await asyncio.sleep(0.05)
+    finally:
+        for w in workers:
+            w.stop()
+        await asyncio.gather(*tasks)
+    return runs, leader_reads, [w.io.replica_reads for w in workers]
+
+
+async def test_a_replicated_inbox_is_read_in_batches_from_any_replica_above_what_the_leader_showed(
+        cluster: EmbeddedCluster) -> None:
+    """A replicated inbox made by this keyqueue answers direct gets; a key session reads its first
+    request from the leader and the rest in batches from any replica: every request runs once, in
+    order, and the leader answers a few reads per key, not one per request."""
+    async with connections(cluster, 3) as (producer_nc, nc1, nc2):
+        config = await replicated_queue(producer_nc, "batched")
+        inbox = (await JetStreamApi(producer_nc).stream_info(config.names.inbox_stream))["config"]
+        assert inbox["allow_direct"] is True and inbox["num_replicas"] == 3
+        runs, leader_reads, replica_reads = await run_backlogs(cluster, config, producer_nc, [nc1, nc2], 12, 40)
+    assert replica_reads == [True, True]
+    assert runs == {f"k{k}": [b"%03d" % n for n in range(40)] for k in range(12)}
+    assert leader_reads < 12 * 40 // 4, leader_reads
+
+
+async def test_a_replicated_inbox_made_without_direct_gets_is_read_from_its_leader(cluster: EmbeddedCluster) -> None:
+    """An older keyqueue made replicated inboxes without direct gets: a worker serves such a queue
+    (no layout mismatch), reading each request from the leader, and leaves the stream as it is."""
+    async with connections(cluster, 2) as (producer_nc, nc1):
+        config = await replicated_queue(producer_nc, "older")
+        api = JetStreamApi(producer_nc)
+        inbox = (await api.stream_info(config.names.inbox_stream))["config"]
+        await api.request(f"STREAM.UPDATE.{config.names.inbox_stream}", {**inbox, "allow_direct": False})
+        runs, leader_reads, replica_reads = await run_backlogs(cluster, config, producer_nc, [nc1], 3, 10)
+        assert not (await api.stream_info(config.names.inbox_stream))["config"].get("allow_direct")
+    assert replica_reads == [False]
+    assert runs == {f"k{k}": [b"%03d" % n for n in range(10)] for k in range(3)}
+    assert leader_reads >= 3 * 10
