@@ -45,7 +45,7 @@ from bench import raw, server_counters, user_app
 from bench.server_counters import PerUnit
 from bench.user_app import app, note
 from keyqueue.admin.workers import queue_workers
-from keyqueue.errors import StreamNotFound
+from keyqueue.errors import JetStreamUnavailable, KeyqueueTimeout, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.queue_io import requests_waiting
@@ -59,13 +59,17 @@ async def _drained(api: JetStreamApi, timeout: float = 120.0) -> int:
     deadline = time.monotonic() + timeout
     calls = 0
     while time.monotonic() < deadline:
-        inbox = await api.stream_info(names.inbox_stream)
-        tokens = await api.stream_info(names.token_stream)
-        try:
-            unkeyed = int((await api.stream_info(names.work_stream))["state"]["messages"])
-        except StreamNotFound:  # made by the worker's unkeyed lane, or the first unkeyed enqueue
-            unkeyed = 0
         calls += 3
+        try:
+            inbox = await api.stream_info(names.inbox_stream)
+            tokens = await api.stream_info(names.token_stream)
+            try:
+                unkeyed = int((await api.stream_info(names.work_stream))["state"]["messages"])
+            except StreamNotFound:  # made by the worker's unkeyed lane, or the first unkeyed enqueue
+                unkeyed = 0
+        except (KeyqueueTimeout, JetStreamUnavailable):  # on a cluster, a stream just made elects its leader
+            await asyncio.sleep(0.1)
+            continue
         # A key given back leaves a release marker for a second: not a request (read by direct gets,
         # which the server does not count as API calls).
         if unkeyed == 0 and tokens["state"]["messages"] == 0 and (inbox["state"]["messages"] == 0
