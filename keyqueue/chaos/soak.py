@@ -72,6 +72,8 @@ from keyqueue.chaos.proxy import DEFAULT_FAULTS, Faultable, FaultProxy, FaultScr
 from keyqueue.core.outage import Deadline, ride_out
 from keyqueue.errors import (
     EnqueueError,
+    JetStreamError,
+    JetStreamUnavailable,
     KeyqueueError,
     TokenPublishFailed,
 )
@@ -503,4 +505,19 @@ async def _patiently(nc: Client, step: Callable[[], Awaitable[T]], seconds: floa
     down (as the workers' own steps are: :func:`~keyqueue.core.outage.ride_out`), for ``seconds``."""
     link = link_of(nc)
     assert link is not None, "the soak's connection is opened by keyqueue's connect"
-    return await ride_out(step, Deadline(seconds, what), link)
+
+    async def attempt() -> T:
+        try:
+            return await step()
+        except JetStreamError as e:
+            if e.err_code != PEER_OFFLINE:
+                raise
+            # A cluster just formed may count a peer offline for a moment: no placement yet.
+            raise JetStreamUnavailable(e.description, e.code, e.err_code) from e
+
+    return await ride_out(attempt, Deadline(seconds, what), link)
+
+
+PEER_OFFLINE: Final = 10005
+"""nats-server's "no suitable peers for placement, peer offline": a stream create on a cluster
+whose routes are still forming (seen once when the soak's set-up created its second stream)."""
