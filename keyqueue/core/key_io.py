@@ -49,19 +49,10 @@ class KeyIO(RecordStore, Protocol):
         """The inbox takes release markers (:meth:`mark_released`); else a key is given back with a
         purge and a re-check."""
 
-    @property
-    def replica_reads(self) -> bool:
-        """A replicated inbox is read in batches from any replica (:meth:`read` with ``anywhere``):
-        a session then runs requests while the stream has no leader, so it waits for each removal
-        to be confirmed before it runs more (core/removals.py)."""
-
     # --- the key's requests ------------------------------------------------------------------------
 
-    async def read(self, key: str, from_seq: int, limit: int, *,
-                   anywhere: bool = False) -> tuple[list[StoredMsg], bool]:
-        """Up to ``limit`` of the key's requests from ``from_seq`` on; whether more remain after them.
-        ``anywhere``: the stream leader has shown this session a request below ``from_seq``, so a
-        replicated inbox may be read from any of its replicas."""
+    async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
+        """Up to ``limit`` of the key's requests from ``from_seq`` on; whether more remain after them."""
 
     async def send_read(self, key: str, from_seq: int, limit: int) -> asyncio.Future[list[Msg]]:
         """:meth:`read` sent now, its replies read by :meth:`read_reply` (only where :attr:`direct`)."""

@@ -41,14 +41,6 @@ without this bound it ran :data:`MAX_UNCONFIRMED_DELETES` purges of :data:`PURGE
 PURGE_EVERY: Final = 8
 """Requests done one after another that one purge removes at most."""
 
-MAX_UNCONFIRMED_FROM_REPLICAS: Final = PURGE_EVERY
-""":data:`MAX_UNCONFIRMED_REQUESTS` where a replicated inbox is read from any replica: one purge's
-worth. Reads from a replica go on while the stream has no leader (an election took 4-10 s here),
-and no removal is applied then, so a session that ran on would see every request it ran there run
-again by the next holder: with 24 a leader's kill -9 re-ran up to 60 requests of a key (two
-purges' worth in flight at the kill, and the requests run after it). A removal is never lost once
-it is answered (``python -m bench.r3_purge_failover``), so waiting for each answer bounds it."""
-
 PURGE_WINDOW: Final = 0.002
 """Seconds a later request may run before the requests done before it are purged."""
 
@@ -103,8 +95,7 @@ class Removals:
         if self.unpurged >= PURGE_EVERY or (not more_read and not self.io.release_markers):
             await self.after_beside()
             await self.purge()
-            bound = MAX_UNCONFIRMED_FROM_REPLICAS if self.io.replica_reads else MAX_UNCONFIRMED_REQUESTS
-            if len(self.deletes) >= MAX_UNCONFIRMED_DELETES or self.unconfirmed >= bound:
+            if len(self.deletes) >= MAX_UNCONFIRMED_DELETES or self.unconfirmed >= MAX_UNCONFIRMED_REQUESTS:
                 await self.settle()
 
     async def done_through(self, through: int) -> None:

@@ -164,7 +164,6 @@ class KeySession:
         "io",
         "keeper",
         "key",
-        "leader_seen",
         "lease",
         "lock",
         "marker_seq",
@@ -223,9 +222,6 @@ class KeySession:
         self.marker_seq = 0
         """The inbox sequence of the release marker read on the key's subject, if any: a former
         holder's (it lives a second, before every request of the key); read past, never handled."""
-        self.leader_seen = 0
-        """The last inbox sequence a read answered by the stream leader returned (on one server,
-        every read): reads from above it may be answered by any replica (``QueueIO.read``)."""
         self.processed = 0
         self.buffer: list[StoredMsg] = []
         """Requests read ahead and not yet processed, in stream order (a list: an empty deque
@@ -439,8 +435,6 @@ class KeySession:
                 if first_read is not None:
                     try:
                         msgs, self.more = await self._first_read_result(first_read)
-                        if msgs:
-                            self.leader_seen = msgs[-1].seq
                         self.buffer.extend(self._requests(msgs))
                     except KeyqueueError:
                         pass  # the session reads again
@@ -662,14 +656,8 @@ class KeySession:
         want = max(1, getattr(processor, "batch_size", 0))
         while len(self.buffer) < want:
             start = self.buffer[-1].seq + 1 if self.buffer else max(self.cursor, self.marker_seq + 1)
-            # Above a request the leader showed this session, a lagging replica can miss requests
-            # but show none that is gone: any replica may answer (QueueIO.read).
-            anywhere = start > self.leader_seen > 0
-            read = functools.partial(self.io.read, self.key, start, max(want - len(self.buffer), READ_AHEAD),
-                                     anywhere=anywhere)
+            read = functools.partial(self.io.read, self.key, start, max(want - len(self.buffer), READ_AHEAD))
             msgs, self.more = await self._steady(read)
-            if msgs and not anywhere:
-                self.leader_seen = msgs[-1].seq
             self.buffer.extend(self._requests(msgs))
             if not self.more:
                 break

@@ -365,7 +365,6 @@ class QueueWorker:
                 lease = await topology.ensure_worker(None if self.follow_lease else self.settings.ack_wait)
                 self._use_lease(lease)
                 self.io.release_markers = await topology.allow_release_markers()
-                self.io.replica_reads = await topology.replica_reads()
                 return
             except (KeyqueueTimeout, ConnectionFailed) as e:
                 # "No responders" that lasts is a server without JetStream, not an election.

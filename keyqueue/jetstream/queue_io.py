@@ -177,10 +177,6 @@ class QueueIO:
         """The releasing sessions' re-checks, many keys per read (:meth:`request_remains`)."""
         self.acks = AckBarrier(self._plain_ack, self._double_ack)
         """The releasing sessions' token acks, many per reply (:meth:`release_token`, one server)."""
-        self.replica_reads = False
-        """Whether a replicated inbox answers direct gets, so that a key session may read it in
-        batches from any replica (:meth:`read` with ``anywhere``): set by the worker once its
-        topology check has found them on (:meth:`~keyqueue.jetstream.topology.Topology.replica_reads`)."""
         self.release_markers = False
         """Whether the inbox stream takes release markers (:meth:`mark_released`): set by the worker
         once its topology check has found (or made) ``allow_rollup_hdrs`` and ``allow_msg_ttl`` on
@@ -235,25 +231,13 @@ class QueueIO:
         # everything before it): no request there.
         return {subjects[m.subject]: m.seq for m in found if m.subject in subjects and not is_release_marker(m.headers)}
 
-    async def read(self, key: str, from_seq: int, limit: int, *,
-                   anywhere: bool = False) -> tuple[list[StoredMsg], bool]:
+    async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
         """Up to ``limit`` of the key's requests from ``from_seq`` on, in one round trip where the
-        stream allows direct gets; the flag says whether more requests remain after them.
-
-        A replicated inbox is read one request at a time from its leader, unless ``anywhere`` (the
-        reading session has been shown a request below ``from_seq`` by the leader) and it allows
-        direct gets (:attr:`replica_reads`): then any replica may answer, in one batch. A lagging
-        replica can only miss requests there, never show one that is gone: everything it holds
-        above a request the leader still had was removed, if at all, by this session. So a batch it
-        answers is used as it is, and where it has nothing the leader is asked."""
-        if self.direct and limit > 1:
-            return await self.read_reply(key, await self.send_read(key, from_seq, limit))
-        if anywhere and self.replica_reads and limit > 1:
-            found, more = await self.read_reply(key, await self.send_read(key, from_seq, limit))
-            if found:
-                return found, more
-        one = await self.next_request(key, from_seq)
-        return ([one] if one else []), bool(one) and limit > 1
+        stream allows direct gets; the flag says whether more requests remain after them."""
+        if not self.direct or limit <= 1:
+            one = await self.next_request(key, from_seq)
+            return ([one] if one else []), bool(one) and limit > 1
+        return await self.read_reply(key, await self.send_read(key, from_seq, limit))
 
     async def read_reply(self, key: str, sent: asyncio.Future[list[Msg]]) -> tuple[list[StoredMsg], bool]:
         """What a :meth:`send_read` found, once its replies are in (as :meth:`read` returns it)."""
@@ -262,8 +246,7 @@ class QueueIO:
     async def send_read(self, key: str, from_seq: int, limit: int) -> asyncio.Future[list[Msg]]:
         """:meth:`read` sent now, its replies not awaited (:meth:`read_reply` reads them): a read that
         goes out beside another step (a key's first read beside its acquire) needs no task. Only
-        where the stream allows direct gets (:attr:`direct`, or a replicated inbox's
-        :attr:`replica_reads`), and answered by any replica of a replicated one."""
+        where the stream allows direct gets (:attr:`direct`)."""
         payload = json.dumps({"seq": max(1, from_seq), "batch": limit, "next_by_subj": self.names.inbox(key)})
         return await self.read_mux.send(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}",
                                         payload.encode(), multi=True)

@@ -98,11 +98,9 @@ class QueueConfig:
             "storage": "file",
             "num_replicas": self.replicas,
             "duplicate_window": int(self.duplicate_window * NS),
-            # Direct gets, batched. On a replicated inbox any replica answers them, and a lagging
-            # one may miss what the leader has: a key session reads there only above a request the
-            # leader has shown it, and the re-checks read from the leader (docs/architecture.md,
-            # "Replicated streams").
-            "allow_direct": True,
+            # Direct gets may be served by a lagging follower, which could hide a request at the
+            # quiescence re-check: on replicated inboxes keyqueue reads from the leader.
+            "allow_direct": self.replicas == 1,
             # A worker gives a key back with one write, a release marker (docs/architecture.md,
             # "Giving a key back"): a rollup that lives a second.
             "allow_rollup_hdrs": True,
@@ -325,23 +323,6 @@ class Topology:
                  self.config.name, name)
         return True
 
-    async def replica_reads(self) -> bool:
-        """Whether a key session may read a replicated inbox's requests from any replica, in batches
-        (direct gets): the inbox allows direct gets, as one made by this keyqueue does. An inbox made
-        by an older keyqueue does not, and is left so (older processes refuse a replicated inbox
-        with direct gets); its sessions read one request at a time from the stream leader, and
-        this says how to change it once every process runs this keyqueue or a newer one."""
-        if self.config.replicas == 1:
-            return False  # one server: its sessions read with direct gets anyway (QueueIO.direct)
-        name = self.config.names.inbox_stream
-        if (await self.api.stream_info(name))["config"].get("allow_direct"):
-            return True
-        log.info("queue %s: stream %s has no direct gets (made by an older keyqueue), so key sessions read its "
-                 "requests one at a time from the stream leader. Once every process of the queue runs keyqueue "
-                 "0.2 or newer, `nats stream edit %s --allow-direct` lets them read in batches from any replica",
-                 self.config.name, name, name)
-        return False
-
     async def ensure_unkeyed(self, *, consumer: bool = False) -> float | None:
         """Create the queue's work stream (unkeyed requests) if it is missing, else check its
         layout; with ``consumer``, its consumer too (what a worker serving unkeyed tasks calls).
@@ -515,14 +496,8 @@ class Topology:
                     f"that is keyqueue's layout, not a setting, so keyqueue did not make this stream: with nothing "
                     f"using the queue, delete it (`nats stream rm {name}`, which deletes its messages) and keyqueue "
                     f"creates it again ({OWNERS})")
-        replicas = existing.get("num_replicas", 1)
-        if name == self.config.names.inbox_stream and (replicas > 1) != (self.config.replicas > 1):
-            raise TopologyMismatch(
-                f"stream {name}", "num_replicas", replicas, self.config.replicas,
-                f"the queue's reads follow its replicas: configure the queue with replicas={replicas} ({OWNERS})")
-        if name == self.config.names.inbox_stream and replicas > 1:
-            return  # a replicated inbox made by an older keyqueue has no direct gets: read from its leader
         if (differs := _differs(existing, wanted, "allow_direct")) is not None:
+            replicas = existing.get("num_replicas", 1)
             raise TopologyMismatch(
                 f"stream {name}", "allow_direct", *differs,
                 f"direct gets follow the queue's replicas: the stream has {replicas}, this process's QueueConfig "

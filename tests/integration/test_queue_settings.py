@@ -164,6 +164,7 @@ async def test_a_replicas_difference_names_the_replicas(make_app: MakeApp, nats_
     await Topology(JetStreamApi(nats_client), QueueConfig("shop")).ensure()
     app = make_app()
     app.configure_queue(QueueConfig("shop", replicas=3))
-    with pytest.raises(keyqueue.TopologyMismatch, match=r"^stream KQ_shop_INBOX: num_replicas is 1 on the "
-                       r"server, 3 here; the queue's reads follow its replicas: configure the queue with replicas=1 "):
+    with pytest.raises(keyqueue.TopologyMismatch, match=r"^stream KQ_shop_INBOX: allow_direct is True on the "
+                       r"server, False here; direct gets follow the queue's replicas: the stream has 1, this "
+                       r"process's QueueConfig has replicas=3; configure the queue with replicas=1 "):
         await shop(app).enqueue(order_id="o1")

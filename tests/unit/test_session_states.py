@@ -49,7 +49,6 @@ class FakeIO:
     release_markers = False
     """Keys are given back with a purge and a re-check (the marker's give-back is proven against a real
     server: tests/integration/test_release_marker.py)."""
-    replica_reads = False
 
     def __init__(self, *requests: StoredMsg) -> None:
         self.names = QueueConfig("q").names
@@ -61,8 +60,7 @@ class FakeIO:
         """Called each time a lease write is refused."""
 
     # the key's requests
-    async def read(self, key: str, from_seq: int, limit: int, *,
-                   anywhere: bool = False) -> tuple[list[StoredMsg], bool]:
+    async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
         found = [self.inbox[s] for s in sorted(self.inbox) if s >= from_seq]
         return found[:limit], len(found) > limit
 
@@ -520,10 +518,9 @@ class Outage(FakeIO):
         await asyncio.sleep(self.down_for)
         return True
 
-    async def read(self, key: str, from_seq: int, limit: int, *,
-                   anywhere: bool = False) -> tuple[list[StoredMsg], bool]:
+    async def read(self, key: str, from_seq: int, limit: int) -> tuple[list[StoredMsg], bool]:
         self._maybe_fail("read")
-        return await super().read(key, from_seq, limit, anywhere=anywhere)
+        return await super().read(key, from_seq, limit)
 
     async def reply(self, inbox: str, headers: Mapping[str, str], body: bytes) -> None:
         self._maybe_fail("reply")
@@ -726,50 +723,3 @@ async def test_a_session_stops_running_requests_once_enough_of_their_removals_go
     io.given_up.set()  # each removal is sent again as one purge; the session goes on and ends
     assert await asyncio.wait_for(running, 30) is Outcome.RELEASED
     assert io.inbox == {}
-
-
-async def test_a_session_reading_from_replicas_waits_for_each_removal_before_it_runs_more(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # Reads from a replica go on while the inbox has no leader, and no removal is applied then: a
-    # session that ran on would leave every request it ran there to run again. It stops after one
-    # purge's worth (MAX_UNCONFIRMED_FROM_REPLICAS) until that purge is answered.
-    monkeypatch.setattr(removals_module, "PURGE_WINDOW", 60.0)  # purges by count only
-    io = Unanswered(*(stored(seq, b"x") for seq in range(1, 101)))
-    io.replica_reads = True
-    steps = Steps()
-    running = asyncio.ensure_future(session(io, Handles(steps), steps).run())
-    await asyncio.wait_for(io.settling.wait(), 10)
-    handled = [s for s in steps.steps if s[0] == "handle"]
-    assert len(handled) == removals_module.MAX_UNCONFIRMED_FROM_REPLICAS == PURGE_EVERY
-    assert sent(io, "purge") == [("purge", PURGE_EVERY)]
-    io.given_up.set()
-    assert await asyncio.wait_for(running, 30) is Outcome.RELEASED
-    assert io.inbox == {}
-
-
-class ReadLog(FakeIO):
-    """Answers one request per read, and notes where each read started and whether any replica
-    could answer it."""
-
-    def __init__(self, *requests: StoredMsg) -> None:
-        super().__init__(*requests)
-        self.reads: list[tuple[int, bool]] = []
-
-    async def read(self, key: str, from_seq: int, limit: int, *,
-                   anywhere: bool = False) -> tuple[list[StoredMsg], bool]:
-        self.reads.append((from_seq, anywhere))
-        found = [self.inbox[s] for s in sorted(self.inbox) if s >= from_seq]
-        return found[:1], len(found) > 1
-
-
-async def test_a_session_reads_from_any_replica_only_above_a_request_the_leader_showed_it() -> None:
-    # A lagging replica of a replicated inbox may still hold requests a former holder removed; above
-    # a request the leader showed this session, it can only miss some (QueueIO.read asks the leader then).
-    io = ReadLog(stored(3, b"a"), stored(5, b"b"))
-    steps = Steps()
-    assert await session(io, Handles(steps), steps).run() is Outcome.RELEASED
-    assert io.reads == [(1, False), (4, True), (6, True)]
-    # The leader showed nothing: every read goes to it, however far the session has come.
-    empty = ReadLog()
-    assert await session(empty, Handles(steps), steps).run() is Outcome.RELEASED
-    assert empty.reads and all(not anywhere for _, anywhere in empty.reads)
