@@ -40,8 +40,9 @@ from keyqueue.errors import MalformedBody, UnknownMessageType, UnsupportedVersio
 from keyqueue.wire import headers as H
 from keyqueue.wire.envelope import peek
 
-__all__ = ["BAD_INPUTS", "HANDLERS", "RUNNING", "SHAPES", "SLOW", "STALLING", "WORK_TYPE", "RunLog", "app",
-           "bad_request", "foreign_subjects", "hold_gil", "read_work", "sync_fields", "sync_work", "work_headers"]
+__all__ = ["BAD_INPUTS", "FOREIGN_ACK_SID", "HANDLERS", "RUNNING", "SHAPES", "SLOW", "STALLING", "WORK_TYPE",
+           "RunLog", "app", "bad_request", "foreign_subjects", "hold_gil", "read_work", "sync_fields", "sync_work",
+           "work_headers"]
 
 SHAPES: Final = ("async", "thread", "process", "gil", "blocking")
 """Handler shapes; ``async`` is the shape of a request when no running shape is chosen."""
@@ -107,6 +108,10 @@ def bad_request(kind: str, request_id: str, tag: str) -> tuple[dict[str, str], b
     return headers, body
 
 
+FOREIGN_ACK_SID: Final = 1
+"""The subscription id :func:`foreign_subjects` opens for the foreign token's PubAck."""
+
+
 def foreign_subjects(queue: str, n: int) -> tuple[bytes, str]:
     """Protocol lines a publisher other than keyqueue can send on a queue's subjects, none of them
     UTF-8 where a client library reads text, and the key a worker sees for its token.
@@ -115,16 +120,18 @@ def foreign_subjects(queue: str, n: int) -> tuple[bytes, str]:
     that is not UTF-8, a header block whose status line is not UTF-8, and a token stored in the
     token stream on a subject that is not UTF-8 (``kq.<queue>.tok.\\xff\\xfe<n>``): it is delivered to
     a worker, which reads its key with ``\\xNN`` escapes, finds no request and gives the key back.
-    Each once dropped the connection of every worker that read it. Ends with a PING."""
+    Each once dropped the connection of every worker that read it. The token asks for its PubAck
+    (subscription :data:`FOREIGN_ACK_SID`): a stream with no leader drops it without a word."""
     raw_key = b"\xff\xfe" + str(n).encode()
     status = b"NATS/1.0 \xff\xfe\xfd\r\n\r\n"
     prefix = f"kq.{queue}.".encode()
+    ack = b"_INBOX.foreign." + str(n).encode()
     lines = (b"PUB " + prefix + b"cancel." + raw_key + b" 0\r\n\r\n"
              + b"PUB " + prefix + b"ask.foreign-" + str(n).encode() + b" _INBOX.\xff" + raw_key + b" 0\r\n\r\n"
              + b"HPUB " + prefix + b"ask.foreign-" + str(n).encode() + b" %d %d\r\n%s\r\n" % (
                  len(status), len(status), status)
-             + b"PUB " + prefix + b"tok." + raw_key + b" 0\r\n\r\n"
-             + b"PING\r\n")
+             + b"SUB " + ack + b" %d\r\n" % FOREIGN_ACK_SID
+             + b"PUB " + prefix + b"tok." + raw_key + b" " + ack + b" 0\r\n\r\n")
     return lines, raw_key.decode(errors="backslashreplace")
 
 

@@ -59,6 +59,7 @@ from keyqueue.chaos.fenced import FencedStore
 from keyqueue.chaos.fleet import Faults, Fleet, LogTail, RssSample, RssWatch, WorkerSpec
 from keyqueue.chaos.handlers import (
     BAD_INPUTS,
+    FOREIGN_ACK_SID,
     HANDLERS,
     RUNNING,
     SLOW,
@@ -261,12 +262,12 @@ class _Producer:
 
     async def _foreign(self) -> None:
         """Send :func:`~keyqueue.chaos.handlers.foreign_subjects` over a bare connection to one of the
-        servers, logged as a ``bad_input`` once the server answered the PING after them (a server
-        down meanwhile: not sent, nor logged; the next turn sends another)."""
+        servers, logged as a ``bad_input`` once the token's PubAck says it is stored (a server or a
+        stream leader down meanwhile: not logged; the next turn sends another)."""
         n = self.bad
         lines, key = foreign_subjects(QUEUE, n)
         host, port = self.rng.choice(self.urls).removeprefix("nats://").rsplit(":", 1)
-        sent_at = time.time()  # the log's clock (a worker may give the key back before the PONG)
+        sent_at = time.time()  # the log's clock (a worker may give the key back before the PubAck)
         try:
             async with asyncio.timeout(5.0):
                 reader, writer = await asyncio.open_connection(host, int(port))
@@ -274,14 +275,12 @@ class _Producer:
                     await reader.readline()  # INFO
                     writer.write(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n' + lines)
                     await writer.drain()
-                    while (line := await reader.readline()) and not line.startswith(b"PONG"):
-                        if line.startswith(b"PING"):
-                            writer.write(b"PONG\r\n")
+                    stored = await _foreign_ack(reader, writer)
                 finally:
                     writer.close()
-            if not line:
-                return  # the server closed the connection before its PONG
-        except (OSError, TimeoutError):
+        except (OSError, TimeoutError, ValueError, EOFError):
+            return
+        if not stored:
             return
         self.bad += 1
         self.foreign[key] = sent_at
@@ -469,6 +468,20 @@ async def _note_dead_letters(fleet: Fleet, api: JetStreamApi) -> None:
         return
     for letter in letters:
         fleet.note("soak", "dlq", key=letter.key, request_id=letter.request_id, reason=letter.reason)
+
+
+async def _foreign_ack(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Read a bare connection until the foreign token's PubAck; whether it says stored."""
+    while line := await reader.readline():
+        if line.startswith(b"PING"):
+            writer.write(b"PONG\r\n")
+        elif line.startswith((b"HMSG ", b"-ERR")):
+            return False  # no responders (503: the stream has no leader), or the server refused it
+        elif line.startswith(b"MSG ") and line.split()[2] == str(FOREIGN_ACK_SID).encode():
+            body = await reader.readexactly(int(line.split()[-1]) + 2)
+            ack = json.loads(body[:-2] or b"{}")
+            return "seq" in ack and "error" not in ack
+    return False  # the server closed the connection
 
 
 async def _settle(log_path: Path, expected: dict[str, list[str]], foreign: dict[str, float], timeout: float) -> None:
