@@ -84,7 +84,10 @@ async def test_a_request_whose_reply_never_comes_is_released(nc: Client, nats_cl
         await nats_client.subscribe("echo", cb=echo)
         await nats_client.flush()
         [reply] = await asyncio.wait_for(await mux.send("echo", b"ping"), 5)
-        assert reply.data == b"pong"
+        if (reply.headers or {}).get("Status") == "503":  # a loaded CI run once got "no responders"
+            await nc.flush()  # here: the subscription's interest, flushed on the other connection
+            [reply] = await asyncio.wait_for(await mux.send("echo", b"ping"), 5)
+        assert reply.data == b"pong", reply.headers
         late = await mux.send("sink", b"late")
         await asyncio.wait([late], timeout=10)
         assert isinstance(late.exception(), KeyqueueTimeout) and mux.in_flight == 0
