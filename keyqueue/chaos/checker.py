@@ -536,6 +536,10 @@ def _completions(ordered: Iterable[Record], bad: set[tuple[str, str]]) -> dict[s
     return done
 
 
+GIVEN_BACK: Final = ("released", "handed-off")
+"""Session events that end a hold with the key given back (a ``foreign-subject`` token is settled by one)."""
+
+
 def _bad_inputs(ordered: Sequence[Record]) -> list[BadInput]:
     """Each stored bad request, with how it was settled (see the module's rule)."""
     stored = [r for r in ordered if r.get("kind") == "bad_input"]
@@ -554,7 +558,7 @@ def _bad_inputs(ordered: Sequence[Record]) -> list[BadInput]:
             settled[str(r["request_id"])] = ("done", "")
     given_back = defaultdict(list)  # key -> when a worker gave it back (for foreign-subject tokens)
     for r in ordered:
-        if r.get("kind") == "event" and r.get("event") in ("released", "handed-off"):
+        if r.get("kind") == "event" and r.get("event") in GIVEN_BACK:
             given_back[str(r.get("key"))].append(float(r["t"]))
     found = []
     for r in stored:

@@ -104,7 +104,8 @@ def bad_request(kind: str, request_id: str, tag: str) -> tuple[dict[str, str], b
     elif kind == "long-inbox":
         headers[H.REPLY_INBOX] = "_INBOX." + "x" * (LONG_INBOX_BYTES - len("_INBOX."))
     else:
-        raise ValueError(f"unknown bad request {kind!r}; choose from {', '.join(BAD_INPUTS[:-1])}")
+        requests = [k for k in BAD_INPUTS if k != "foreign-subject"]  # (not a request: foreign_subjects)
+        raise ValueError(f"unknown bad request {kind!r}; choose from {', '.join(requests)}")
     return headers, body
 
 

@@ -54,7 +54,7 @@ from typing import Final, TypeVar
 from nats.aio.client import Client
 
 from keyqueue.admin.dead_letters import dead_letters
-from keyqueue.chaos.checker import LivenessBounds, Verdict, check, read_log
+from keyqueue.chaos.checker import GIVEN_BACK, LivenessBounds, Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore
 from keyqueue.chaos.fleet import Faults, Fleet, LogTail, RssSample, RssWatch, WorkerSpec
 from keyqueue.chaos.handlers import (
@@ -201,7 +201,10 @@ class _Producer:
         self.urls = urls
         """The servers' client URLs, for what only a bare connection can send (``foreign-subject``)."""
         self.foreign: dict[str, float] = {}
-        """The key of each foreign token sent, and when (a worker must give it back after that)."""
+        """The key of each foreign token stored, and when it was sent (a worker must give it back after)."""
+        self._foreign_rng = random.Random(options.seed + 9)  # the request keys' draws stay as they were
+        self._foreign_sent = itertools.count()
+        self._sending: set[asyncio.Task[None]] = set()
         self.expected: dict[str, list[str]] = {f"k{i}": [] for i in range(options.keys)}
         self.enqueued = 0
         self.bad = 0
@@ -246,8 +249,10 @@ class _Producer:
                 next_bad += options.bad_every
                 key = self._shape_rng.choice(keys)
                 kind = next(bad_kinds)
-                if kind == "foreign-subject":
-                    await self._foreign()
+                if kind == "foreign-subject":  # beside the requests: its PubAck may take seconds
+                    sending = asyncio.create_task(self._foreign())
+                    self._sending.add(sending)
+                    sending.add_done_callback(self._sending.discard)
                     kind = next(bad_kinds)
                 tag = f"{key}-bad-{self.bad}"
                 self.bad += 1
@@ -258,15 +263,17 @@ class _Producer:
             await self._enqueue(batch)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ending.wait(), 0.1)
+        if self._sending:
+            await asyncio.wait(self._sending)
         return self.enqueued
 
     async def _foreign(self) -> None:
         """Send :func:`~keyqueue.chaos.handlers.foreign_subjects` over a bare connection to one of the
         servers, logged as a ``bad_input`` once the token's PubAck says it is stored (a server or a
         stream leader down meanwhile: not logged; the next turn sends another)."""
-        n = self.bad
+        n = next(self._foreign_sent)
         lines, key = foreign_subjects(QUEUE, n)
-        host, port = self.rng.choice(self.urls).removeprefix("nats://").rsplit(":", 1)
+        host, port = self._foreign_rng.choice(self.urls).removeprefix("nats://").rsplit(":", 1)
         sent_at = time.time()  # the log's clock (a worker may give the key back before the PubAck)
         try:
             async with asyncio.timeout(5.0):
@@ -282,7 +289,6 @@ class _Producer:
             return
         if not stored:
             return
-        self.bad += 1
         self.foreign[key] = sent_at
         self.fleet.note("producer", "bad_input", key=key, tag=f"foreign-{n}", request_id=f"foreign-{n}",
                         bad="foreign-subject", t=sent_at)
@@ -477,8 +483,8 @@ async def _foreign_ack(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             writer.write(b"PONG\r\n")
         elif line.startswith((b"HMSG ", b"-ERR")):
             return False  # no responders (503: the stream has no leader), or the server refused it
-        elif line.startswith(b"MSG ") and line.split()[2] == str(FOREIGN_ACK_SID).encode():
-            body = await reader.readexactly(int(line.split()[-1]) + 2)
+        elif len(parts := line.split()) >= 4 and parts[0] == b"MSG" and parts[2] == b"%d" % FOREIGN_ACK_SID:
+            body = await reader.readexactly(int(parts[-1]) + 2)
             ack = json.loads(body[:-2] or b"{}")
             return "seq" in ack and "error" not in ack
     return False  # the server closed the connection
@@ -495,7 +501,7 @@ async def _settle(log_path: Path, expected: dict[str, list[str]], foreign: dict[
         for r in tail.new_records():
             if r["kind"] == "end" and r.get("ok", True):
                 wanted.discard((r["key"], r["tag"]))
-            elif r.get("event") in ("released", "handed-off"):
+            elif r.get("event") in GIVEN_BACK:
                 key = str(r["key"])
                 if float(str(r["t"])) >= tokens.get(key, math.inf):
                     del tokens[key]
