@@ -67,6 +67,9 @@ log = logging.getLogger("keyqueue.session")
 READ_AHEAD: Final = 32
 """Requests read per round trip (a batched direct get)."""
 
+FIRST_READ_UNUSED: Final = "queue %s key %s: its first read is not used (%s); the session reads again"
+"""Logged at DEBUG when a key's first read, sent beside its acquire, is not used."""
+
 ARRIVAL_GRACE: Final = 0.1
 """Seconds to keep re-reading after an arrival on the key's subject found no stored request."""
 
@@ -409,8 +412,7 @@ class KeySession:
                 acquired = await self.lock.try_acquire()
             except RETRIED as e:
                 if first_read is not None:
-                    first_read.cancel()
-                    first_read.add_done_callback(lambda f: f.cancelled() or f.exception())
+                    self._first_read_unused(first_read, f"the acquire is tried again after {e!r}")
                 # The connection is down, or the server did not answer (a replicated stream
                 # electing a leader): try again once it is back. The record decides who holds
                 # the key, so trying for longer than the token is ours to keep is harmless.
@@ -436,15 +438,14 @@ class KeySession:
                     try:
                         msgs, self.more = await self._first_read_result(first_read)
                         self.buffer.extend(self._requests(msgs))
-                    except KeyqueueError:
-                        pass  # the session reads again
+                    except KeyqueueError as e:  # the session reads again
+                        log.debug(FIRST_READ_UNUSED, self.io.names.queue, self.key, f"it failed: {e!r}")
                     except Exception:  # a bug (one hid here once: every key read twice); read again
                         log.exception("queue %s key %s: the first read could not be used", self.io.names.queue,
                                       self.key)
                 return True
             if first_read is not None:
-                first_read.cancel()
-                first_read.add_done_callback(lambda f: f.cancelled() or f.exception())
+                self._first_read_unused(first_read, "the key is held")
             # Another worker's record is live: it is working on the key, or it is a former holder's
             # record that the server will expire. Either way, it is not ours to start.
             self._hurry(False)
@@ -461,6 +462,11 @@ class KeySession:
                 next_expiry_check = time.monotonic() + min(self.settings.ack_wait / 2,
                                                            self.settings.ack_wait if expires_in is None else expires_in)
 
+    def _first_read_unused(self, sent: asyncio.Future[Any], why: str) -> None:
+        sent.cancel()
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+        log.debug(FIRST_READ_UNUSED, self.io.names.queue, self.key, why)
+
     async def _send_first_read(self) -> asyncio.Future[Any] | None:
         """The key's first read, sent beside its acquire (None if it could not be sent: the session
         reads later): with direct gets, a request on the worker's read mux, published now and its
@@ -470,7 +476,8 @@ class KeySession:
             return asyncio.ensure_future(self.io.read(self.key, self.cursor, READ_AHEAD))
         try:
             return await self.io.send_read(self.key, self.cursor, READ_AHEAD)
-        except KeyqueueError:
+        except KeyqueueError as e:
+            log.debug(FIRST_READ_UNUSED, self.io.names.queue, self.key, f"it could not be sent: {e!r}")
             return None
 
     async def _first_read_result(self, sent: asyncio.Future[Any]) -> tuple[list[StoredMsg], bool]:

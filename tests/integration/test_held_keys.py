@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import logging
 
+import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from queue_workers import running
 from ulid import ULID
 
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
-from keyqueue.core.session import SessionSettings
+from keyqueue.core.session import FIRST_READ_UNUSED, SessionSettings
 from keyqueue.core.worker import QueueWorker
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
@@ -141,11 +143,15 @@ async def test_a_key_given_back_leaves_nothing_for_the_cyclic_collector(nc: Clie
     assert {name: left[name] for name in parts if left[name]} == {}
 
 
-async def test_a_cold_key_is_read_once_its_first_read_beside_its_acquire(nc: Client) -> None:
+async def test_a_cold_key_is_read_once_its_first_read_beside_its_acquire(nc: Client,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
     # A key's first read goes out beside its acquire, and its answer is used: a key with one
     # request, given back at once because other keys wait for a worker, reads its inbox once. (Its
     # answer was once dropped by a slip, and every cold key read twice.) The last keys, with none
-    # waiting behind them, open an arrival watch and read once more after it, by design.
+    # waiting behind them, open an arrival watch and read once more after it, by design. A first
+    # read the session says it could not use (its acquire was tried again, or the read failed: on a
+    # loaded machine) costs one read more, and only those are excused.
+    caplog.set_level(logging.DEBUG, logger="keyqueue.session")
     config = QueueConfig("readonce", ack_wait=30.0)
     await Topology(JetStreamApi(nc), config).ensure()
     publisher = Publisher(nc, config.names)
@@ -175,4 +181,5 @@ async def test_a_cold_key_is_read_once_its_first_read_beside_its_acquire(nc: Cli
     # more for at most the last keys, one per slot.
     sessions = worker.counts.get("acquired", 0)
     assert sessions >= cold
-    assert sum(reads.values()) - sessions <= 4, reads
+    unused = [r.getMessage() for r in caplog.records if r.msg == FIRST_READ_UNUSED]
+    assert sum(reads.values()) - sessions <= 4 + len(unused), (reads, unused)
