@@ -53,7 +53,7 @@ test: $(STAMP) java-check chromium-check
 
 # The unit tests' fakes of the core's I/O seams (keyqueue/core/key_io.py) are checked against them.
 lint: $(STAMP)
-	$(PY) -m ruff check keyqueue plugins contrib tests
+	$(PY) -m ruff check keyqueue plugins contrib tests bench
 	$(PY) -m mypy keyqueue plugins contrib tests/typed_usage.py tests/unit/test_session_states.py \
 		tests/unit/test_reconciler.py tests/unit/test_lock_bookkeeping.py tests/unit/test_product_path.py \
 		tests/unit/test_server_clock.py tests/unit/test_chaos_checker.py tests/unit/test_inbound.py

@@ -89,9 +89,11 @@ async def main(keys: int, held: int, rounds: int) -> None:
                 cwd=REPO, env=env, stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL)
             api = JetStreamApi(await producer.connection())
             async with asyncio.timeout(300):
-                while int((await api.consumer_info("KQ_scale_TOKENS", "workers")).get("num_ack_pending", 0)) < held:
+                # Another process's progress, seen only in the server's counters: polled.
+                tokens = "KQ_scale_TOKENS"
+                while int((await api.consumer_info(tokens, "workers")).get("num_ack_pending", 0)) < held:  # noqa: ASYNC110
                     await asyncio.sleep(0.5)
-                while len(await api.subjects("KQ_scale_LEASES", "kq.scale.lease.>")) < held:
+                while len(await api.subjects("KQ_scale_LEASES", "kq.scale.lease.>")) < held:  # noqa: ASYNC110
                     await asyncio.sleep(0.5)
             print(f"{held:,} keys held by one worker process", file=sys.stderr)
             dashboard = await asyncio.create_subprocess_exec(

@@ -34,7 +34,8 @@ class Nothing(BaseProcessor):
         return None
 
 
-async def one(url: str, monitoring: str, name: str, keys: int, markers: bool) -> tuple[float, server_counters.PerUnit, float]:
+async def one(url: str, monitoring: str, name: str, keys: int,
+              markers: bool) -> tuple[float, server_counters.PerUnit, float]:
     nc = await connect(url)
     config = QueueConfig(name, ack_wait=30)
     api = JetStreamApi(nc)
@@ -56,7 +57,8 @@ async def one(url: str, monitoring: str, name: str, keys: int, markers: bool) ->
     try:
         while True:
             tokens = await api.stream_info(config.names.token_stream)
-            if tokens["state"]["messages"] == 0 and not worker.sessions and await requests_waiting(api, config.names) == 0:
+            if (tokens["state"]["messages"] == 0 and not worker.sessions
+                    and await requests_waiting(api, config.names) == 0):
                 break
             await asyncio.sleep(0.01)
         elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu0

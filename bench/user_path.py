@@ -228,7 +228,8 @@ async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, pro
         workers = _Workers(worker.pid, processes)
         if py_spy is not None:
             sampler = await asyncio.create_subprocess_exec(
-                str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(worker.pid), "--rate", "500", "--format", "raw", "--nonblocking",
+                str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(worker.pid), "--rate", "500",
+                "--format", "raw", "--nonblocking",
                 "--output", str(py_spy), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         hot = await _timed(api, workers, hot_keys, hot_per_key, "h", end_to_end, urls, task)
         cold = await _timed(api, workers, cold_keys, 1, "c", end_to_end, urls, task)
