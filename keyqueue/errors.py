@@ -32,7 +32,7 @@
     │   ├── ConsumerNotFound             10014
     │   ├── MessageNotFound              10037
     │   ├── WrongLastSequence            10071, or 10164 on a replicated stream (a compare-and-set lost the race)
-    │   ├── JetStreamUnavailable         10008: JetStream is temporarily unavailable (a cluster electing, catching up)
+    │   ├── JetStreamUnavailable         10008, or 10005 "peer offline": unavailable for now (an election, a node down)
     │   └── KeyAlreadyScheduled          10077 on a token subject (callers treat it as success)
     ├── LeaseLost                        this worker no longer owns the key; stop without side effects
     ├── RequestNotFound                  no request with this id was found (keyqueue cancel of an unknown id)
@@ -408,7 +408,12 @@ class WrongLastSequence(JetStreamError):
 
 class JetStreamUnavailable(JetStreamError):
     """JetStream answered that it is temporarily unavailable (10008): a cluster electing a leader or
-    a server catching up. Nothing was done; the same request may succeed a moment later."""
+    a server catching up. Nothing was done; the same request may succeed a moment later.
+
+    Also a stream's placement refused because a peer is offline (10005, "no suitable peers for
+    placement, peer offline"): a cluster just formed, or one with a node down, places the stream once
+    the node is back. (10005 for any other reason, a tag no server has or too few servers, is a
+    :class:`JetStreamError`: trying again does not help.)"""
 
 
 class KeyAlreadyScheduled(JetStreamError):
@@ -427,8 +432,17 @@ ERR_CODES: Final[dict[int, type[JetStreamError]]] = {
 """JetStream ``err_code`` values that keyqueue gives their own type."""
 
 
+NO_PLACEMENT: Final = 10005
+"""nats-server's "no suitable peers for placement", its reasons after a comma."""
+
+PEER_OFFLINE: Final = "peer offline"
+"""The reason of a :data:`NO_PLACEMENT` that passes once the peer is back."""
+
+
 def from_api_error(description: str, code: int = 0, err_code: int = 0) -> JetStreamError:
     """The typed error for a JetStream API error response."""
+    if err_code == NO_PLACEMENT and PEER_OFFLINE in description:
+        return JetStreamUnavailable(description, code, err_code)
     return ERR_CODES.get(err_code, JetStreamError)(description, code, err_code)
 
 

@@ -73,8 +73,6 @@ from keyqueue.chaos.proxy import DEFAULT_FAULTS, Faultable, FaultProxy, FaultScr
 from keyqueue.core.outage import Deadline, ride_out
 from keyqueue.errors import (
     EnqueueError,
-    JetStreamError,
-    JetStreamUnavailable,
     KeyqueueError,
     TokenPublishFailed,
 )
@@ -520,23 +518,9 @@ still forming) before it gives up."""
 
 
 async def _patiently(nc: Client, step: Callable[[], Awaitable[T]], seconds: float, what: str) -> T:
-    """``step()``, tried again while the cluster does not answer yet or the soak's own connection is
-    down (as the workers' own steps are: :func:`~keyqueue.core.outage.ride_out`), for ``seconds``."""
+    """``step()``, tried again while the cluster does not answer yet (electing, or just formed and
+    counting a peer offline: both ``JetStreamUnavailable``) or the soak's own connection is down (as
+    the workers' own steps are: :func:`~keyqueue.core.outage.ride_out`), for ``seconds``."""
     link = link_of(nc)
     assert link is not None, "the soak's connection is opened by keyqueue's connect"
-
-    async def attempt() -> T:
-        try:
-            return await step()
-        except JetStreamError as e:
-            if e.err_code != PEER_OFFLINE:
-                raise
-            # A cluster just formed may count a peer offline for a moment: no placement yet.
-            raise JetStreamUnavailable(e.description, e.code, e.err_code) from e
-
-    return await ride_out(attempt, Deadline(seconds, what), link)
-
-
-PEER_OFFLINE: Final = 10005
-"""nats-server's "no suitable peers for placement, peer offline": a stream create on a cluster
-whose routes are still forming (seen once when the soak's set-up created its second stream)."""
+    return await ride_out(step, Deadline(seconds, what), link)

@@ -58,7 +58,7 @@ from keyqueue.core.slots import Slots
 from keyqueue.core.turns import Turns
 from keyqueue.core.unkeyed import LaneSettings, UnkeyedLane
 from keyqueue.core.watchdog import HeldLease, LoopWatchdog
-from keyqueue.errors import ConfigError, ConnectionFailed, KeyqueueError, KeyqueueTimeout
+from keyqueue.errors import ConfigError, ConnectionFailed, JetStreamUnavailable, KeyqueueError, KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import LogThrottle, link_of
 from keyqueue.jetstream.pull import PullOptions, Token, TokenPuller
@@ -366,8 +366,9 @@ class QueueWorker:
                 self._use_lease(lease)
                 self.io.release_markers = await topology.allow_release_markers()
                 return
-            except (KeyqueueTimeout, ConnectionFailed) as e:
-                # "No responders" that lasts is a server without JetStream, not an election.
+            except (KeyqueueTimeout, ConnectionFailed, JetStreamUnavailable) as e:
+                # "No responders" that lasts is a server without JetStream, not an election. (A cluster
+                # electing, just formed or with a node down answers JetStreamUnavailable meanwhile.)
                 no_jetstream = type(e) is ConnectionFailed and time.monotonic() - began > NO_JETSTREAM_AFTER
                 if self.draining.is_set() or no_jetstream:
                     raise

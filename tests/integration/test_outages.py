@@ -171,3 +171,52 @@ async def test_a_result_that_cannot_be_kept_does_not_run_its_request_again(nats_
             assert runs == [1]
     finally:
         await app.close()
+
+
+async def test_a_worker_started_while_the_cluster_cannot_place_its_streams_waits_for_it(
+        nc: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A cluster just formed can refuse a stream's placement for a moment ("no suitable peers for
+    placement, peer offline", 10005: the chaos soak's set-up met it on a fresh cluster). That is as
+    passing as an election: the worker waits and starts once the streams are placed, where it used to
+    stop at start-up. (Provoking the answer from a real cluster is not reliable: the server's own
+    words, as it answered, stand in for it, and the real server does the rest.)"""
+    from keyqueue.errors import JetStreamUnavailable, from_api_error
+
+    refusals = [from_api_error("no suitable peers for placement, peer offline", 400, 10005) for _ in range(2)]
+    assert all(isinstance(e, JetStreamUnavailable) for e in refusals)
+    real = Topology.ensure_worker
+
+    async def not_yet(self: Topology, ack_wait: float | None = None) -> Any:
+        if refusals:
+            raise refusals.pop()
+        return await real(self, ack_wait)
+
+    monkeypatch.setattr(Topology, "ensure_worker", not_yet)
+    caplog.set_level("WARNING", logger="keyqueue")
+    config = QueueConfig("placed", ack_wait=ACK_WAIT)
+    starts: dict[str, list[tuple[float, int]]] = {}
+    all_held = asyncio.Event()
+    worker = QueueWorker(nc, config, lambda key: Log(starts, all_held, 1), concurrency=2,
+                         settings=SessionSettings(ack_wait=ACK_WAIT, linger=0.01))
+    running = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(30):
+            await worker.started()
+        assert not refusals
+        waits = [r.getMessage() for r in caplog.records if "cannot set up its streams yet" in r.getMessage()]
+        assert len(waits) == 2 and all("peer offline" in w for w in waits), waits
+        await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {}, b"1", "r1"))
+        async with asyncio.timeout(30):
+            await all_held.wait()
+        assert [n for _, n in starts["k"]] == [1]
+    finally:
+        worker.stop()
+        await running
+
+
+def test_a_placement_refused_for_another_reason_is_not_waited_for() -> None:
+    """Only "peer offline" passes by itself: a tag no server has, or too few servers, does not."""
+    from keyqueue.errors import JetStreamError, JetStreamUnavailable, from_api_error
+
+    refused = from_api_error("no suitable peers for placement, tags not matched ['ssd']", 400, 10005)
+    assert type(refused) is JetStreamError and not isinstance(refused, JetStreamUnavailable)
