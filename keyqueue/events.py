@@ -4,7 +4,8 @@ Stream ``KQ_<queue>_EVENTS`` (limits retention: 7 days, 5 million events, oldest
 subjects ``kq.<queue>.events.<event>.<key>`` for an event of a key and ``kq.<queue>.events.<event>``
 for a queue-wide one (``key`` null), so a key's stored history is one subject filter away
 (:func:`key_events_filter`) and ``kq.<queue>.events.<event>.>`` selects one event of every key.
-A message carries one event or several events of one key:
+A message carries one event, several events of one key, or (one bulk enqueue's ``enqueued``
+events) several events of several keys:
 
 - one event: the headers of :data:`EVENT_HEADERS` (``X-CONTENT-TYPE: application/cbor``,
   ``X-MESSAGE-TYPE: KeyqueueEvent``, ``X-MESSAGE-VERSION: 1``) and a CBOR map body with every field
@@ -15,11 +16,20 @@ A message carries one event or several events of one key:
   ``kq.<queue>.events.batch.<key>`` (:func:`event_batch_subject`), and a CBOR map body
   ``{"fields": [field names], "events": [[values, in the order of "fields"], ...]}``. A reader
   takes each event's fields by the names the batch lists (a field it does not list is null), so a
-  field added to the contract later changes nothing for old readers.
+  field added to the contract later changes nothing for old readers;
+- several events of several keys, in order, each with its own ``key``: the same batch, on
+  ``kq.<queue>.events.batch`` (no key token). Only the ``enqueued`` events of one ``enqueue_many``
+  call that spans several keys travel so (a bulk enqueue of a million keys stores a million
+  requests and tokens, and some fifteen thousand event messages rather than a million more);
+  a request enqueued with ``enqueue``, or with others of its own key only, has its ``enqueued``
+  on its key's subjects as before.
 
-Readers decode either with :func:`decode_events`. A key's history is still one subject filter away
-(:func:`key_events_filter`: ``batch`` is one more event token); a reader of one event name reads
-``kq.<queue>.events.<event>.>`` *and* the batches, and keeps the events of that name.
+Readers decode any of them with :func:`decode_events`. A key's history is still one subject filter
+away (:func:`key_events_filter`: ``batch`` is one more event token), but for the ``enqueued``
+events of bulk enqueues across keys (the history of runs needs none: a ``started`` event says how
+long its request waited); a reader of one event name reads ``kq.<queue>.events.<event>.>`` *and*
+the batches, of keys (``kq.<queue>.events.batch.>``) and across keys (``kq.<queue>.events.batch``),
+and keeps the events of that name.
 
 keyqueue's own events are :data:`EVENT_NAMES`; the built-in events plugin
 (``keyqueue.builtins.events``) publishes them. A plugin with lifecycle steps of its own registers
@@ -207,9 +217,11 @@ def events_subject(queue: str, event: str, key: str | None = None) -> str:
     return f"kq.{queue}.events.{event}" if key is None else f"kq.{queue}.events.{event}.{key}"
 
 
-def event_batch_subject(queue: str, key: str) -> str:
-    """``kq.<queue>.events.batch.<key>``: where a batch of ``key``'s events is stored."""
-    return f"kq.{queue}.events.{BATCH}.{key}"
+def event_batch_subject(queue: str, key: str | None) -> str:
+    """``kq.<queue>.events.batch.<key>``: where a batch of ``key``'s events is stored; with ``key``
+    None, ``kq.<queue>.events.batch``: where a batch of events of several keys is (one
+    ``enqueue_many`` call's ``enqueued`` events)."""
+    return f"kq.{queue}.events.{BATCH}" if key is None else f"kq.{queue}.events.{BATCH}.{key}"
 
 
 def key_events_filter(queue: str, key: str) -> str:

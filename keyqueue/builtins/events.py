@@ -11,9 +11,12 @@ from different processes in the stream is the order they reached the server; sor
 A key's events are batched (the contract's ``KeyqueueEventBatch``): a worker keeps each key's
 events until its session gives the key back, :data:`BATCH_MAX` of them are waiting, or
 :data:`FLUSH_AFTER` seconds have passed since the first of them (one timer for all keys, armed for
-the key whose first kept event is the oldest); an ``enqueue_many`` sends one message per key. A
-lone event goes out as a plain ``KeyqueueEvent``. So a hot key's hundreds of events cost a few
-stored messages, and a cold key's session one.
+the key whose first kept event is the oldest). An ``enqueue_many`` of one key sends its
+``enqueued`` events as that key's batch; one that spans several keys sends them as batches across
+keys, :data:`BATCH_MAX` a message, on ``kq.<queue>.events.batch`` (the contract in
+:mod:`keyqueue.events` says why). A lone event goes out as a plain ``KeyqueueEvent``. So a hot
+key's hundreds of events cost a few stored messages, a cold key's session one, and a bulk
+enqueue's events one per :data:`BATCH_MAX` requests.
 
 On by default. ``KEYQUEUE_EVENTS=0`` (or ``false``/``no``/``off``), read when an app first
 publishes an event, turns it off for that app; ``app.plugins.unregister(name="keyqueue.builtins.events")``
@@ -220,7 +223,8 @@ class _AppEvents:
             await self._send(queue, key, bodies)
 
     async def _send(self, queue: str, key: str | None, bodies: list[dict[str, Any]]) -> None:
-        """One message: a lone event as itself, several events of a key as a batch."""
+        """One message: a lone event as itself, several events of ``key`` as its batch, several
+        events of several keys (``key`` None) as a batch across keys."""
         try:
             nc = await self._connection()
             if len(bodies) == 1:
@@ -229,7 +233,6 @@ class _AppEvents:
                 # Plain by construction: cbor2 directly (keyqueue.wire.dumps would check it again).
                 await publish_static(nc, subject, cbor2.dumps(body), _HEADERS)
             else:
-                assert key is not None
                 rows = _rows(bodies)
                 await publish_static(nc, event_batch_subject(queue, key), cbor2.dumps(event_batch_body(rows)),
                                      _BATCH_HEADERS)
@@ -237,7 +240,8 @@ class _AppEvents:
             log.debug("events of queue %s not published: %r", queue, exc)
 
     async def publish_many(self, queue: str, bodies: Sequence[dict[str, Any]]) -> None:
-        """Publish events of one queue, in order, one message per key (core publishes: no ack awaited)."""
+        """Publish events of one queue, in order (core publishes: no ack awaited): queue-wide ones
+        each alone, those of one key as its batches, those of several keys as batches across keys."""
         if not self.on or self.app._eager is not None or not bodies:
             return
         try:
@@ -247,18 +251,19 @@ class _AppEvents:
         except Exception as exc:  # telemetry must never fail the work
             log.debug("events of queue %s not published: %r", queue, exc)
             return
-        by_key: dict[str | None, list[dict[str, Any]]] = {}
+        keyed: list[dict[str, Any]] = []
         for body in bodies:
             if self.rate < 1.0 and not sampled(body.get("request_id") or body.get("key"), self.rate):
                 continue
-            key = body.get("key")
-            if key is None:
+            if body.get("key") is None:
                 await self._send(queue, None, [body])
             else:
-                by_key.setdefault(key, []).append(body)
-        for key, events in by_key.items():
-            for start in range(0, len(events), BATCH_MAX):
-                await self._send(queue, key, events[start:start + BATCH_MAX])
+                keyed.append(body)
+        keys = {body["key"] for body in keyed}
+        for start in range(0, len(keyed), BATCH_MAX):
+            events = keyed[start:start + BATCH_MAX]
+            # Several keys (a bulk enqueue): batches across keys; one key's events (or a lone one) on its own subjects.
+            await self._send(queue, None if len(keys) > 1 and len(events) > 1 else events[0]["key"], events)
 
 
 _FIELDS_OF: Final = operator.itemgetter(*EVENT_FIELD_NAMES)

@@ -106,7 +106,8 @@ def tail(queue: str, names: tuple[str, ...], as_json: bool, count: int | None, t
 
     async def run() -> None:
         subjects = ([s for name in names for s in (events_subject(queue, name), events_subject(queue, name, ">"))]
-                    + [event_batch_subject(queue, ">")] if names else [events_subject(queue, ">")])
+                    + [event_batch_subject(queue, ">"), event_batch_subject(queue, None)]
+                    if names else [events_subject(queue, ">")])
         async with connection(url) as nc:
             api = JetStreamApi(nc)
             await require_queue(api, queue)

@@ -17,6 +17,7 @@ import pytest
 
 import keyqueue
 from keyqueue import events as ev
+from keyqueue.admin.key_history import key_events, latest_events, runs_of
 from keyqueue.builtins import events as ev_plugin
 from keyqueue.builtins.events import sample_rate, sampled
 from keyqueue.ext import JetStreamApi, Topology
@@ -60,7 +61,11 @@ async def read_events(app: keyqueue.App, queue: str, messages: list[int] | None 
             assert body["fields"] == list(ev.EVENT_FIELD_NAMES)
             events = ev.decode_events(msg.headers, msg.data)
             assert len(events) == len(body["events"]) > 1
-            assert {e["key"] for e in events} == {msg.subject.removeprefix(ev.event_batch_subject(queue, ""))}
+            if msg.subject == ev.event_batch_subject(queue, None):
+                # Events of several keys: only a bulk enqueue's, each with its own key.
+                assert {e["event"] for e in events} == {"enqueued"} and len({e["key"] for e in events}) > 1
+            else:
+                assert {e["key"] for e in events} == {msg.subject.removeprefix(ev.event_batch_subject(queue, ""))}
             out.extend(events)
             continue
         assert (msg.headers["X-MESSAGE-TYPE"], msg.headers["X-MESSAGE-VERSION"]) == ("KeyqueueEvent", "1")
@@ -165,6 +170,42 @@ async def test_a_keys_events_travel_together_at_most_one_stored_message_per_requ
     worker_events = [e for e in found if e["worker"] == "w1"]
     assert worker_events == sorted(worker_events, key=lambda e: e["ts"])
     assert messages[0] <= requests, f"{messages[0]} stored messages for {requests} requests"
+
+
+async def test_a_bulk_enqueue_across_keys_stores_its_enqueued_events_a_batch_at_a_time(make_app: MakeApp,
+                                                                                     nats_url: str) -> None:
+    """``enqueue_many`` over many keys, one request each (a backfill): its ``enqueued`` events go out
+    in call order, :data:`BATCH_MAX` to a message across keys, not one message per key; each names
+    its key, ``events tail -e enqueued`` prints every one, and a key's own history still has its run."""
+    app = make_app()
+
+    @app.task(key="{k}")
+    async def note(k: str) -> None:
+        return None
+
+    keys = [f"k{n}" for n in range(2 * ev_plugin.BATCH_MAX + 3)]
+    await Topology(JetStreamApi(await app.connection()), app.queue_config("shop")).ensure()  # tail needs the queue
+    tail = await asyncio.create_subprocess_exec(
+        KEYQUEUE, "events", "tail", "shop", "--url", nats_url, "--count", str(len(keys)), "--timeout", "30",
+        "-e", "enqueued", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert tail.stderr is not None and tail.stdout is not None
+    async with asyncio.timeout(20):
+        assert "tailing events of shop" in (await tail.stderr.readline()).decode()
+    await note.enqueue_many([{"k": k} for k in keys])
+    messages: list[int] = []
+    found = await events_until(app, "shop", lambda es: len(es) >= len(keys))
+    found = await read_events(app, "shop", messages)
+    assert [(e["event"], e["key"]) for e in found] == [("enqueued", k) for k in keys]
+    assert messages == [3]  # 64 + 64 + 3, where each key's event was a message of its own
+    assert await asyncio.wait_for(tail.wait(), 20) == 0
+    lines = (await tail.stdout.read()).decode().splitlines()
+    assert [line.split()[1:3] for line in lines] == [["enqueued", k] for k in keys]
+    async with app.worker(name="w1"):
+        api = JetStreamApi(await app.connection())
+        async with asyncio.timeout(15):
+            while "released" not in await latest_events(api, "shop", keys[-1]):
+                await (await app.connection()).flush()
+    assert [r.outcome for r in runs_of(await key_events(api, "shop", keys[-1]))] == ["succeeded"]
 
 
 async def test_dead_lettered_events_carry_the_reason_and_run_time(make_app: MakeApp) -> None:
