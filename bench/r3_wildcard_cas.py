@@ -1,8 +1,9 @@
 """``python -m bench.r3_wildcard_cas``: on an R3 stream, does a wildcard compare-and-set miss a write in flight?
 
-Design D2 of /work/shared/research/cold-key-protocol.md gives a key back with one publish on
-``kq.t.in.<key>`` that expects the newest seq of ``kq.t.*.<key>`` (``Nats-Expected-Last-Subject-Sequence``
-with ``...-Subject`` a wildcard) and rolls the subject up. The note's "R3 hazard (code)": the stream leader
+Design D2 (docs/decisions.md, "The one-publish release (D2): its server facts, checked") gives a key
+back with one publish on ``kq.t.in.<key>`` that expects the newest seq of ``kq.t.*.<key>``
+(``Nats-Expected-Last-Subject-Sequence`` with ``...-Subject`` a wildcard) and rolls the subject up. The
+research note's "R3 hazard (code)": the stream leader
 checks an expected seq against the messages it has applied, and blocks only writes in flight on the
 *literal* subject of the check; a wildcard check does not see a request that is proposed but not yet
 applied, so the release can be stored after that request and its rollup purge it.

@@ -1,5 +1,5 @@
 """What nats-server does with the lease layout of design D2, "one fenced release publish"
-(/work/shared/research/cold-key-protocol.md, sections 1, 2 and 6 (c), (d)), measured on the server the
+(docs/decisions.md, "The one-publish release (D2): its server facts, checked"), measured on the server the
 tests run (2.15.1): the facts the research note marks "(code)" and D2 depends on, checked against a real
 server before anyone builds on them. Each test asserts what the server did; where that differs from the
 note, the comment says so.
