@@ -35,8 +35,8 @@ node, the restarted one too, is read by direct get through a client of its own, 
 own replica of every stream is read from its ``/jsz`` (first seq, message count: what that node
 stores, whoever answers the direct get). The reads are made at election, settled (1.5 s later)
 and *late*, 10 s after the restart (or at once after the settled reads if those come later).
-From the restart until the late reads, the restarted node is also asked every 0.1 s (direct get
-through its client, and its ``/jsz``): the *rejoin* reads. With the flag each trial has a second
+From the restart until the late reads, every 0.1 s, the restarted node is also asked by direct get
+through its client, and every node's ``/jsz`` is read: the *rejoin* reads. With the flag each trial has a second
 step, after the first one's node is back:
 
 L. ``lagfollow`` / ``lagdel``  a lagging follower. Fresh streams, leader on node ``trial % 3``
@@ -202,8 +202,9 @@ class StreamRun:
     rejoin: list[tuple[float, Read]] = field(default_factory=list)
     """With ``--restart-at-once``: direct gets through a client of the restarted victim, every 0.1 s
     from its restart until the late reads (seconds from the kill, outcome)."""
-    rejoin_stores: list[tuple[float, Store]] = field(default_factory=list)
-    """The same for the victim's own replica (its ``/jsz``), once it serves ``/jsz`` again."""
+    rejoin_stores: list[tuple[float, str, Store]] = field(default_factory=list)
+    """Each node's own replica by its ``/jsz``, as often (a restarted node once it serves ``/jsz``
+    again): (seconds from the kill, node, replica)."""
 
     @property
     def deletes(self) -> bool:
@@ -280,9 +281,10 @@ class StreamRun:
         gone = self.gone(before_kill=True)
         return [(at, r) for at, r in self.rejoin if isinstance(r, int) and r in gone]
 
-    def stale_rejoin_stores(self) -> list[tuple[float, Store]]:
-        """The restarted victim's own replica, each time it held a message answered gone before the kill."""
-        return [(at, store) for at, store in self.rejoin_stores if self.stale_store(store, before_kill=True)]
+    def stale_rejoin_stores(self, node: str | None = None) -> list[tuple[float, str, Store]]:
+        """The nodes' (or ``node``'s) own replicas each time one held a message answered gone before the kill."""
+        return [(at, name, store) for at, name, store in self.rejoin_stores
+                if (node is None or name == node) and self.stale_store(store, before_kill=True)]
 
     def beyond(self) -> bool:
         firsts = self.settled.firsts()
@@ -635,23 +637,23 @@ async def watch_leaderless(probes: dict[str, Client], runs: list[StreamRun], t_k
         await asyncio.sleep(POLL)
 
 
-async def watch_rejoin(cluster: EmbeddedCluster, victim: int, old_url: str, probe: Client, runs: list[StreamRun],
-                       t_kill: float) -> None:
+async def watch_rejoin(cluster: EmbeddedCluster, names: list[str], restarting: Mapping[int, str], probe: Client,
+                       runs: list[StreamRun], t_kill: float) -> None:
     """Every 0.1 s until cancelled (at the late reads): a direct get through the restarted victim's
-    client for every stream, and the victim's own replicas by its ``/jsz`` once it serves one."""
-    server = cluster.servers[victim]
+    client (``probe``) for every stream, and every node's own replicas by its ``/jsz`` (a node
+    ``restarting`` once it serves one again; see ``monitoring_urls``)."""
     streams = [run.stream for run in runs]
     while True:
         reads = await asyncio.gather(*(first_direct(probe, run.stream, run.subject) for run in runs))
         at = time.monotonic() - t_kill
         for run, result in zip(runs, reads, strict=True):
             run.rejoin.append((at, result))
-        url = server.monitoring_url if server.running else None
-        if url is not None and url != old_url:
-            stores = (await asyncio.to_thread(replica_stores, {"victim": url}, streams))["victim"]
-            at = time.monotonic() - t_kill
+        urls = {node: url for node, url in monitoring_urls(cluster, names, restarting).items() if url is not None}
+        stores = await asyncio.to_thread(replica_stores, urls, streams)
+        at = time.monotonic() - t_kill
+        for node, of_node in stores.items():
             for run in runs:
-                run.rejoin_stores.append((at, stores[run.stream]))
+                run.rejoin_stores.append((at, node, of_node[run.stream]))
         await asyncio.sleep(POLL)
 
 
@@ -723,8 +725,8 @@ async def observe(after: Aftermath, runs: dict[str, StreamRun], wait: float) -> 
     rejoin = None
     restarting = {revival.index: revival.old_url for revival, _ in after.restarts}
     if after.restarts:
-        rejoin = asyncio.create_task(watch_rejoin(after.cluster, after.victim, restarting[after.victim],
-                                                  after.probes[victim], list(runs.values()), t_kill))
+        rejoin = asyncio.create_task(watch_rejoin(after.cluster, after.names, restarting, after.probes[victim],
+                                                  list(runs.values()), t_kill))
     try:
         await asyncio.gather(*(await_leader(after.nc, after.probes, run, victim, after.kill, wait)
                                for run in runs.values()))
@@ -1005,17 +1007,31 @@ def report_leaderless_purges(trials: list[Trial]) -> None:
         print(f"- {key}: {n}")
 
 
+ROLES: Final = ("victim", "new leader", "restarted follower", "other")
+
+
 def role(trial: Trial, run: StreamRun, node: str) -> str:
-    """A node's part in the trial: the restarted victim, the stream's new leader, or another."""
+    """A node's part in the trial: the restarted victim, the stream's new leader, step L's restarted
+    follower (unless new leader), or another."""
     if node == trial.victim:
         return "victim"
-    return "new leader" if node == run.new_leader else "other"
+    if node == run.new_leader:
+        return "new leader"
+    return "restarted follower" if trial.kind == "lagfollow" and node == trial.revivals[0].node else "other"
 
 
 def by_role(pairs: list[tuple[Trial, StreamRun, list[str]]]) -> str:
-    """How many streams had the listed nodes, by role (victim / new leader / other)."""
-    roles = Counter(role(t, r, node) for t, r, nodes in pairs for node in nodes)
-    return " / ".join(str(roles[name]) for name in ("victim", "new leader", "other"))
+    """How many streams had the listed nodes, by role (``ROLES``)."""
+    roles = Counter(role(t, r, node) for t, r, nodes in pairs for node in set(nodes))
+    return " / ".join(str(roles[name]) for name in ROLES)
+
+
+def stale_polled(run: StreamRun, before_election: bool) -> list[str]:
+    """The nodes whose own replica held a message answered gone before the kill when polled
+    (rejoin reads) before the new leader's election (``leader_since``), or from it on."""
+    end = run.elected if run.elected is not None else run.election
+    return [node for at, node, _ in run.stale_rejoin_stores()
+            if end is None or (at < end) == before_election]
 
 
 def report_restart(trials: list[Trial]) -> None:
@@ -1023,14 +1039,15 @@ def report_restart(trials: list[Trial]) -> None:
     print("Counts of streams. *Undone*: a read showed a message an answered purge or delete had removed; "
           "*at leader*: by STREAM.MSG.GET or the subject's count (the leader answers), *any*: by those or a "
           "direct get through any node's client. Direct gets and own replicas (/jsz) by node role: "
-          "victim / new leader / other. Rejoin: from the restart until the late reads, every 0.1 s, "
-          "against purges and deletes answered before the kill.\n")
+          "victim / new leader / step L's restarted follower / other (streams). Rejoin: from the restart "
+          "until the late reads, every 0.1 s, against purges and deletes answered before the kill.\n")
     print("| variant | trials | new leader: restarted victim / other | election s median (min-max) "
           "| undone settled: at leader / any | undone late: at leader / any "
           "| direct gets showing one, settled | same, late | own replica holding one, settled | same, late "
-          "| rejoin direct gets showing one (reads, streams) | restarted victim's own replica holding one "
-          "(polls, streams; last seen s after kill) | beyond |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| rejoin direct gets through the victim showing one (reads, streams) | own replica holding one at "
+          "rejoin polls before the election | same, from the election on | victim's own replica: last seen "
+          "holding one (s after kill) | beyond |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for v in (*VARIANTS, *LAG_VARIANTS):
         pairs = [(t, t.runs[v]) for t in trials if v in t.runs and t.revivals]
         if not pairs:
@@ -1040,8 +1057,7 @@ def report_restart(trials: list[Trial]) -> None:
         elections = [r.elected for r in runs if r.elected is not None] if v != "ctrl" else []
         lates = [r.late for r in runs if r.late is not None]
         stale_rejoin = [r.stale_rejoin() for r in runs]
-        stores = [r.stale_rejoin_stores() for r in runs]
-        last = [max(at for at, _ in s) for s in stores if s]
+        last = [max(at for at, _, _ in s) for t, r in pairs if (s := r.stale_rejoin_stores(t.victim))]
         print(f"| {TITLES[v]} | {len(runs)} | {again} / {len(runs) - again} | {spread(elections)} | "
               f"{sum(r.undone_at_leader(r.settled) for r in runs)} / {sum(r.lost() for r in runs)} | "
               f"{sum(r.undone_at_leader(late) for r, late in zip(runs, lates, strict=False))} / "
@@ -1051,7 +1067,9 @@ def report_restart(trials: list[Trial]) -> None:
               f"{by_role([(t, r, r.behind(r.settled)) for t, r in pairs])} | "
               f"{by_role([(t, r, r.behind(r.late)) for t, r in pairs if r.late])} | "
               f"{sum(map(len, stale_rejoin))}, {sum(1 for s in stale_rejoin if s)} | "
-              f"{sum(map(len, stores))}, {len(last)}; {spread(last)} | {sum(r.beyond() for r in runs)} |")
+              f"{by_role([(t, r, stale_polled(r, True)) for t, r in pairs])} | "
+              f"{by_role([(t, r, stale_polled(r, False)) for t, r in pairs])} | "
+              f"{spread(last)} | {sum(r.beyond() for r in runs)} |")
     restarted = [t for t in trials if t.revivals]
     victims = [(t, t.revivals[-1]) for t in restarted]
     ready = [r.ready - t.t_kill for t, r in victims if r.ready is not None]
@@ -1112,11 +1130,13 @@ def report_undone(trials: list[Trial]) -> None:
                 rejoin = run.stale_rejoin()
                 print(f"  - rejoin direct gets showing one: {len(rejoin)}, +{rejoin[0][0]:.2f}..+{rejoin[-1][0]:.2f} s "
                       f"(first seqs {sorted({r for _, r in rejoin})})")
-            if run.stale_rejoin_stores():
-                stores = run.stale_rejoin_stores()
-                print(f"  - restarted victim's own replica holding one: {len(stores)} polls, "
-                      f"+{stores[0][0]:.2f}..+{stores[-1][0]:.2f} s ({sorted({s for _, s in stores}, key=str)[:4]}); "
-                      f"its first poll +{run.rejoin_stores[0][0]:.2f} s: {run.rejoin_stores[0][1]}")
+            for node in sorted({name for _, name, _ in run.stale_rejoin_stores()}):
+                stores = run.stale_rejoin_stores(node)
+                polls = [(at, store) for at, name, store in run.rejoin_stores if name == node]
+                print(f"  - {node}'s ({role(t, run, node)}) own replica holding one: {len(stores)} of {len(polls)} "
+                      f"polls, +{stores[0][0]:.2f}..+{stores[-1][0]:.2f} s "
+                      f"({sorted({s for _, _, s in stores}, key=str)[:4]}); polls +{polls[0][0]:.2f}..+"
+                      f"{polls[-1][0]:.2f} s, first {polls[0][1]}, last {polls[-1][1]}")
     if not found:
         print("(none)")
 
