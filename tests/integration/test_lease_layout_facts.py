@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client
+from server_facts import api, publish
 
 from keyqueue.jetstream.connect import connect
 from keyqueue.server.cluster import EmbeddedCluster
@@ -58,20 +59,6 @@ def release(key: str, expected: int, *, wildcard: bool = True) -> dict[str, str]
             "Nats-Expected-Last-Subject-Sequence": str(expected),
             "Nats-Expected-Last-Subject-Sequence-Subject": f"kq.t.*.{key}" if wildcard else f"kq.t.in.{key}",
             "Nats-Schedule-Next": "purge", "Nats-Scheduler": f"kq.t.ls.{key}"}
-
-
-async def api(nc: Client, subject: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
-    reply = await nc.request(f"$JS.API.{subject}", json.dumps(payload).encode() if payload else b"", timeout=5)
-    result: dict[str, Any] = json.loads(reply.data)
-    return result
-
-
-async def publish(nc: Client, subject: str, headers: dict[str, str] | None = None,
-                  body: bytes = b"") -> dict[str, Any]:
-    """A publish's PubAck (``seq``) or its error (``error``: ``err_code``, ``description``)."""
-    reply = await nc.request(subject, body, timeout=5, headers=headers)
-    result: dict[str, Any] = json.loads(reply.data)
-    return result
 
 
 def error(ack: dict[str, Any]) -> tuple[int, str] | None:

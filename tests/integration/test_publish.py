@@ -84,8 +84,10 @@ async def test_a_request_whose_reply_never_comes_is_released(nc: Client, nats_cl
         await nats_client.subscribe("echo", cb=echo)
         await nats_client.flush()
         [reply] = await asyncio.wait_for(await mux.send("echo", b"ping"), 5)
-        if (reply.headers or {}).get("Status") == "503":  # a loaded CI run once got "no responders"
-            await nc.flush()  # here: the subscription's interest, flushed on the other connection
+        # A loaded full run once got an empty reply here, cause unknown. If it is a 503 ("no
+        # responders": the echo's interest not yet seen), it is not the mux's doing: ask again.
+        # Anything else fails below, with the reply's headers.
+        if (reply.headers or {}).get("Status") == "503":
             [reply] = await asyncio.wait_for(await mux.send("echo", b"ping"), 5)
         assert reply.data == b"pong", reply.headers
         late = await mux.send("sink", b"late")

@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import json
 from typing import Any
 
 from nats.aio.client import Client
+from server_facts import api, publish
 
 NS = 1_000_000_000
 STREAM = {"name": "S", "subjects": ["kq.t.at.>", "kq.t.periodic.>", "kq.t.due.>"], "retention": "workqueue",
           "storage": "file", "allow_msg_schedules": True, "duplicate_window": 120 * NS}
-
-
-async def api(nc: Client, subject: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
-    reply = await nc.request(f"$JS.API.{subject}", json.dumps(payload).encode() if payload else b"", timeout=5)
-    result: dict[str, Any] = json.loads(reply.data)
-    return result
-
-
-async def publish(nc: Client, subject: str, headers: dict[str, str], body: bytes = b"") -> dict[str, Any]:
-    reply = await nc.request(subject, body, timeout=5, headers=headers)
-    result: dict[str, Any] = json.loads(reply.data)
-    return result
 
 
 def at(seconds: float) -> str:
