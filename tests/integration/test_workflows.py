@@ -9,6 +9,7 @@ that key's order; the sync face works; bad input is refused with a clear error.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +40,7 @@ class Outcomes:
 
     def __init__(self) -> None:
         self.seen: dict[str, str] = {}
+        self.dead_lettered: collections.Counter[str] = collections.Counter()
         self.changed = asyncio.Event()
 
     @keyqueue.hookimpl
@@ -51,9 +53,22 @@ class Outcomes:
         self.seen[request_id] = f"superseded by {superseded_by}"
         self.changed.set()
 
+    @keyqueue.hookimpl
+    def keyqueue_request_dead_lettered(self, request_id: str) -> None:
+        self.dead_lettered[request_id] += 1
+        self.changed.set()
+
     async def wait(self, wanted: dict[str, str]) -> None:
+        await self._until(lambda: all(self.seen.get(i) == outcome for i, outcome in wanted.items()))
+
+    async def moved_to_dlq(self, times: int) -> None:
+        """Wait until requests were moved to the dead-letter queue ``times`` times in all (a failure is
+        told to its caller before the move: a replay right after it may find nothing)."""
+        await self._until(lambda: sum(self.dead_lettered.values()) >= times)
+
+    async def _until(self, done: Callable[[], bool]) -> None:
         async with asyncio.timeout(20):
-            while any(self.seen.get(i) != outcome for i, outcome in wanted.items()):
+            while not done():
                 self.changed.clear()
                 await self.changed.wait()
 
@@ -235,11 +250,14 @@ async def test_a_dead_letter_replay_of_the_failed_step_resumes_the_workflow(make
             "step 2 (flaky) failed: ConnectionError: the bank is down")
         nc = await app.connection()
         api, publisher = JetStreamApi(nc), Publisher(nc, QueueNames("replays"))
+        step = f"{receipt.workflow_id}_2"
+        await outcomes.moved_to_dlq(1)
         [letter] = await dead_letters(api, "replays")
-        assert letter.request_id == f"{receipt.workflow_id}_2"
+        assert letter.request_id == step
         assert await replay(api, publisher, "replays") == 1  # still broken: it fails again, and says so again
         with pytest.raises(keyqueue.WorkflowFailed):
             await receipt.result(timeout=20)
+        await outcomes.moved_to_dlq(2)  # its replay, under an id of its own
         assert len(runs) == 2
         broken.clear()
         assert await replay(api, publisher, "replays") == 1
