@@ -132,7 +132,9 @@ class HandBack:
             return
         self.removals.covered_by_marker()
         try:
-            await self._steady(self.lock.release)
+            # Its answer is not awaited where a lost delete is redone after the reconnect (one
+            # server): the worker notes each key given back (QueueWorker._note_released).
+            await self._steady(functools.partial(self.lock.release, unanswered=True))
         except Exception as e:  # the record's TTL frees the key
             log.debug("queue %s key %s: releasing the lease record: %r", self.io.names.queue, self.key, e)
 

@@ -177,6 +177,7 @@ class QueueIO:
         """The releasing sessions' re-checks, many keys per read (:meth:`request_remains`)."""
         self.acks = AckBarrier(self._plain_ack, self._double_ack)
         """The releasing sessions' token acks, many per reply (:meth:`release_token`, one server)."""
+        self._record_delete = f"{self.api.prefix}.STREAM.MSG.DELETE.{self.names.lease_stream}"
         self.release_markers = False
         """Whether the inbox stream takes release markers (:meth:`mark_released`): set by the worker
         once its topology check has found (or made) ``allow_rollup_hdrs`` and ``allow_msg_ttl`` on
@@ -412,13 +413,30 @@ class QueueIO:
 
     async def remove_record(self, seq: int) -> None:
         """Remove one record by sequence: a record since replaced by another holder's is untouched."""
-        reply = await self._ask(f"{self.api.prefix}.STREAM.MSG.DELETE.{self.names.lease_stream}",
-                                b'{"seq":%d,"no_erase":true}' % seq, "a lease record's delete")
+        reply = await self._ask(self._record_delete, b'{"seq":%d,"no_erase":true}' % seq, "a lease record's delete")
         try:
             raise_for_reply(json.loads(reply.data))
         except JetStreamError as e:
             if e.err_code != NO_MESSAGE_FOUND:
                 raise
+
+    @property
+    def unanswered_removals(self) -> bool:
+        """Whether a record may be removed without waiting for the answer (:meth:`forget_record`):
+        where a delete the server could not do would also drop this worker's connection, that is on
+        one server and a lease stream of one replica. In a cluster the stream's server can restart,
+        or a replicated stream's leader move, with this worker's connection up: a delete lost then
+        would leave the key to the record's TTL, so those removals wait for their answers."""
+        return not self.replicated and not self.nc._server_info.get("cluster")
+
+    async def forget_record(self, seq: int) -> None:
+        """Remove one record by sequence without waiting for the answer: the delete goes with no
+        reply subject, and the server does it all the same (tests/integration/test_lease_layout_facts.py).
+        Only where :attr:`unanswered_removals`: a delete lost on the way, or in a server that is
+        killed before it has done it, is lost with this worker's connection, and the worker removes
+        the records it released just before a drop again once reconnected (``REDELETE_WINDOW``)."""
+        self._require_connection(self._record_delete)
+        await self.nc.publish(self._record_delete, b'{"seq":%d,"no_erase":true}' % seq)
 
     # --- the token (a scheduling hint) ------------------------------------------------------------
 

@@ -124,7 +124,8 @@ async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_
     by its TTL then, so the next holder would wait until it had watched it for twice the TTL. The
     worker removes the records it removed just before a connection drop again once reconnected.
     Here the delete is answered and not done (the lost write), the record is kept 60 s (its TTL,
-    where the lease is 3 s), and a server restart drops the connection."""
+    where the lease is 3 s), and a server restart drops the connection. On one server the delete
+    is sent unanswered (``QueueIO.forget_record``): the same covers one lost on the way."""
     nc, config, worker = await lease_worker(nats_server.url, "lostdelete", lambda: Note(asyncio.Event()))
     real_write, real_remove = worker.io.compare_and_set, worker.io.remove_record
     lost: list[int] = []
@@ -134,12 +135,13 @@ async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_
 
     async def first_delete_lost(seq: int) -> None:
         if not lost:
-            lost.append(seq)  # answered, never written
+            lost.append(seq)  # answered (or, on one server, sent unanswered), never written
             return
         await real_remove(seq)
 
     worker.io.compare_and_set = kept_long  # type: ignore[method-assign]
     worker.io.remove_record = first_delete_lost  # type: ignore[method-assign]
+    worker.io.forget_record = first_delete_lost  # type: ignore[method-assign]
     subject = config.names.lease("k")
     try:
         async with running(worker):
@@ -156,6 +158,50 @@ async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_
             async with asyncio.timeout(30):  # well inside the record's 60 s TTL
                 while await worker.io.last_record(subject) is not None:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
+
+
+async def test_on_one_server_a_key_given_back_removes_its_record_without_waiting_for_the_answer(
+        nats_server: EmbeddedServer) -> None:
+    """The last step of a quiet release is the record's delete: on one server it goes with no
+    reply subject (a round trip less per cold key) and the server does it all the same, so the
+    key's next request starts at once, not after the record's 60 s TTL."""
+    done = asyncio.Event()
+    nc, config, worker = await lease_worker(nats_server.url, "unanswered", lambda: Note(done))
+    assert worker.io.unanswered_removals
+    real_write, real_remove, real_forget = worker.io.compare_and_set, worker.io.remove_record, worker.io.forget_record
+    answered: list[int] = []
+    unanswered: list[int] = []
+
+    async def kept_long(subject: str, expected: int, body: bytes, ttl: int, timeout: float | None = None) -> int:
+        return await real_write(subject, expected, kept_60s(body), 60, timeout)
+
+    async def remove(seq: int) -> None:
+        answered.append(seq)
+        await real_remove(seq)
+
+    async def forget(seq: int) -> None:
+        unanswered.append(seq)
+        await real_forget(seq)
+
+    worker.io.compare_and_set = kept_long  # type: ignore[method-assign]
+    worker.io.remove_record = remove  # type: ignore[method-assign]
+    worker.io.forget_record = forget  # type: ignore[method-assign]
+    subject = config.names.lease("k")
+    try:
+        async with running(worker):
+            for n in range(1, 4):
+                done.clear()
+                await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: f"r{n}"}, b"", f"r{n}"))
+                async with asyncio.timeout(10):  # far inside the 60 s TTL a record left behind would hold the key
+                    await done.wait()
+                    while len(unanswered) < n or "k" in worker.sessions:  # noqa: ASYNC110
+                        await asyncio.sleep(0.005)
+                async with asyncio.timeout(5):
+                    while await worker.io.last_record(subject) is not None:  # noqa: ASYNC110
+                        await asyncio.sleep(0.01)
+        assert answered == [] and len(set(unanswered)) == 3
     finally:
         await nc.close()
 

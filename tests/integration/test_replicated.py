@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator
@@ -153,6 +154,16 @@ async def test_four_workers_racing_for_one_key_on_r3_lose_quietly(cluster: Embed
             for lock in locks:
                 await lock.release()
         assert outcomes.get("True", 0) >= 30, outcomes
+
+
+async def test_in_a_cluster_every_record_delete_waits_for_its_answer(cluster: EmbeddedCluster) -> None:
+    """A record's delete goes unanswered only on one server (``QueueIO.unanswered_removals``): in a
+    cluster a stream's leader can move, or an R1 stream's server restart, while a worker's own
+    connection stays up, and the worker would never learn that its delete was lost."""
+    async with connections(cluster, 1) as [nc]:
+        config = await replicated_queue(nc, "answered")
+        assert not QueueIO(nc, config).unanswered_removals
+        assert not QueueIO(nc, dataclasses.replace(config, replicas=1)).unanswered_removals
 
 
 async def test_a_10164_is_a_wrong_last_sequence(cluster: EmbeddedCluster) -> None:

@@ -43,6 +43,12 @@ class Store:
     async def last_record(self, subject: str) -> StoredMsg | None:
         return self.last
 
+    unanswered_removals = False
+    """Whether the lock may remove a record without waiting (as on one server)."""
+
+    async def forget_record(self, seq: int) -> None:
+        await self.remove_record(seq)
+
     async def remove_record(self, seq: int) -> None:
         if self.last and self.last.seq == seq:
             self.last = None

@@ -99,6 +99,12 @@ class Store:
     closed = False
     """The connection is never closed for good here."""
 
+    unanswered_removals = False
+    """Whether the lock may remove a record without waiting (as on one server)."""
+
+    async def forget_record(self, seq: int) -> None:
+        await self.remove_record(seq)
+
     async def remove_record(self, seq: int) -> None:
         self.removed.append(seq)
         self.records = {s: r for s, r in self.records.items() if r.seq != seq}

@@ -138,6 +138,12 @@ class FakeIO:
         await self.compare_and_set(subject, record.seq if record is not None else 0, body, HEAD_TTL)
         return new_runs, new_killed
 
+    unanswered_removals = True
+    """Whether the lock may remove a record without waiting (as on one server)."""
+
+    async def forget_record(self, seq: int) -> None:
+        await self.remove_record(seq)
+
     async def remove_record(self, seq: int) -> None:
         for subject, record in list(self.records.items()):
             if record.seq == seq:
