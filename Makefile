@@ -51,12 +51,11 @@ chaos-cluster: $(STAMP)
 test: $(STAMP) java-check chromium-check
 	$(PY) -m pytest -q
 
-# The unit tests' fakes of the core's I/O seams (keyqueue/core/key_io.py) are checked against them.
+# Strict mypy over all of the unit tests (their fakes of the core's I/O seams, keyqueue/core/key_io.py, are
+# checked against them) and the benchmarks; its settings, stubs and the modules it cannot see: pyproject.toml.
 lint: $(STAMP)
 	$(PY) -m ruff check keyqueue plugins contrib tests bench
-	$(PY) -m mypy keyqueue plugins contrib tests/typed_usage.py tests/unit/test_session_states.py \
-		tests/unit/test_reconciler.py tests/unit/test_lock_bookkeeping.py tests/unit/test_product_path.py \
-		tests/unit/test_server_clock.py tests/unit/test_chaos_checker.py tests/unit/test_inbound.py
+	$(PY) -m mypy keyqueue plugins contrib tests/typed_usage.py tests/unit bench
 
 # Spark (keyqueue-spark: tests/spark, keyqueue report / backfill, examples/spark) needs Java 17+.
 # Without it, install Debian's headless JRE (as root, or with sudo).

@@ -71,7 +71,7 @@ def celery(args: argparse.Namespace, out: Path) -> tuple[bool, int]:
                     "--concurrency", str(args.concurrency), "-Q", "bench", "--without-gossip", "--without-mingle",
                     "--without-heartbeat", "--loglevel", "WARNING"],
                    {"BENCH_REDIS_URL": args.redis, "BENCH_OUT": str(out)}, out.with_suffix(".log"))
-    total = args.keys * args.per_key
+    total: int = args.keys * args.per_key
     try:
         finished = _wait(lambda: int(client.get(DONE) or 0), total, args.timeout)
     finally:
@@ -93,7 +93,7 @@ def dramatiq(args: argparse.Namespace, out: Path) -> tuple[bool, int]:
     proc = _worker([dramatiq_bin, "bench.peers.dramatiq_app", "--processes", "1", "--threads",
                     str(args.concurrency), "--queues", "bench"],
                    {"BENCH_REDIS_URL": args.redis, "BENCH_OUT": str(out)}, out.with_suffix(".log"))
-    total = args.keys * args.per_key
+    total: int = args.keys * args.per_key
     try:
         finished = _wait(lambda: int(client.get(DONE) or 0), total, args.timeout)
     finally:
@@ -124,7 +124,7 @@ def procrastinate(args: argparse.Namespace, out: Path) -> tuple[bool, int]:
     asyncio.run(prepare())
     proc = _worker([sys.executable, "-m", "bench.peers.procrastinate_app", str(out), str(args.concurrency)],
                    {"BENCH_PG_URL": args.pg}, out.with_suffix(".log"))
-    total = args.keys * args.per_key
+    total: int = args.keys * args.per_key
 
     with psycopg.connect(args.pg, autocommit=True) as conn:
         def done() -> int:
@@ -158,7 +158,7 @@ def main() -> None:
     out.unlink(missing_ok=True)
     finished, ran = PEERS[args.peer](args, out)
     records = read_records([out])
-    total = args.keys * args.per_key
+    total: int = args.keys * args.per_key
     result = check(records, total)
     print(json.dumps({
         "peer": args.peer,

@@ -9,7 +9,8 @@ import random
 import pytest
 from nats.aio.client import Client
 
-from keyqueue.jetstream.connect import KeyqueueClient, parse_header_lines
+from keyqueue.jetstream.connect import KeyqueueClient
+from keyqueue.jetstream.inbound import parse_header_lines
 
 TRICKY = [
     b"",

@@ -37,7 +37,7 @@ async def test_keys_asked_together_are_one_read_and_each_gets_its_answer() -> No
     rechecks = InboxRechecks(inboxes)
     answers = await asyncio.gather(rechecks.remains("a", 5), rechecks.remains("b", 4), rechecks.remains("c", 2),
                                    rechecks.remains("d", 1))
-    assert answers == [True, False, True, False]
+    assert list(answers) == [True, False, True, False]  # gather gives a list (typed as a tuple)
     assert inboxes.reads == [["a", "b", "c", "d"]]
     # The next turn's asks are the next read.
     assert await rechecks.remains("a", 6) is False

@@ -175,7 +175,7 @@ def stated(package: str) -> tuple[set[str], set[str]]:
 
 def outside_imports(source: str) -> set[str]:
     """The top-level names of the modules ``source`` imports from outside keyqueue and the standard library."""
-    found = set()
+    found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(alias.name.split(".")[0] for alias in node.names)

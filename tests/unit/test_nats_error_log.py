@@ -19,6 +19,11 @@ class Clock:
         return self.now
 
 
+def slow_consumer(subject: str) -> nats.errors.SlowConsumerError:
+    """nats-py's slow-consumer error, without the subscription it names (nothing here reads it)."""
+    return nats.errors.SlowConsumerError(subject, "", 1, None)  # type: ignore[arg-type]
+
+
 def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "keyqueue.connection" and r.levelno == level]
 
@@ -28,13 +33,13 @@ async def test_each_type_is_logged_once_per_interval_with_a_count_of_the_others(
     clock = Clock()
     errors = NatsErrorLog("w1", interval=60, clock=clock)
     with caplog.at_level(logging.DEBUG, logger="keyqueue.connection"):
-        await errors.report(nats.errors.SlowConsumerError("orders.>", "", 1, None))
+        await errors.report(slow_consumer("orders.>"))
         clock.now += 10
-        await errors.report(nats.errors.SlowConsumerError("orders.>", "", 1, None))
-        await errors.report(nats.errors.SlowConsumerError("orders.>", "", 1, None))
+        await errors.report(slow_consumer("orders.>"))
+        await errors.report(slow_consumer("orders.>"))
         await errors.report(nats.errors.Error("nats: permissions violation for publish to x"))
         clock.now += 60
-        await errors.report(nats.errors.SlowConsumerError("orders.>", "", 1, None))
+        await errors.report(slow_consumer("orders.>"))
     warnings = messages(caplog, logging.WARNING)
     assert len(warnings) == 3
     assert warnings[0].startswith("NATS connection w1: SlowConsumerError: nats: slow consumer")
@@ -62,7 +67,7 @@ async def test_an_exception_from_a_callback_carries_its_traceback(caplog: pytest
         error = e
     with caplog.at_level(logging.WARNING, logger="keyqueue.connection"):
         await errors.report(error)
-        await errors.report(nats.errors.SlowConsumerError("s", "", 1, None))
+        await errors.report(slow_consumer("s"))
     [from_callback, from_nats] = caplog.records
     assert from_callback.exc_info is not None and from_callback.exc_info[1] is error
     assert from_nats.exc_info is None

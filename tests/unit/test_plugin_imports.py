@@ -97,6 +97,8 @@ def contract_definitions(path: Path) -> Iterator[str]:
     """``file:line name`` for each definition of a contract name, and each ``KeyqueueEvent`` literal."""
     where = path.relative_to(ROOT)
     for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.stmt | ast.expr):  # definitions are statements, literals expressions
+            continue
         names: list[str] = []
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names = [node.name]

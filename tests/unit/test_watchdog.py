@@ -25,7 +25,11 @@ class Fired(Exception):
     pass
 
 
-def watchdog(clock: Clock, held: list[HeldLease], counted: list[tuple[list[HeldLease], float]]) -> LoopWatchdog:
+Counted = list[tuple[list[HeldLease], float]]
+"""The attempts the watchdog counted: the leases in hand and the time budget, per count."""
+
+
+def watchdog(clock: Clock, held: list[HeldLease], counted: Counted) -> LoopWatchdog:
     def count(in_hand: Sequence[HeldLease], budget: float) -> None:
         counted.append((list(in_hand), budget))
 
@@ -36,7 +40,7 @@ def watchdog(clock: Clock, held: list[HeldLease], counted: list[tuple[list[HeldL
 
 
 def test_a_loop_that_beats_is_never_stopped_however_close_a_lease_is() -> None:
-    clock, counted = Clock(), []
+    clock, counted = Clock(), Counted()
     dog = watchdog(clock, [HeldLease("k", clock.now + 0.1, 7)], counted)
     for _ in range(100):
         clock.now += 0.1
@@ -46,7 +50,7 @@ def test_a_loop_that_beats_is_never_stopped_however_close_a_lease_is() -> None:
 
 
 def test_a_blocked_loop_is_stopped_only_once_a_lease_is_within_a_quarter_of_ack_wait() -> None:
-    clock, counted = Clock(), []
+    clock, counted = Clock(), Counted()
     held = [HeldLease("a", clock.now + 7.0, 0), HeldLease("b", clock.now + 5.0, 12)]
     dog = watchdog(clock, held, counted)
     dog.beat()
@@ -62,7 +66,7 @@ def test_a_blocked_loop_is_stopped_only_once_a_lease_is_within_a_quarter_of_ack_
 
 
 def test_a_short_stall_near_a_deadline_is_left_to_the_session() -> None:
-    clock, counted = Clock(), []
+    clock, counted = Clock(), Counted()
     dog = watchdog(clock, [HeldLease("k", clock.now + 0.5, 3)], counted)
     dog.beat()
     clock.now += 0.5  # the loop ran 0.5 s ago: not blocked (the session's own lease check handles it)
@@ -70,7 +74,7 @@ def test_a_short_stall_near_a_deadline_is_left_to_the_session() -> None:
 
 
 def test_no_held_key_no_stop_and_a_failed_count_still_stops() -> None:
-    clock, counted = Clock(), []
+    clock, counted = Clock(), Counted()
     dog = watchdog(clock, [], counted)
     clock.now += 100
     assert not dog.check()
@@ -101,7 +105,7 @@ def test_sessions_changing_under_the_watchdog_are_read_again() -> None:
 
 
 def test_a_lease_already_past_its_deadline_whose_key_runs_nothing_is_left_to_its_session() -> None:
-    clock, counted = Clock(), []
+    clock, counted = Clock(), Counted()
     dog = watchdog(clock, [HeldLease("k", clock.now + 1.0, 0)], counted)
     clock.now += 5  # blocked 5 s; the lease ended 4 s ago and nothing of the key runs: nothing to protect
     assert not dog.check()
@@ -109,7 +113,7 @@ def test_a_lease_already_past_its_deadline_whose_key_runs_nothing_is_left_to_its
 
 def test_a_run_going_on_past_its_deadline_stops_the_process_when_the_loop_comes_back() -> None:
     # C code held the GIL (the watchdog could not look) past the lease's deadline; the run goes on.
-    clock, counted = Clock(), []
+    clock, counted = Clock(), Counted()
     dog = watchdog(clock, [HeldLease("k", clock.now + 1.0, 3, running=True)], counted)
     clock.now += 5
     with pytest.raises(Fired):
@@ -119,7 +123,7 @@ def test_a_run_going_on_past_its_deadline_stops_the_process_when_the_loop_comes_
 
 def test_a_run_outliving_its_lost_lease_stops_the_process_though_the_loop_beats() -> None:
     # A sync task's thread runs on after the session lost the lease (renewals failed) and cancelled it.
-    clock, counted = Clock(), []
+    clock, counted = Clock(), Counted()
     held = [HeldLease("k", clock.now + 1.0, 3, running=True), HeldLease("idle", clock.now + 0.5, 0)]
     dog = watchdog(clock, held, counted)
     clock.now += 1.0
@@ -136,7 +140,7 @@ def test_a_run_outliving_its_lost_lease_stops_the_process_though_the_loop_beats(
 
 
 def test_a_run_within_its_lease_is_never_an_overrun() -> None:
-    clock, counted = Clock(), []
+    clock, counted = Clock(), Counted()
     dog = watchdog(clock, [HeldLease("k", clock.now + 3.0, 3, running=True)], counted)
     for _ in range(20):
         clock.now += 0.1
