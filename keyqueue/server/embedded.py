@@ -136,7 +136,8 @@ def free_tcp_port() -> int:
     """A TCP port on loopback that was free a moment ago.
 
     Another process may take it before it is used; prefer letting the server choose (port 0)
-    where that is possible. Cluster route ports must be known up front, so they use this.
+    where that is possible. Cluster route ports must be known up front, so they use this
+    (``EmbeddedCluster.start()`` picks them again when one was taken).
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
