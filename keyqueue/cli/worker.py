@@ -58,7 +58,8 @@ class ProcessCount(click.ParamType[int, Any]):
 @click.option("--queue", "-q", "queues", multiple=True, metavar="QUEUE",
               help="Serve only this queue (repeatable; default: all of the app's queues).")
 @click.option("--concurrency", "-c", type=click.IntRange(1), default=16, show_default=True,
-              help="Keys held at once, per queue.")
+              help="Keys worked on at once, per queue (a key waiting out a retry's backoff, or being given "
+                   "back, holds no slot).")
 @click.option("--linger", type=click.FloatRange(0), default=0.05, show_default=True,
               help="Seconds a key stays held with no new request.")
 @click.option("--ack-wait", type=click.FloatRange(1), default=None, metavar="SECONDS",

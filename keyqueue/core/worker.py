@@ -137,8 +137,14 @@ class QueueWorker:
                                   options=pull, on_pinned=self._on_pinned)
         self.reconciler = Reconciler(self.io, interval=reconcile_interval, worker=self.name)
         self.sessions: dict[str, asyncio.Task[str]] = {}
-        self.slots = Slots(concurrency, lambda: len(self.sessions), freed=self._slot_freed)
-        """The worker's slots (core/slots.py): a session waiting out a backoff or a rate limit gives its slot back."""
+        self.slots = Slots(concurrency, lambda: len(self.sessions) - len(self._giving_back), freed=self._slot_freed)
+        """The worker's slots (core/slots.py): a session waiting out a backoff or a rate limit gives its
+        slot back, and one whose work has ended holds none while it gives its key back."""
+        self._giving_back: set[KeySession] = set()
+        """Sessions whose work (the user's code) has ended and that only give their key back: the
+        token's ack and the release marker are round trips to the server, no work of the slot's,
+        so a new key starts meanwhile. Such a session still holds its key (``sessions``) until
+        it has given it back: a token of the key that comes meanwhile waits for it (``_on_token``)."""
         self.draining = asyncio.Event()
         self._stop_now = False
         self._tg: asyncio.TaskGroup | None = None
@@ -246,6 +252,7 @@ class QueueWorker:
             # Our session is closing (it acked the token, found a request at its re-check and
             # scheduled the key again) or lost its lease: start after it has finished.
             previous = self.sessions.get(token.key)
+            self._giving_back.discard(held)  # the key's entry in sessions is the new session's from now on
         if self.draining.is_set() or self._tg is None:
             return self._hand_back(token)
         session = KeySession(self.io, token, self.factory, self.settings, observer=self.report,
@@ -295,6 +302,7 @@ class QueueWorker:
             if self._held.get(session.key) is session:
                 self.sessions.pop(session.key, None)
                 del self._held[session.key]
+            self._giving_back.discard(session)
             session.forget()
             await self.slots.changed()  # a parked session may take the slot
             self.puller.wake()
@@ -580,6 +588,11 @@ class QueueWorker:
         self._running.discard(session)
         if self.alarm is not None and not self._running:
             self.alarm.set(None)
+        if self._held.get(session.key) is session:
+            # Its slot goes to a new key (a parked session waiting to go on is told when the session
+            # ends, as before: until then free() keeps the slot for it).
+            self._giving_back.add(session)
+            self._slot_freed()
 
     def _arm_alarm(self) -> None:
         if self.alarm is not None:
