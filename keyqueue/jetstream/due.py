@@ -40,11 +40,18 @@ can get while it is unacknowledged: it is the fleet's lock on moving) reads up t
 :data:`MOVE_BATCH` due requests stored after it in one batched direct get and moves them all,
 in rounds of at most one request per key, each round one pipelined ``enqueue_many`` (requests in
 stream order, then their tokens), so a key's requests still join its inbox in the order they fell
-due. It then deletes those it moved from the schedules stream by sequence (the consumer skips a
-deleted message) and acknowledges the one it was delivered. A request it could not move stays
-where it is, with every later one of its key, for the consumer to deliver in turn; a mover that
-dies part-way leaves them all to be moved again, which stores nothing twice. A schedules stream
-without direct gets (replicated, or created before this) is moved one request at a time.
+due. It then removes what it moved from the schedules stream and acknowledges the one it was
+delivered. When it moved the whole batch (the usual case) that is one filtered purge of the due
+subjects below the batch's end: no due request is stored before the one in flight (the consumer
+delivers them in order, one at a time, and each is gone before the next: moved, or left for the
+consumer to deliver next), and the batch read every one stored after it up to its end, so the
+purge removes exactly the batch; it also takes the one in flight off the consumer's pending, and
+the consumer delivers the next at the next pull (the mover's own, made at once). Otherwise it
+deletes those it moved by sequence (the consumer skips a deleted message): a request it could
+not move stays where it is, with every later one of its key, for the consumer to deliver in turn.
+A mover that dies part-way leaves them all to be moved again, which stores nothing twice. A
+schedules stream without direct gets (replicated, or created before this) is moved one request
+at a time.
 
 A periodic tick carries no request id of its own (the server fires the same definition every
 time), so it gets ``<schedule name>-<sequence of the fired message>``: the same on every
@@ -244,6 +251,11 @@ class DueMover:
         batch = [(first, head.subject, dict(head.headers or {}), head.data)]
         batch += [(m.seq, m.subject, dict(m.headers), m.data) for m in ahead]
         moved = await self._move_in_rounds(batch, parked)
+        # Stopping, the mover makes no next pull: then the deletes and the ack let the consumer go on.
+        if len(moved) == len(batch) and not self._stopping.is_set() and await self._purge_below(batch[-1][0] + 1):
+            with contextlib.suppress(Exception):
+                await head.ack()  # no-op: the purge took it off the consumer's pending
+            return
         deletes = []
         for seq in sorted(moved - {first}):
             with contextlib.suppress(KeyqueueError):
@@ -258,6 +270,17 @@ class DueMover:
                 await head.ack()
         else:
             await self._nak(head, RETRY_DELAY)
+
+    async def _purge_below(self, end: int) -> bool:
+        """Remove every due request stored before sequence ``end`` in one purge; whether it was done
+        (if not, the caller deletes what it moved one by one)."""
+        try:
+            await self.api.request(f"STREAM.PURGE.{self.names.stream}",
+                                   {"filter": self.names.due_prefix + ">", "seq": end})
+        except KeyqueueError as exc:
+            log.debug("queue %s: purging moved due requests failed (%r); deleting them", self.names.queue, exc)
+            return False
+        return True
 
     async def _move_in_rounds(self, batch: list[tuple[int, str, dict[str, str], bytes]],
                               parked: dict[str, _Parked]) -> set[int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from command_output import Command
+from nats.aio.msg import Msg
 from schedule_fleet import QUEUE, Runs, fleet, make_app, worker
 
 import keyqueue
@@ -259,23 +260,40 @@ async def test_a_full_backlog_holds_up_no_other_key(nats_url: str) -> None:
 
 async def test_a_burst_due_at_once_is_moved_in_batches_and_keeps_each_keys_order(nats_url: str) -> None:
     """Many requests due at one instant, several per key: the mover delivered the one in flight
-    moves those stored after it too (far fewer deliveries than requests), each key's in its order."""
+    moves those stored after it too (far fewer deliveries than requests), each key's in its order,
+    and takes each batch it moved whole out of the schedules stream with one purge (no delete per
+    request), after which the consumer goes on: nothing pending, nothing left, the next due request moved."""
     from keyqueue.jetstream.schedules import MOVERS
 
     runs = Runs()
     producer = make_app(nats_url, runs)
     work = producer.tasks["work"]
+    nc = await producer.connection()
+    stream = ScheduleNames(QUEUE).stream
+    removals = {"DELETE": 0, "PURGE": 0}
+
+    async def removal(msg: Msg) -> None:
+        removals[msg.subject.split(".")[-2]] += 1
+
+    await nc.subscribe(f"$JS.API.STREAM.MSG.DELETE.{stream}", cb=removal)
+    await nc.subscribe(f"$JS.API.STREAM.PURGE.{stream}", cb=removal)
     at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1.5)
     items = [{"key": f"b{k}", "tag": f"b{k}-{i}"} for i in range(4) for k in range(60)]
     try:
         async with fleet(nats_url, runs, 2):
             await work.options(eta=at).enqueue_many(items)
             await runs.count(len(items), timeout=60)
-            movers = await JetStreamApi(await producer.connection()).consumer_info(ScheduleNames(QUEUE).stream, MOVERS)
+            await work.options(countdown=0.2).enqueue(key="b0", tag="later")
+            await runs.count(len(items) + 1, timeout=30)
+            movers = await JetStreamApi(nc).consumer_info(stream, MOVERS)
+            due_left = await JetStreamApi(nc).stream_info(stream, subjects_filter=ScheduleNames(QUEUE).due_prefix + ">")
         for k in range(60):
-            assert runs.tags(f"b{k}") == [f"b{k}-{i}" for i in range(4)]
+            assert runs.tags(f"b{k}") == [f"b{k}-{i}" for i in range(4)] + (["later"] if k == 0 else [])
         started_not_before_due(runs, {item["tag"]: at for item in items})
         assert movers["delivered"]["consumer_seq"] < len(items) / 2, movers["delivered"]
+        assert removals["PURGE"] >= 1 and removals["DELETE"] == 0, removals
+        assert movers["num_ack_pending"] == 0 and movers["num_pending"] == 0, movers
+        assert not due_left["state"].get("subjects"), due_left["state"]
         assert not runs.overlaps
     finally:
         await producer.close()
