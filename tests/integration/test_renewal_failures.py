@@ -62,6 +62,17 @@ def kept_60s(body: bytes) -> bytes:
     return json.dumps({**json.loads(body), "ttl": 60}).encode()
 
 
+def keep_records_60s(worker: QueueWorker) -> None:
+    """Make ``worker`` write its lease records with a 60 s TTL (its lease stays 3 s): a record left
+    behind would hold the key far longer than any test waits."""
+    real_write = worker.io.compare_and_set
+
+    async def kept_long(subject: str, expected: int, body: bytes, ttl: int, timeout: float | None = None) -> int:
+        return await real_write(subject, expected, kept_60s(body), 60, timeout)
+
+    worker.io.compare_and_set = kept_long  # type: ignore[method-assign]
+
+
 async def test_a_lease_lost_to_failed_renewals_is_logged_with_why_they_failed(
     nats_server: EmbeddedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -127,19 +138,15 @@ async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_
     where the lease is 3 s), and a server restart drops the connection. On one server the delete
     is sent unanswered (``QueueIO.forget_record``): the same covers one lost on the way."""
     nc, config, worker = await lease_worker(nats_server.url, "lostdelete", lambda: Note(asyncio.Event()))
-    real_write, real_remove = worker.io.compare_and_set, worker.io.remove_record
+    real_remove = worker.io.remove_record
     lost: list[int] = []
-
-    async def kept_long(subject: str, expected: int, body: bytes, ttl: int, timeout: float | None = None) -> int:
-        return await real_write(subject, expected, kept_60s(body), 60, timeout)
-
     async def first_delete_lost(seq: int) -> None:
         if not lost:
             lost.append(seq)  # answered (or, on one server, sent unanswered), never written
             return
         await real_remove(seq)
 
-    worker.io.compare_and_set = kept_long  # type: ignore[method-assign]
+    keep_records_60s(worker)
     worker.io.remove_record = first_delete_lost  # type: ignore[method-assign]
     worker.io.forget_record = first_delete_lost  # type: ignore[method-assign]
     subject = config.names.lease("k")
@@ -170,13 +177,9 @@ async def test_on_one_server_a_key_given_back_removes_its_record_without_waiting
     done = asyncio.Event()
     nc, config, worker = await lease_worker(nats_server.url, "unanswered", lambda: Note(done))
     assert worker.io.unanswered_removals
-    real_write, real_remove, real_forget = worker.io.compare_and_set, worker.io.remove_record, worker.io.forget_record
+    real_remove, real_forget = worker.io.remove_record, worker.io.forget_record
     answered: list[int] = []
     unanswered: list[int] = []
-
-    async def kept_long(subject: str, expected: int, body: bytes, ttl: int, timeout: float | None = None) -> int:
-        return await real_write(subject, expected, kept_60s(body), 60, timeout)
-
     async def remove(seq: int) -> None:
         answered.append(seq)
         await real_remove(seq)
@@ -185,7 +188,7 @@ async def test_on_one_server_a_key_given_back_removes_its_record_without_waiting
         unanswered.append(seq)
         await real_forget(seq)
 
-    worker.io.compare_and_set = kept_long  # type: ignore[method-assign]
+    keep_records_60s(worker)
     worker.io.remove_record = remove  # type: ignore[method-assign]
     worker.io.forget_record = forget  # type: ignore[method-assign]
     subject = config.names.lease("k")
