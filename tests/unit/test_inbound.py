@@ -160,6 +160,9 @@ def test_the_nats_py_internals_the_lean_path_relies_on_are_there() -> None:
                    "msg = self._build_message(sid, subject, reply, data, hdr)"):
         assert needed in process, needed
     assert "self._ps.parse(" in inspect.getsource(Client._read_loop)
+    # The server's INFO, as QueueIO.unanswered_removals reads it (its "cluster": the server is in one).
+    assert isinstance(client._server_info, dict)
+    assert "self._server_info = srv_info" in inspect.getsource(Client)
     sub = Subscription(client, 1, "x")
     for name in ("_pending_queue", "_jsi", "_future", "_max_msgs", "_received"):
         assert hasattr(sub, name), name
