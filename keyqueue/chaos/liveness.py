@@ -84,6 +84,11 @@ If the key's holder's process ended after ``f0`` and before the key moved (its l
 lease alarm ended it, under this fault or one before it), the bound is at least that death plus
 ``moved_after_loss``: its keys move once their leases end, which no fault can hasten.
 
+Time between ``f1`` (``f0`` for a ``kill-9``) and the key's move in which no worker was available
+(every worker full, stopped, cut off or not yet back up: the strand's rule) is added to the bound:
+no protocol moves a key to a worker that cannot take it. (The fault's own span is not: its bound
+already gives it in full.)
+
 A hand-off is *alone* when no other fault began after its fault and before the key moved, and
 none that began before it was still in effect when it began, on the server (a fault of a node or
 of every worker, a leaderless group's until its election at the latest) or on a holder of the key.
@@ -544,8 +549,8 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
     unable_by = {w: _Union([*worker_stops.get(w, []), *ended.get(w, [])]) for w in {*worker_stops, *ended}}
     for key, token_spans in _tokens_with_the_unavailable(ordered, unable_by, end_of_log).items():
         shadows[key] += token_spans
-    everywhere = [*_no_worker_available(ordered, holds, faults, pauses, blocks, end_of_log),
-                  *((f.start, effect_end[id(f)]) for f in faults if f.target is None)]
+    nobody = _no_worker_available(ordered, holds, faults, pauses, blocks, end_of_log)
+    everywhere = [*nobody, *((f.start, effect_end[id(f)]) for f in faults if f.target is None)]
 
     stored: dict[tuple[str, str], float] = {}
     starts: dict[str, list[float]] = defaultdict(list)
@@ -579,7 +584,7 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
         if r.get("kind") in PROCESS_ENDS:
             deaths[str(r.get("w"))].append(float(r["t"]))
     handoffs = _handoffs(faults, holds_by_key, stored, first_start, starts, bounds, end_of_log, busy or {}, deaths,
-                         effect_end)
+                         effect_end, _Union(nobody))
     by_kind: dict[str, list[float]] = defaultdict(list)
     for handoff in handoffs:
         by_kind[handoff.fault].append(handoff.seconds if handoff.seconds is not None
@@ -612,7 +617,8 @@ def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
               starts: Mapping[str, Sequence[float]], bounds: LivenessBounds | None,
               end_of_log: float, busy: Mapping[str, Sequence[Interval]],
               deaths: Mapping[str, Sequence[float]] | None = None,
-              effect_end: Mapping[int, float] | None = None) -> list[Handoff]:
+              effect_end: Mapping[int, float] | None = None, nobody: _Union | None = None) -> list[Handoff]:
+    """Each fault's hand-offs (module docstring); ``nobody``: when no worker was available."""
     latest_stored: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for (key, tag), t in stored.items():
         latest_stored[key].append((t, tag))
@@ -652,6 +658,10 @@ def _handoffs(faults: Sequence[_Fault], holds_by_key: Mapping[str, _KeyHolds],
             died = min((t for w in holders for t in (deaths or {}).get(w, ()) if f.start < t <= until), default=None)
             if died is not None and bound is not None and bounds is not None:
                 bound = max(bound, died - f.start + bounds.moved_after_loss)
+            # Nobody could take the key meanwhile (the other workers full, stopped or not yet up),
+            # after the fault's own span, which its bound gives in full.
+            if bound is not None and nobody is not None:
+                bound += nobody.covered(f.end, until)
             found.append(Handoff(f.kind, f.fault_id, f.target or "*", key, f.start, f.end, moved,
                                  bound, alone=others == 0))
     return found

@@ -378,6 +378,29 @@ def test_a_killed_holders_keys_may_wait_for_its_lease_and_no_longer() -> None:
     assert "late hand-off kill-9#1 on w1" in late.summary()
 
 
+def test_a_killed_holders_keys_wait_no_bound_while_no_worker_can_take_them() -> None:
+    # w1 holds k (b pending) and is killed at 2; the only other worker, w2, has one slot and holds j
+    # until 5; w1's new process is up at 5.2. Nobody could take k from 2 to 5: that time is added to
+    # the kill's bound (3 s): k moving at 5.5 is in time (the strand of b too: it may wait for w1's
+    # lease until 5), and at 8.1 is late.
+    def log(next_start: float) -> list[dict[str, Any]]:
+        return [ready("w1", 0.0), ready("w2", 0.0, concurrency=1), event("acquired", "w2", 0.5, "j"),
+                event("acquired", "w1", 1.0, "k"), rec("start", "w1", 1.1, "k", "a"), stored(1.5, "k", "b"),
+                fault(2.0, "kill-9", "w1", 1), rec("killed", "w1", 2.0), event("released", "w2", 5.0, "j"),
+                ready("w1", 5.2), fault_end(5.2, 1),
+                *session("w2", "k", "a", next_start - 0.1, next_start, next_start + 0.1, next_start + 0.3,
+                         delivered=2), *run("w2", "k", "b", next_start + 0.15, next_start + 0.2)]
+
+    verdict = check(log(5.5), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert verdict.ok, verdict.summary()
+    assert verdict.liveness is not None
+    [handoff] = verdict.liveness.handoffs
+    assert (handoff.key, round(handoff.seconds or 0, 6), round(handoff.bound or 0, 6)) == ("k", 3.5, 6.0)
+    late = check(log(8.1), {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert late.liveness is not None and not late.ok
+    assert [h.key for h in late.liveness.late_handoffs] == ["k"]
+
+
 def reset_holder(next_start: float, kind: str = "net-reset") -> list[dict[str, Any]]:
     """w1's connection is reset at 2 while it holds k with b pending; b starts at ``next_start``."""
     return [ready("w1", 0.0), event("acquired", "w1", 1.0, "k"), *run("w1", "k", "a", 1.1, 1.2),
@@ -393,7 +416,9 @@ def test_a_holder_that_reconnects_within_its_lease_must_resume_within_the_bound(
     assert not late.ok  # alone and late: the protocol missed its bound
     # Another fault before the key moved may own part of the time: still late, but not alone, so
     # reported and not failed.
-    confounded = check([*reset_holder(4.5), fault(3.0, "net-blackhole", "w1", 2), fault_end(3.5, 2)],
+    # (w2 is up and free meanwhile: the blackhole is no time in which nobody could take k.)
+    confounded = check([ready("w2", 0.0), *reset_holder(4.5), fault(3.0, "net-blackhole", "w1", 2),
+                        fault_end(3.5, 2)],
                        {"k": ["a", "b"]}, bounds=BOUNDS)
     assert confounded.liveness is not None
     assert [(h.fault, h.alone) for h in confounded.liveness.late_handoffs] == [("net-reset", False)]
