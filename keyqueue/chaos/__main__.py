@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=3, help="worker processes, each behind its own proxy")
     p.add_argument("--keys", type=int, default=12, help="keys the producer spreads requests over")
     p.add_argument("--rate", type=float, default=60.0, help="requests enqueued per second")
+    p.add_argument("--max-backlog", type=int, default=2000,
+                   help="store nothing while more requests than this wait (default 2000; 0: no limit), so that a "
+                        "fleet slower than --rate ends the faults with a backlog it can drain; the time held back "
+                        "is printed")
     p.add_argument("--ack-wait", type=float, default=2.0, help="the lease, in seconds")
     p.add_argument("--strand-bound", type=float, default=2.0,
                    help="longest a stored request may wait with its key and a worker free (default 2 s)")
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                             slack=args.lease_slack)
     options = SoakOptions(seed=args.seed, duration=args.duration, max_faults=args.faults, classes=classes,
                           nodes=args.nodes, workers=args.workers, keys=args.keys, rate=args.rate,
+                          max_backlog=args.max_backlog,
                           ack_wait=args.ack_wait, bounds=bounds, workdir=args.workdir, handlers=handlers,
                           stall_every=args.stall_every, bad_every=args.bad_every, rss_warmup=args.rss_warmup,
                           rss_limit=args.rss_limit)

@@ -110,6 +110,11 @@ class SoakOptions:
     keys: int = 12
     rate: float = 60.0
     """Requests enqueued per second, spread over the keys."""
+    max_backlog: int = 2000
+    """The producer stores nothing while more requests than this wait in the inbox (0: no limit):
+    a fleet slower than ``rate`` (a slow machine, a soak of many faults) then ends the faults with a
+    backlog it can drain within ``settle_timeout``, so that a request not done says something about
+    keyqueue, not about the machine. The time held back is printed."""
     work: float = 0.02
     """Longest time a request's processor works (drawn uniformly from 0)."""
     ack_wait: float = 2.0
@@ -152,6 +157,9 @@ class SoakResult:
     clock_offsets: dict[str, float] = field(default_factory=dict)
     rss: list[RssSample] = field(default_factory=list)
     rss_limit: float | None = None
+    held_back: float = 0.0
+    """Seconds the producer stored nothing, the backlog over ``SoakOptions.max_backlog``."""
+    max_backlog: int = 0
 
     @property
     def rss_over(self) -> list[RssSample]:
@@ -169,6 +177,8 @@ class SoakResult:
         return (f"faults injected: {sum(self.faults.values())} ({counts})\n"
                 + (f"clock offsets: {offsets}\n" if offsets else "")
                 + f"requests enqueued: {self.enqueued}; run time {self.elapsed:.0f}s; log {self.log_path}\n"
+                + (f"producer held back {self.held_back:.0f}s in all, more than {self.max_backlog:,} requests waiting "
+                   f"(the fleet was slower than the soak's rate)\n" if self.held_back else "")
                 + self.verdict.summary() + self._rss_summary())
 
     def _rss_summary(self) -> str:
@@ -212,6 +222,10 @@ class _Producer:
         self._shapes = [shape for shape in RUNNING if shape in options.handlers] or ["async"]
         self._stalls = [shape for shape in (*STALLING, *SLOW) if shape in options.handlers]
         self._shape_rng = random.Random(options.seed + 7)
+        self.held_back = 0.0
+        """Seconds the producer stored nothing because the backlog was over ``max_backlog``."""
+        self._backlog_checked = -math.inf
+        self._over = False
 
     def flag_block(self, seconds: float) -> None:
         """Make one of the next requests block its handler's event loop for ``seconds`` (once)."""
@@ -226,6 +240,11 @@ class _Producer:
         next_stall = time.monotonic() + options.stall_every / 2
         next_bad = time.monotonic() + options.bad_every / 2
         while not ending.is_set():
+            if await self._over_backlog():
+                self.held_back += 0.1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ending.wait(), 0.1)
+                continue
             batch = []
             if self._stalls and time.monotonic() >= next_stall:
                 next_stall += options.stall_every
@@ -264,6 +283,21 @@ class _Producer:
         if self._sending:
             await asyncio.wait(self._sending)
         return self.enqueued
+
+    async def _over_backlog(self) -> bool:
+        """Whether more than ``max_backlog`` requests wait in the inbox (asked at most once a second;
+        a server that does not answer within a second leaves the last answer standing)."""
+        limit = self.options.max_backlog
+        if limit <= 0:
+            return False
+        now = time.monotonic()
+        if now - self._backlog_checked >= 1.0:
+            self._backlog_checked = now
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    info = await self.publisher.api.stream_info(self.publisher.names.inbox_stream)
+                self._over = int(info["state"].get("messages", 0)) > limit
+        return self._over
 
     async def _foreign(self) -> None:
         """Send :func:`~keyqueue.chaos.handlers.foreign_subjects` over a bare connection to one of the
@@ -416,8 +450,10 @@ async def soak(options: SoakOptions) -> SoakResult:
             await asyncio.sleep(0.2)
             if time.monotonic() - last_report >= 10:
                 last_report = time.monotonic()
+                held = f" (held back {producer.held_back:.0f}s: backlog over {options.max_backlog:,})" \
+                    if producer.held_back else ""
                 say(f"chaos: {time.monotonic() - began:.0f}s, {faults.total} faults, {producer.enqueued} "
-                    f"requests enqueued")
+                    f"requests enqueued{held}")
         ending.set()
         script.stop()
         for task in tasks:
@@ -448,7 +484,7 @@ async def soak(options: SoakOptions) -> SoakResult:
                         bounds=options.bounds or LivenessBounds.for_lease(options.ack_wait))
         await nc.close()
         return SoakResult(verdict, faults.counts, time.monotonic() - began, enqueued, log_path, offsets, rss_samples,
-                          options.rss_limit)
+                          options.rss_limit, producer.held_back, options.max_backlog)
     finally:
         settled.set()
         if fleet is not None:

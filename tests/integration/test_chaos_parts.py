@@ -17,6 +17,9 @@ from nats.aio.msg import Msg
 from keyqueue.chaos.checker import check
 from keyqueue.chaos.fenced import FencedRecord, FencedStore
 from keyqueue.chaos.proxy import FaultProxy, FaultScript, FaultSpec, ProxyGroup
+from keyqueue.chaos.soak import QUEUE, SoakOptions, _Producer
+from keyqueue.jetstream.publish import Publisher
+from keyqueue.jetstream.topology import QueueConfig, Topology
 
 NO_DELIVERY = 0.3
 """How long a held message is watched for *not* arriving (it must arrive only after heal)."""
@@ -417,3 +420,47 @@ async def test_concurrent_writers_on_one_key_keep_the_fencing_monotonic(store: F
     finally:
         for c in others:
             await c.close()
+
+
+class _LogSink:
+    """The producer's fleet, as far as it uses one: the lines it would log."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict[str, Any]] = []
+
+    def note(self, w: str, kind: str, **fields: Any) -> None:
+        self.lines.append({"w": w, "kind": kind, **fields})
+
+
+async def test_the_soaks_producer_stores_nothing_while_the_backlog_is_over_its_limit(nc: Client,
+                                                                                    tmp_path: Any) -> None:
+    # No worker: every request stored waits. Over 20 waiting, the producer holds back; once the inbox
+    # is emptied, it stores again.
+    config = QueueConfig(QUEUE, ack_wait=2.0)
+    publisher = Publisher(nc, config.names)
+    await Topology(publisher.api, config).ensure()
+    sink = _LogSink()
+    producer = _Producer(publisher, SoakOptions(seed=1, keys=12, rate=60.0, max_backlog=20, workdir=tmp_path,
+                                                progress=None),
+                         random.Random(1), sink, [])  # type: ignore[arg-type]
+    ending = asyncio.Event()
+    running = asyncio.create_task(producer.run(ending))
+
+    async def until(condition: Callable[[], bool]) -> None:
+        """Poll the producer's counters (plain fields: nothing to await) until ``condition`` holds."""
+        async with asyncio.timeout(20):
+            while not condition():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+
+    try:
+        await until(lambda: producer.held_back >= 0.3)
+        stored = producer.enqueued
+        assert stored > 20
+        await until(lambda: producer.held_back >= 1.5)  # 12 turns of 0.1 s held back: nothing stored
+        assert producer.enqueued == stored
+        await publisher.api.purge(config.names.inbox_stream)
+        await until(lambda: producer.enqueued > stored)  # the next check finds the inbox empty
+    finally:
+        ending.set()
+        await running
+    assert len([line for line in sink.lines if line["kind"] == "stored"]) == producer.enqueued
