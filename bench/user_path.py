@@ -139,6 +139,7 @@ async def _timed(api: JetStreamApi, workers: _Workers, keys: int, per_key: int, 
     workers.pause()
     try:
         before = await server_counters.snapshot(monitoring) if monitoring else None
+        sent = api.nc.stats["out_msgs"]  # the polls below go on this connection alone
         producer = time.process_time()
         await enqueue_many(items)
         producer = time.process_time() - producer
@@ -149,7 +150,8 @@ async def _timed(api: JetStreamApi, workers: _Workers, keys: int, per_key: int, 
     elapsed = time.perf_counter() - began
     server = None
     if before is not None:
-        server = (await server_counters.snapshot(monitoring) - before).per(len(items), extra_api=polls)
+        server = (await server_counters.snapshot(monitoring) - before).per(
+            len(items), extra_api=polls, extra_msgs=api.nc.stats["out_msgs"] - sent)
     stored_first = Workload(len(items) / elapsed, (workers.cpu() - cpu) / len(items) * 1e6,
                             producer / len(items) * 1e6, server=server)
     if not end_to_end:
