@@ -80,7 +80,10 @@ the run (it was lost, or its key blocked). Bad requests never count for completi
 ``unexpected``; their runs count for overlaps like any other. A ``foreign-subject`` record (lines
 no client library writes, sent on the queue's subjects over a bare connection: its ``key`` is the
 one a worker reads from the token it stored on a subject that is not UTF-8) is settled once a
-worker gave that key back (a ``released`` or ``handed-off`` event for it after the record).
+worker gave that key back (a ``released`` or ``handed-off`` event for it after the record), or by
+a ``token_gone`` record the soak wrote for its key after the run: the token was no longer in the
+token stream, so a worker read it and released it (the first step of a give-back; a worker that
+died before the rest of it never logged ``released``, and the key's lease record ends by its TTL).
 
 *Completions and order.* An ``end`` not marked ``"ok": false`` completes its ``(key, tag)``. Per
 key, each request's *first* completion must come in enqueue order (the ``expected`` list); an
@@ -557,16 +560,20 @@ def _bad_inputs(ordered: Sequence[Record]) -> list[BadInput]:
         elif r.get("event") == "succeeded":
             settled[str(r["request_id"])] = ("done", "")
     given_back = defaultdict(list)  # key -> when a worker gave it back (for foreign-subject tokens)
+    tokens_gone: set[str] = set()  # keys whose token the soak found gone from the stream after the run
     for r in ordered:
         if r.get("kind") == "event" and r.get("event") in GIVEN_BACK:
             given_back[str(r.get("key"))].append(float(r["t"]))
+        elif r.get("kind") == "token_gone":
+            tokens_gone.add(str(r.get("key")))
     found = []
     for r in stored:
         rid, bad = str(r["request_id"]), str(r.get("bad", ""))
         how, reason = settled.get(rid, ("", ""))
         if bad == "foreign-subject":
             t = float(r["t"])
-            how = "given back" if any(at >= t for at in given_back.get(str(r["key"]), ())) else ""
+            how = ("given back" if any(at >= t for at in given_back.get(str(r["key"]), ()))
+                   else "token released" if str(r["key"]) in tokens_gone else "")
         if how == "done" and bad != "long-inbox":
             how = ""  # a request the worker must refuse was run: not settled as it should be
         found.append(BadInput(str(r["key"]), str(r["tag"]), rid, bad, how, reason))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -79,6 +80,7 @@ from keyqueue.errors import (
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect, link_of
 from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
+from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.server.cluster import EmbeddedCluster
 from keyqueue.server.embedded import HOST, EmbeddedServer
@@ -472,7 +474,11 @@ async def soak(options: SoakOptions) -> SoakResult:
                 fleet.start(name)
         enqueued = await producing
         say(f"chaos: faults stopped after {time.monotonic() - began:.0f}s; waiting for {enqueued} requests")
-        await _settle(log_path, producer.expected, producer.foreign, options.settle_timeout)
+        api = JetStreamApi(nc)
+        gone = await _settle(log_path, producer.expected, producer.foreign, options.settle_timeout,
+                             functools.partial(_foreign_tokens_stored, api))
+        for key in gone:
+            fleet.note("soak", "token_gone", key=key)
         await _note_dead_letters(fleet, JetStreamApi(nc))
         settled.set()
         await sampling
@@ -524,13 +530,20 @@ async def _foreign_ack(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     return False  # the server closed the connection
 
 
-async def _settle(log_path: Path, expected: dict[str, list[str]], foreign: dict[str, float], timeout: float) -> None:
+async def _settle(log_path: Path, expected: dict[str, list[str]], foreign: dict[str, float], timeout: float,
+                  tokens_stored: Callable[[set[str]], Awaitable[set[str]]] | None = None) -> set[str]:
     """Wait until every expected request has completed and every foreign token's key was given back
-    after it was sent (or ``timeout``: the checker reports the rest)."""
+    after it was sent (or ``timeout``: the checker reports the rest).
+
+    Once only foreign tokens are left, ``tokens_stored`` is asked each second which of their keys
+    still have a token stored: one gone was read and released by a worker that may have died before
+    it logged the rest of the give-back. Returns those keys (the soak logs them ``token_gone``)."""
     wanted = {(key, tag) for key, tags in expected.items() for tag in tags}
     tokens = dict(foreign)
+    gone: set[str] = set()
     tail = LogTail(log_path)
     deadline = time.monotonic() + timeout
+    asked = -math.inf
     while time.monotonic() < deadline:
         for r in tail.new_records():
             if r["kind"] == "end" and r.get("ok", True):
@@ -539,9 +552,31 @@ async def _settle(log_path: Path, expected: dict[str, list[str]], foreign: dict[
                 key = str(r["key"])
                 if float(str(r["t"])) >= tokens.get(key, math.inf):
                     del tokens[key]
+        if tokens and not wanted and tokens_stored is not None and time.monotonic() - asked >= 1.0:
+            asked = time.monotonic()
+            with contextlib.suppress(KeyqueueError):
+                left = await tokens_stored(set(tokens))
+                for key in set(tokens) - left:
+                    del tokens[key]
+                    gone.add(key)
         if not wanted and not tokens:
-            return
+            return gone
         await asyncio.sleep(0.25)
+    return gone
+
+
+async def _foreign_tokens_stored(api: JetStreamApi, keys: set[str]) -> set[str]:
+    """Which of the foreign tokens' ``keys`` (as a worker reads them, ``\\xNN`` escaped) still have
+    their token in the token stream. The server names a subject that is not UTF-8 with U+FFFD for
+    each byte it cannot read, as Python's ``errors="replace"`` does."""
+    names = QueueNames(QUEUE)
+    stored = await api.subjects(names.token_stream, names.token_prefix + ">")
+    return {key for key in keys if names.token_prefix + _foreign_raw(key).decode(errors="replace") in stored}
+
+
+def _foreign_raw(key: str) -> bytes:
+    """A foreign token's key as the bytes it was sent as (the inverse of ``backslashreplace``)."""
+    return key.encode().decode("unicode_escape").encode("latin-1")
 
 
 SNAPSHOT_WAIT: Final = 120.0

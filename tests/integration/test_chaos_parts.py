@@ -1,4 +1,5 @@
-"""The chaos harness's parts against a real nats-server: the fault proxy, its script, the fenced store."""
+"""The chaos harness's parts against a real nats-server: the fault proxy, its script, the fenced store,
+the soak's producer and its look at the token stream."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from nats.aio.msg import Msg
 
 from keyqueue.chaos.checker import check
 from keyqueue.chaos.fenced import FencedRecord, FencedStore
+from keyqueue.chaos.handlers import foreign_subjects
 from keyqueue.chaos.proxy import FaultProxy, FaultScript, FaultSpec, ProxyGroup
-from keyqueue.chaos.soak import QUEUE, SoakOptions, _Producer
+from keyqueue.chaos.soak import QUEUE, SoakOptions, _foreign_ack, _foreign_tokens_stored, _Producer
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
 
@@ -464,3 +466,28 @@ async def test_the_soaks_producer_stores_nothing_while_the_backlog_is_over_its_l
         ending.set()
         await running
     assert len([line for line in sink.lines if line["kind"] == "stored"]) == producer.enqueued
+
+
+async def test_the_soak_finds_which_foreign_tokens_are_still_stored(nc: Client, nats_url: str) -> None:
+    # A token stored on a subject that is not UTF-8, sent over a bare connection as the soak sends it:
+    # the server names it with U+FFFD for each byte it cannot read; the soak finds it by its key as a
+    # worker reads it, and finds it gone once the token stream no longer holds it.
+    config = QueueConfig(QUEUE, ack_wait=2.0)
+    api = Publisher(nc, config.names).api
+    await Topology(api, config).ensure()
+    lines, key = foreign_subjects(QUEUE, 7)
+    host, port = nats_url.removeprefix("nats://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        await reader.readline()  # INFO
+        writer.write(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n' + lines)
+        await writer.drain()
+        assert await _foreign_ack(reader, writer)
+    finally:
+        writer.close()
+    await nc.publish(config.names.token("k1"), b"")  # an ordinary key's token is none of these
+    await nc.flush()
+    assert key == "\\xff\\xfe7"
+    assert await _foreign_tokens_stored(api, {key, "\\xff\\xfe8"}) == {key}
+    await api.purge(config.names.token_stream, subject=config.names.token_prefix + ">")
+    assert await _foreign_tokens_stored(api, {key}) == set()

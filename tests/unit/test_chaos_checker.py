@@ -627,6 +627,19 @@ def test_a_foreign_token_is_settled_once_a_worker_gives_its_key_back_after_it_wa
     assert verdict.ok, verdict.summary()
 
 
+def test_a_foreign_token_found_gone_after_the_run_is_settled_though_its_holder_never_logged_the_end() -> None:
+    # w1 takes the key and dies in its give-back, after releasing the token and before it logs
+    # "released" (seen in an R3 soak: a GIL-holding run froze it, its lease alarm killed it). The
+    # soak finds the token gone from the stream after the run: released, so settled.
+    foreign = [rec("bad_input", "producer", 1.0, "\\xff\\xfe0", "foreign-0", request_id="foreign-0",
+                   bad="foreign-subject"), event("acquired", "w1", 1.1, "\\xff\\xfe0"), rec("killed", "w1", 1.3)]
+    verdict = check([*clean_log(), *foreign], {**EXPECTED, "j": ["x"]})
+    assert [b.settled for b in verdict.bad_inputs] == [""] and not verdict.ok
+    verdict = check([*clean_log(), *foreign, rec("token_gone", "soak", 9.0, "\\xff\\xfe0")], {**EXPECTED, "j": ["x"]})
+    assert [b.settled for b in verdict.bad_inputs] == ["token released"]
+    assert verdict.ok, verdict.summary()
+
+
 def test_a_hand_off_counts_from_the_end_of_a_sync_body_running_at_the_fault() -> None:
     # w1's thread runs a from 1.1 to 5.0 (a slow sync task) when its connection is reset at 2; b can
     # only start once a is done: the hand-off is measured from 5.0, not 2.0.
