@@ -48,8 +48,12 @@ CHAOS_CLUSTER_ARGS ?= --seed 7 --faults 1000 --classes all --handlers all --rss-
 chaos-cluster: $(STAMP)
 	$(PY) -m keyqueue.chaos $(CHAOS_CLUSTER_ARGS)
 
+# The suite mostly waits on servers and workers: TEST_WORKERS processes run it, each test file on
+# one of them (the Spark tests share one, and its JVM); the soaks marked serial run alone after.
+TEST_WORKERS ?= 3
 test: $(STAMP) java-check chromium-check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # Strict mypy over all of the unit tests (their fakes of the core's I/O seams, keyqueue/core/key_io.py, are
 # checked against them) and the benchmarks; its settings, stubs and the modules it cannot see: pyproject.toml.

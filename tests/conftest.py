@@ -13,6 +13,17 @@ from keyqueue.errors import ConfigError
 from keyqueue.server.embedded import EmbeddedServer, find_nats_server
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``make test``'s parallel run (pytest-xdist, ``--dist loadgroup``): each test file runs on
+    one worker process, in order, its module fixtures made once; the Spark tests all on one (one
+    JVM, their shared session)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            path = item.path.relative_to(item.config.rootpath)
+            group = "spark" if path.parts[:2] == ("tests", "spark") else str(path)
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Fail the whole run (never skip) when there is no usable nats-server, with the fix."""
     try:
