@@ -49,8 +49,9 @@ chaos-cluster: $(STAMP)
 	$(PY) -m keyqueue.chaos $(CHAOS_CLUSTER_ARGS)
 
 # The suite mostly waits on servers and workers: TEST_WORKERS processes run it, each test file on
-# one of them (the Spark tests share one, and its JVM); the soaks marked serial run alone after.
-TEST_WORKERS ?= 3
+# one of them (the Spark tests share one, and its JVM); the tests marked serial (the soaks, the
+# browser tests) run alone after.
+TEST_WORKERS ?= 2
 test: $(STAMP) java-check chromium-check
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
 	$(PY) -m pytest -q -m serial

@@ -13,13 +13,17 @@ from keyqueue.errors import ConfigError
 from keyqueue.server.embedded import EmbeddedServer, find_nats_server
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the markers added here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``make test``'s parallel run (pytest-xdist, ``--dist loadgroup``): each test file runs on
+    """For ``make test``'s parallel run (pytest-xdist, ``--dist loadgroup``): each test file runs on
     one worker process, in order, its module fixtures made once; the Spark tests all on one (one
-    JVM, their shared session)."""
+    JVM, their shared session). The browser tests are ``serial``: they run alone after the parallel
+    part (a page waited on for 20 s timed out three times when beside it)."""
     for item in items:
+        path = item.path.relative_to(item.config.rootpath)
+        if path.parts[:2] == ("tests", "browser"):
+            item.add_marker(pytest.mark.serial)
         if item.get_closest_marker("xdist_group") is None:
-            path = item.path.relative_to(item.config.rootpath)
             group = "spark" if path.parts[:2] == ("tests", "spark") else str(path)
             item.add_marker(pytest.mark.xdist_group(group))
 
