@@ -48,13 +48,18 @@ CHAOS_CLUSTER_ARGS ?= --seed 7 --faults 1000 --classes all --handlers all --rss-
 chaos-cluster: $(STAMP)
 	$(PY) -m keyqueue.chaos $(CHAOS_CLUSTER_ARGS)
 
-# The suite mostly waits on servers and workers: TEST_WORKERS processes run it, each test file on
-# one of them (the Spark tests share one, and its JVM); the tests marked serial (the soaks, the
-# browser tests) run alone after.
-TEST_WORKERS ?= 2
+# One process by default (CI's run). `make test TEST_WORKERS=2` runs the suite in 2 processes
+# (pytest-xdist: each test file on one of them, the Spark tests on one with their JVM), then the
+# tests marked serial (the soaks, the browser tests) alone: about 20 minutes against 26 on 2 cores
+# (docs/decisions.md, "The suite in parallel processes: an option, not the default").
+TEST_WORKERS ?= 1
 test: $(STAMP) java-check chromium-check
+ifeq ($(TEST_WORKERS),1)
+	$(PY) -m pytest -q
+else
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
 	$(PY) -m pytest -q -m serial
+endif
 
 # Strict mypy over all of the unit tests (their fakes of the core's I/O seams, keyqueue/core/key_io.py, are
 # checked against them) and the benchmarks; its settings, stubs and the modules it cannot see: pyproject.toml.
