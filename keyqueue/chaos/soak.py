@@ -479,7 +479,7 @@ async def soak(options: SoakOptions) -> SoakResult:
                              functools.partial(_foreign_tokens_stored, api))
         for key in gone:
             fleet.note("soak", "token_gone", key=key)
-        await _note_dead_letters(fleet, JetStreamApi(nc))
+        await _note_dead_letters(fleet, api)
         settled.set()
         await sampling
         await supervising

@@ -88,6 +88,15 @@ def text_of(driver: WebDriver, css: str) -> str:
     raise AssertionError(f"{css!r} kept being replaced while it was read")
 
 
+def texts_of(driver: WebDriver, css: str) -> list[str]:
+    """The text of every element ``css`` selects, read in one step of the page's own script: a live
+    refresh replaces the region between two WebDriver calls, and a row of cells read one call each
+    can go stale on every try under load (seen: 20 s of tries, none whole)."""
+    texts = driver.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0]), e => e.innerText.trim());", css)
+    return [str(t) for t in texts]
+
+
 def number_in(text: str) -> int | None:
     match = re.search(r"\d+", text)
     return int(match.group()) if match else None

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_pages import click, make_browser, number_in, start_dashboard, text_of, until
+from browser_pages import click, make_browser, number_in, start_dashboard, text_of, texts_of, until
 from command_output import Command
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
@@ -79,8 +79,7 @@ async def test_held_key_shows_its_holder(browser: WebDriver, dashboard: str, pro
     row = '[data-key="o-held"]'
     await until(browser, lambda d: text_of(d, f'{row} [data-testid="holder"]') == "web-1",
                 "the held key shows the worker that holds it")
-    cells = await until(browser, lambda d: [c.text for c in d.find_elements(By.CSS_SELECTOR, f"{row} td")],
-                        "the held key's row")
+    cells = await until(browser, lambda d: texts_of(d, f"{row} td"), "the held key's row")
     assert cells[2] == "held" and cells[5].isdigit() and cells[9].endswith("ago"), cells
 
     # The search and the filter are a GET form: the URL of what is shown can be shared.

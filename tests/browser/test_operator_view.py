@@ -24,6 +24,7 @@ from browser_pages import (
     number_in,
     start_dashboard,
     text_of,
+    texts_of,
     until,
 )
 from command_output import Command
@@ -351,8 +352,8 @@ async def test_a_keys_runs_come_from_stored_events_not_from_what_the_dashboard_s
         driver.get(base + "/queues/shop/keys/h-1")
         await until(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, '#runs tr[data-outcome="succeeded"]')) == 3,
                     "the three runs, read from the events stream")
-        cells = await until(driver, lambda d: [c.text for c in d.find_elements(
-            By.CSS_SELECTOR, '#runs tr[data-outcome="succeeded"] td')][:9], "the newest run's cells")
+        cells = await until(driver, lambda d: texts_of(d, '#runs tr[data-outcome="succeeded"] td')[:9],
+                            "the newest run's cells")
         assert cells[1] == "succeeded" and cells[3] == "touch" and cells[5] == "web-1", cells
         assert cells[6].isdigit() and cells[7] != "-", "the holder's fencing number and the run's duration"
         assert "acquired" in text_of(driver, "#events")

@@ -16,7 +16,7 @@ from keyqueue.chaos.checker import LivenessBounds, read_log
 from keyqueue.chaos.handlers import BAD_INPUTS, HANDLERS, SHAPES
 from keyqueue.chaos.soak import CLASSES, SoakOptions, soak
 
-pytestmark = pytest.mark.serial  # make test runs the soaks alone, after the parallel part
+pytestmark = pytest.mark.serial  # alone, after the parallel part of make test TEST_WORKERS=N
 
 BOUNDS = LivenessBounds.for_lease(2.0, strand=4.0, resume=4.0, slack=2.0)
 """The soaks' lease is 2 s. A test shares its machine with others (in CI, and here): its strands and
