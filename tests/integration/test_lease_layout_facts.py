@@ -22,6 +22,9 @@ key's subjects.
    purge) removes that write. A literal check refuses (10164). So D2's single wildcard publish is R1-only.
    (``bench/r3_wildcard_cas.py`` counts the same race between two connections.)
 4. A ``$JS.API.STREAM.MSG.DELETE`` request published with no reply subject is still carried out.
+5. A stream that allows schedules cannot discard new messages (created so, updated to it, or with
+   schedules turned on over a cap), and schedules cannot be turned off again: a D2 inbox cannot have
+   the per-key backlog cap, ever.
 """
 
 from __future__ import annotations
@@ -293,3 +296,25 @@ async def test_a_message_delete_without_a_reply_subject_is_carried_out(nc: Clien
     await until(deleted, timeout=5)
     assert await message(nc, seqs[2]) is not None
     assert await subjects(nc) == {"kq.t.ls.k2": 1}
+
+
+async def test_a_stream_with_schedules_cannot_discard_new_so_d2_rules_out_the_backlog_cap(nc: Client) -> None:
+    # The inbox's per-key backlog cap is discard-new per subject (keyqueue.jetstream.topology.backlog_cap);
+    # D2 keeps its lease records as schedules in the inbox. The server takes neither together, nor
+    # schedules turned on for a capped inbox, nor schedules turned off again once on: a D2 inbox could
+    # never be given a cap.
+    capped = {**STREAM, "max_msgs_per_subject": 100, "discard": "new", "discard_new_per_subject": True}
+    refused = await api(nc, "STREAM.CREATE.S", capped)
+    assert "error" in refused and "message scheduling cannot use discard new" in refused["error"]["description"]
+
+    without = {key: value for key, value in capped.items() if key != "allow_msg_schedules"}
+    assert "error" not in await api(nc, "STREAM.CREATE.S", without)
+    turned_on = await api(nc, "STREAM.UPDATE.S", {**without, "allow_msg_schedules": True})
+    assert "error" in turned_on and "message scheduling cannot use discard new" in turned_on["error"]["description"]
+
+    assert "error" not in await api(nc, "STREAM.DELETE.S")
+    assert "error" not in await api(nc, "STREAM.CREATE.S", STREAM)
+    turned_off = await api(nc, "STREAM.UPDATE.S", {**STREAM, "allow_msg_schedules": False})
+    assert "error" in turned_off and "can not be disabled" in turned_off["error"]["description"]
+    capped_later = await api(nc, "STREAM.UPDATE.S", capped)
+    assert "error" in capped_later and "cannot use discard new" in capped_later["error"]["description"]
