@@ -7,15 +7,15 @@ gossips; each server therefore gossips an address that refuses connections, whic
 route on a proxy, also after a cut-off heals.
 
 Route ports (and proxy ports) must be known before any server starts, so they are picked with
-``free_tcp_port()``: bound, read and released. Another process can take one before its server
-or proxy binds it; the first ``start()`` then sees "address already in use" and lays the
-cluster out again on fresh ports, up to ``_START_ATTEMPTS`` (5) times.
+``free_tcp_port()``: bound, read and released, outside the kernel's ephemeral range (so that no
+outgoing connection is given one while its server is down for a restart). Another process can
+take one before its server or proxy binds it; the first ``start()`` then sees "address already in
+use" and lays the cluster out again on fresh ports, up to ``_START_ATTEMPTS`` (5) times.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import socket
 import time
 from collections.abc import Callable, Coroutine, Iterable
@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any, Final, Protocol, Self
 
 from keyqueue.errors import ConfigError, KeyqueueTimeout
-from keyqueue.server.embedded import HOST, ClusterSpec, EmbeddedServer, free_tcp_port
+from keyqueue.server.embedded import HOST, ClusterSpec, EmbeddedServer, free_tcp_port, port_taken
 from keyqueue.server.probe import accepts_replicated_stream
 
 __all__ = ["EmbeddedCluster", "RouteProxy", "RouteProxyFactory"]
@@ -147,7 +147,7 @@ class EmbeddedCluster:
                 # Once the servers have run on their ports, clients and stores know them: a start
                 # after stop() binds the same ones, and so can in theory still meet a port taken
                 # meanwhile (it fails with the server's "address already in use").
-                if self._ports_kept or not _port_taken(exc):
+                if self._ports_kept or not port_taken(exc):
                     raise
                 if attempt == _START_ATTEMPTS:
                     raise ConfigError(
@@ -193,8 +193,9 @@ class EmbeddedCluster:
     async def restart(self, index: int, timeout: float = 30.0) -> None:
         """Restart server ``index`` (also after ``kill``) on its port and store.
 
-        It binds the ports it had: should another process have taken one meanwhile (possible in
-        theory, not seen), this raises the server's "address already in use" ``ConfigError``."""
+        It binds the ports it had. They lie outside the kernel's ephemeral range, so no outgoing
+        connection is given one meanwhile; should another process bind one on purpose, this raises
+        the server's "address already in use" ``ConfigError``."""
         await self.servers[index].restart(timeout)
 
     def routes_of(self, index: int) -> list[RouteProxy]:
@@ -222,18 +223,6 @@ class EmbeddedCluster:
         await self.aclose()
 
 
-def _port_taken(exc: BaseException) -> bool:
-    """Whether ``exc`` says a port was in use: nats-server exits with "address already in use"
-    (``EmbeddedServer.start()`` raises a ``ConfigError`` quoting it), a proxy's bind raises
-    ``OSError(EADDRINUSE)``."""
-    if isinstance(exc, OSError):
-        return exc.errno == errno.EADDRINUSE
-    text = str(exc).lower()
-    # Go on Windows: "Only one usage of each socket address (protocol/network address/port) ...".
-    return isinstance(exc, ConfigError) and ("address already in use" in text
-                                             or "only one usage of each socket address" in text)
-
-
 async def _all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
     """Await ``coros`` concurrently. On the first failure, cancel the others, wait for them and
     raise it (a taken port before any other failure seen at that moment), so no start goes on
@@ -249,4 +238,4 @@ async def _all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
     failures = [exc for task in tasks if not task.cancelled() and (exc := task.exception()) is not None]
     if failures:
-        raise next((exc for exc in failures if _port_taken(exc)), failures[0])
+        raise next((exc for exc in failures if port_taken(exc)), failures[0])

@@ -1,9 +1,11 @@
 """The embedded nats-server: a real server on a loopback port, for development and tests.
 
 ``EmbeddedServer`` runs one ``nats-server`` process with JetStream, bound to 127.0.0.1. Port 0
-lets the server pick a free port (it reports it through a ports file, so there is no
-bind-then-release race); once chosen, the port and the store are kept across ``stop()`` /
-``start()`` and ``restart()``, so clients reconnect to the same URL and JetStream data survives.
+picks a free port outside the kernel's ephemeral range (``free_tcp_port``; the first start picks
+again if another process binds it first); once chosen, the port and the store are kept across
+``stop()`` / ``start()`` and ``restart()``, so clients reconnect to the same URL and JetStream data
+survives. (A port the server chose itself would come from the ephemeral range, where an outgoing
+connection can be given it while the server is down for a restart.)
 Two servers on one store would corrupt it: a server holds an exclusive lock on ``LOCK_FILE`` in
 its store while it runs, and a second one is refused, naming the first.
 ``EmbeddedCluster`` (``keyqueue.server.cluster``) runs N of them as one JetStream cluster;
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -51,6 +55,7 @@ __all__ = [
     "check_sync_interval",
     "find_nats_server",
     "free_tcp_port",
+    "port_taken",
     "server_version",
 ]
 
@@ -132,17 +137,74 @@ def _server_version(path: str, mtime_ns: int) -> tuple[int, int, int]:
     return major, minor, patch
 
 
-def free_tcp_port() -> int:
-    """A TCP port on loopback that was free a moment ago.
+PICKED_PORTS: Final = (20000, 32768)
+"""Where ``free_tcp_port()`` picks from when the kernel's ephemeral range cannot be read: below
+Linux's default range (32768-60999) and macOS's (49152-65535)."""
 
-    Another process may take it before it is used; prefer letting the server choose (port 0)
-    where that is possible. Cluster route ports must be known up front, so they use this
-    (``EmbeddedCluster.start()`` picks them again when one was taken).
+_START_ATTEMPTS: Final = 5
+"""Ports a first ``EmbeddedServer.start()`` tries when another process takes the one it picked."""
+
+_PICK_TRIES: Final = 100
+"""Ports ``free_tcp_port()`` tries in the picking range before it takes one the kernel hands out."""
+
+
+def ephemeral_ports() -> tuple[int, int] | None:
+    """The range the kernel takes outgoing connections' local ports from (Linux), or None."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2]
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return None
+
+
+def picking_range(ephemeral: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The ports (``[start, stop)``) ``free_tcp_port()`` picks from: the bigger of the stretches below
+    and above the ephemeral range, from 10000 up; :data:`PICKED_PORTS` if the range is unknown; None if
+    neither stretch has a thousand ports."""
+    if ephemeral is None:
+        return PICKED_PORTS
+    low, high = ephemeral
+    below, above = (10000, low), (high + 1, 65536)
+    best = max(below, above, key=lambda span: span[1] - span[0])
+    return best if best[1] - best[0] >= 1000 else None
+
+
+def free_tcp_port() -> int:
+    """A TCP port on loopback that was free a moment ago, outside the kernel's ephemeral range.
+
+    Another process may bind it before it is used (``EmbeddedServer.start()`` and
+    ``EmbeddedCluster.start()`` pick again when that happens on a first start). Outside the
+    ephemeral range, no outgoing connection is given it as its local port: a server stopped for a
+    restart finds its port still free when it starts again, however many connections were opened
+    meanwhile (the server's own clients reconnecting, probes of /healthz). Where the range leaves
+    no room, a port the kernel picks (which can meet that race).
     """
+    span = picking_range(ephemeral_ports())
+    if span is not None:
+        for _ in range(_PICK_TRIES):
+            port = random.randrange(*span)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((HOST, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        picked: int = sock.getsockname()[1]
+        return picked
+
+
+def port_taken(exc: BaseException) -> bool:
+    """Whether ``exc`` says a port was in use: nats-server exits with "address already in use"
+    (``EmbeddedServer.start()`` raises a ``ConfigError`` quoting it), a socket's bind raises
+    ``OSError(EADDRINUSE)``."""
+    if isinstance(exc, OSError):
+        return exc.errno == errno.EADDRINUSE
+    text = str(exc).lower()
+    # Go on Windows: "Only one usage of each socket address (protocol/network address/port) ...".
+    return isinstance(exc, ConfigError) and ("address already in use" in text
+                                             or "only one usage of each socket address" in text)
 
 
 _DURATION_RE: Final = re.compile(r"^\d+(\.\d+)?(ms|s|m|h)$")
@@ -315,6 +377,25 @@ class EmbeddedServer:
         if self.running:
             return
         deadline = time.monotonic() + timeout
+        if self._port is None:
+            # Picked here, outside the kernel's ephemeral range (free_tcp_port), rather than by the
+            # server (port -1, which draws from that range): an outgoing connection could be
+            # given it as its local port while the server is down for a restart.
+            for attempt in range(1, _START_ATTEMPTS + 1):
+                self._port = free_tcp_port()
+                try:
+                    await self._start(deadline)
+                    return
+                except ConfigError as exc:
+                    # Another process took it between the pick and the server's bind: pick again.
+                    # Only the client port's own failure (a route port taken is the cluster's).
+                    failed = self._port
+                    self._port = None
+                    if not (port_taken(exc) and f"{HOST}:{failed}," in str(exc)) or attempt == _START_ATTEMPTS:
+                        raise
+        await self._start(deadline)
+
+    async def _start(self, deadline: float) -> None:
         self._lock_store()
         try:
             self._launch()

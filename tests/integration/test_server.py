@@ -27,8 +27,16 @@ from nats.js.api import StreamConfig
 
 from keyqueue.chaos.proxy import FaultProxy
 from keyqueue.errors import ConfigError, KeyqueueTimeout, ServerNotFound
+from keyqueue.server import embedded as embedded_module
 from keyqueue.server.cluster import EmbeddedCluster
-from keyqueue.server.embedded import LOCK_FILE, EmbeddedServer, find_nats_server
+from keyqueue.server.embedded import (
+    LOCK_FILE,
+    EmbeddedServer,
+    ephemeral_ports,
+    find_nats_server,
+    free_tcp_port,
+    picking_range,
+)
 
 
 async def _publish(url: str, stream: str, count: int, *, replicas: int = 1) -> None:
@@ -141,6 +149,31 @@ async def test_port_in_use_is_a_config_error() -> None:
             await server.start(timeout=10)
         assert not server.running
         server.close_sync()
+
+
+async def test_its_ports_lie_outside_the_kernels_ephemeral_range(nats_server: EmbeddedServer) -> None:
+    # A port from the ephemeral range can be given to an outgoing connection while its server is
+    # down for a restart, which then cannot bind it again.
+    ephemeral = ephemeral_ports()
+    span = picking_range(ephemeral)
+    assert span is not None, f"this machine's ephemeral range {ephemeral} leaves no room to pick from"
+    picked = [free_tcp_port() for _ in range(50)] + [nats_server.port]
+    assert all(span[0] <= port < span[1] for port in picked), (span, picked)
+    if ephemeral is not None:
+        assert not any(ephemeral[0] <= port <= ephemeral[1] for port in picked)
+
+
+async def test_a_picked_client_port_taken_before_the_server_binds_it_is_picked_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        answers = iter([taken.getsockname()[1]])
+        monkeypatch.setattr(embedded_module, "free_tcp_port", lambda: next(answers, None) or free_tcp_port())
+        async with EmbeddedServer() as server:
+            assert server.port not in (None, taken.getsockname()[1])
+            await _publish(server.url, "AGAIN", 1)
+            assert await _stored_messages(server.url, "AGAIN") == 1
 
 
 async def test_start_timeout_reports_the_log_tail(tmp_path: Path) -> None:
