@@ -11,6 +11,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from command_output import Command
@@ -258,6 +259,16 @@ async def test_a_full_backlog_holds_up_no_other_key(nats_url: str) -> None:
         await producer.close()
 
 
+async def _movers_settled(api: JetStreamApi, stream: str, consumer: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The movers consumer's info once it has nothing pending or unacknowledged (or at ``timeout``)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        info = await api.consumer_info(stream, consumer)
+        if (info["num_ack_pending"] == 0 and info["num_pending"] == 0) or asyncio.get_running_loop().time() > deadline:
+            return info
+        await asyncio.sleep(0.05)  # the server's state: nothing to await
+
+
 async def test_a_burst_due_at_once_is_moved_in_batches_and_keeps_each_keys_order(nats_url: str) -> None:
     """Many requests due at one instant, several per key: the mover delivered the one in flight
     moves those stored after it too (far fewer deliveries than requests), each key's in its order,
@@ -285,7 +296,9 @@ async def test_a_burst_due_at_once_is_moved_in_batches_and_keeps_each_keys_order
             await runs.count(len(items), timeout=60)
             await work.options(countdown=0.2).enqueue(key="b0", tag="later")
             await runs.count(len(items) + 1, timeout=30)
-            movers = await JetStreamApi(nc).consumer_info(stream, MOVERS)
+            # The mover acks "later" after its token is stored, so its run can end before the ack
+            # lands: wait for the consumer to say so.
+            movers = await _movers_settled(JetStreamApi(nc), stream, MOVERS)
             due_left = await JetStreamApi(nc).stream_info(stream, subjects_filter=ScheduleNames(QUEUE).due_prefix + ">")
         for k in range(60):
             assert runs.tags(f"b{k}") == [f"b{k}-{i}" for i in range(4)] + (["later"] if k == 0 else [])

@@ -52,6 +52,7 @@ async def test_the_token_is_published_only_once_the_request_is_stored(nc: Client
         return body.get("stream") == config.names.inbox_stream and body.get("seq") == stored.seq
 
     subjects = [m.subject for m in seen]
+    assert config.names.inbox("k") in subjects, subjects
     published = subjects.index(config.names.inbox("k"))
     acknowledged = next(i for i, m in enumerate(seen) if is_request_ack(m))
     scheduled = subjects.index(config.names.token("k"))
