@@ -218,6 +218,8 @@ class KeyqueueClient(Client):
         super().__init__()
         self._ps = LeanParser(self)  # keyqueue's own subscriptions' messages handed on at once
         self.link = Link()
+        self._unexpected_reconnect_errors = 0
+        self._unexpected_reconnect_logged = float("-inf")
         self.target: str | ConnectOptions | None = None
         """What :func:`connect` was given: another connection to the same servers, with the same
         credentials, can be opened with it (the loop watchdog does, from its own thread)."""
@@ -238,6 +240,33 @@ class KeyqueueClient(Client):
         if not (subject.isascii() and reply.isascii()):
             subject, reply = readable_subject(subject), readable_subject(reply)
         await super()._process_msg(sid, subject, reply, data, headers)
+
+    async def _attempt_reconnect(self) -> None:
+        """nats-py's reconnect, tried again when it ends in an exception nats-py does not expect.
+
+        nats-py's reconnect loop catches ``OSError``, its own errors and timeouts; any other exception
+        ends its task without a word (the client keeps a reference to the task, so asyncio never
+        reports it), and the client then stays "reconnecting" for good, ignoring every later error:
+        a worker that is alive and will never work again. This logs the exception and reconnects
+        again after ``reconnect_time_wait``, as nats-py does after an error it knows.
+        """
+        while True:
+            try:
+                await super()._attempt_reconnect()
+                return
+            except Exception as exc:
+                task = asyncio.current_task()
+                if self.is_closed or (task is not None and task.cancelling()):
+                    raise
+                self._unexpected_reconnect_errors += 1
+                now = time.monotonic()
+                if now - self._unexpected_reconnect_logged >= ERROR_LOG_INTERVAL:
+                    self._unexpected_reconnect_logged = now
+                    log.error("NATS connection %s: reconnecting failed unexpectedly (%s: %s; %d time(s) since the "
+                              "last report); trying again", self.options.get("name"), type(exc).__name__, exc,
+                              self._unexpected_reconnect_errors, exc_info=exc)
+                    self._unexpected_reconnect_errors = 0
+                await asyncio.sleep(max(0.05, float(self.options.get("reconnect_time_wait") or 0.25)))
 
     async def close(self) -> None:
         self.link.closed_by_owner = True

@@ -11,6 +11,7 @@ import signal
 import nats.errors
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from queue_workers import running, stored_requests
 
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
@@ -206,5 +207,40 @@ async def test_bytes_still_buffered_when_the_connection_drops_are_not_sent_after
         await nc.flush()
         assert (await api.stream_info("LATE"))["state"]["messages"] == 0
         assert "bytes not yet sent were dropped" in caplog.text
+    finally:
+        await nc.close()
+
+
+async def test_a_reconnect_that_fails_in_a_way_nats_py_does_not_expect_is_tried_again(
+        nats_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # nats-py's reconnect loop catches OSError, its own errors and timeouts; another exception ended its
+    # task, and the client stayed "reconnecting" for good (a soak's worker, alive, did nothing for its
+    # last 190 s). keyqueue's client tries again.
+    watched = Watched()
+    nc = await watched.open(nats_server.url)
+    original = Client._process_connect_init
+    failures: list[str] = []
+
+    async def unexpected_once(self: Client) -> None:
+        if self is nc and not failures:
+            failures.append("raised")
+            raise ValueError("an exception nats-py's reconnect loop does not expect")
+        await original(self)
+
+    monkeypatch.setattr(Client, "_process_connect_init", unexpected_once)
+    try:
+        with caplog.at_level(logging.ERROR, logger="keyqueue.connection"):
+            await nats_server.restart()
+            await asyncio.wait_for(watched.down.wait(), 10)
+            await asyncio.wait_for(watched.up.wait(), 15)
+        assert failures == ["raised"] and nc.is_connected
+        assert "reconnecting failed unexpectedly (ValueError" in caplog.text
+        # The connection works: a request is answered.
+        async def pong(msg: Msg) -> None:
+            await msg.respond(b"pong")
+
+        sub = await nc.subscribe("echo", cb=pong)
+        assert (await nc.request("echo", b"ping", timeout=5)).data == b"pong"
+        await sub.unsubscribe()
     finally:
         await nc.close()
