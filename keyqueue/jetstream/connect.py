@@ -413,8 +413,9 @@ async def connect(target: str | ConnectOptions, *, name: str = "keyqueue",
     async def on_disconnect() -> None:
         # nats-py calls this before its first reconnect attempt (and on close, after flushing).
         dropped = discard_unsent(nc)
+        again = not nc.link.is_up and not nc.is_closed  # a reconnect tried again (KeyqueueClient): said already
         nc.link.down(closed=nc.is_closed, cause=nc.last_error)
-        if not nc.is_closed:
+        if not nc.is_closed and not again:
             log.warning("NATS connection %s: lost, reconnecting; publishes fail with Disconnected until it is "
                         "back%s", options["name"],
                         f"; {dropped} bytes not yet sent were dropped" if dropped else "")
