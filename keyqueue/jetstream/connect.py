@@ -218,8 +218,7 @@ class KeyqueueClient(Client):
         super().__init__()
         self._ps = LeanParser(self)  # keyqueue's own subscriptions' messages handed on at once
         self.link = Link()
-        self._unexpected_reconnect_errors = 0
-        self._unexpected_reconnect_logged = float("-inf")
+        self._reconnect_errors = LogThrottle(ERROR_LOG_INTERVAL)
         self.target: str | ConnectOptions | None = None
         """What :func:`connect` was given: another connection to the same servers, with the same
         credentials, can be opened with it (the loop watchdog does, from its own thread)."""
@@ -254,18 +253,14 @@ class KeyqueueClient(Client):
             try:
                 await super()._attempt_reconnect()
                 return
-            except Exception as exc:
-                task = asyncio.current_task()
-                if self.is_closed or (task is not None and task.cancelling()):
+            except Exception as exc:  # (a cancellation is no Exception: it ends the task as it should)
+                if self.is_closed:
                     raise
-                self._unexpected_reconnect_errors += 1
-                now = time.monotonic()
-                if now - self._unexpected_reconnect_logged >= ERROR_LOG_INTERVAL:
-                    self._unexpected_reconnect_logged = now
-                    log.error("NATS connection %s: reconnecting failed unexpectedly (%s: %s; %d time(s) since the "
-                              "last report); trying again", self.options.get("name"), type(exc).__name__, exc,
-                              self._unexpected_reconnect_errors, exc_info=exc)
-                    self._unexpected_reconnect_errors = 0
+                held_back = self._reconnect_errors.admit(type(exc))
+                if held_back is not None:
+                    log.error("NATS connection %s: reconnecting failed unexpectedly (%s: %s)%s; trying again",
+                              self.options.get("name"), type(exc).__name__, exc, LogThrottle.suffix(held_back),
+                              exc_info=exc)
                 await asyncio.sleep(max(0.05, float(self.options.get("reconnect_time_wait") or 0.25)))
 
     async def close(self) -> None:
