@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="longest a stored request may wait with its key and a worker free (default 2 s)")
     p.add_argument("--resume-bound", type=float, default=2.0,
                    help="after a fault shorter than the lease, its keys progress within this (default 2 s)")
+    p.add_argument("--silence-bound", type=float, default=5.0,
+                   help="longest a worker may write nothing while available with some request waiting on a free "
+                        "key: strand time of any request, summed (default 5 s); a silent worker's stacks are "
+                        "dumped into its stderr file")
     p.add_argument("--lease-slack", type=float, default=1.0,
                    help="after a lost holder's lease (whole seconds), its keys move within this (default 1 s)")
     p.add_argument("--handlers", default="async",
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes == 1 and set(CLUSTER_CLASSES) & set(classes):
         p.error(f"{', '.join(sorted(set(CLUSTER_CLASSES) & set(classes)))} need a cluster: leave out --nodes 1")
     bounds = LivenessBounds(lease=args.ack_wait, strand=args.strand_bound, resume=args.resume_bound,
-                            slack=args.lease_slack)
+                            slack=args.lease_slack, silence=args.silence_bound)
     options = SoakOptions(seed=args.seed, duration=args.duration, max_faults=args.faults, classes=classes,
                           nodes=args.nodes, workers=args.workers, keys=args.keys, rate=args.rate,
                           max_backlog=args.max_backlog,

@@ -7,7 +7,9 @@ process from a thread, so that a process that dies for any reason (a kill, a cra
 leaves an ``exited`` record within milliseconds of its death, not when somebody next looks
 (with its status: ``-9`` for a SIGKILL, whoever sent it, ``75`` for the loop watchdog; the
 supervisor starts a new process under the name). :class:`RssWatch` samples each worker process's
-resident memory after its warm-up and at the end of the soak.
+resident memory after its warm-up and at the end of the soak. :class:`SilenceWatch` asks a worker
+that wrote nothing for a while, with requests waiting, what it is doing (SIGQUIT and SIGHUP: its
+threads' and its asyncio tasks' stacks, in its stderr).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Faults", "Fleet", "LogTail", "RssSample", "RssWatch", "WorkerSpec", "rss_bytes"]
+__all__ = ["Faults", "Fleet", "LogTail", "RssSample", "RssWatch", "SilenceWatch", "WorkerSpec", "rss_bytes"]
 
 
 class LogTail:
@@ -274,6 +276,52 @@ class RssWatch:
             now = self.fleet.rss(name)
             samples.append(RssSample(name, pid, self.warm.get(pid), None if now is None else now[1]))
         return samples
+
+
+class SilenceWatch:
+    """Dumps a worker process that is running, neither stopped nor handled by a fault injector, and
+    has written nothing for ``after`` seconds while some stored request has not started: SIGQUIT
+    (its threads' stacks, from C) and SIGHUP (its NATS client's state and its asyncio tasks'
+    stacks), both into its stderr, once per silence; a ``dump`` record says when. It only looks:
+    the checker's silence rule (:mod:`keyqueue.chaos.liveness`) judges."""
+
+    def __init__(self, fleet: Fleet, after: float) -> None:
+        self.fleet = fleet
+        self.after = after
+        self._tail = LogTail(fleet.log_path)
+        self._heard: dict[str, float] = {}
+        self._waiting: set[object] = set()
+        self._dumped: set[str] = set()
+        self.dumps = 0
+
+    def look(self, now: float) -> None:
+        for r in self._tail.new_records():
+            kind, w = r.get("kind"), str(r.get("w"))
+            if kind == "stored":
+                self._waiting.add(r.get("tag"))
+            elif kind == "start":
+                self._waiting.discard(r.get("tag"))
+            if w in self.fleet.urls and kind != "dumped":
+                self._heard[w] = max(self._heard.get(w, 0.0), float(str(r["t"])))
+                self._dumped.discard(w)
+        if not self._waiting:
+            return
+        for name in self.fleet.names():
+            heard = self._heard.get(name)
+            if (heard is None or name in self._dumped or now - heard < self.after or name in self.fleet.paused
+                    or name in self.fleet.busy or not self.fleet.alive(name)):
+                continue
+            self._dumped.add(name)
+            self.dumps += 1
+            self.fleet.note("soak", "dump", target=name, silent_since=heard)
+            self.fleet.signal(name, signal.SIGQUIT)
+            self.fleet.signal(name, signal.SIGHUP)
+
+    async def run(self, ending: asyncio.Event) -> None:
+        while not ending.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ending.wait(), 1.0)
+            self.look(time.time())
 
 
 class Faults:

@@ -89,6 +89,16 @@ Time between ``f1`` (``f0`` for a ``kill-9``) and the key's move in which no wor
 no protocol moves a key to a worker that cannot take it. (The fault's own span is not: its bound
 already gives it in full.)
 
+*Silences.* A worker is *heard* at each record with its name in ``w`` but ``dumped`` (a state it
+wrote because the soak asked, :class:`keyqueue.chaos.fleet.SilenceWatch`). A
+silence is the stretch between two of them (or from the last to the end of the log, while its
+process runs); what counts of it is the time in which that worker was available, no fault
+disturbed the system, and some stored request waited with its key free and in no shadow (strand
+time, of any request): time in which a working worker takes a token and says so within a few
+round trips. A worker whose connection never came back, or whose pulls died, is silent through
+all of it while the others serve; one that is merely idle has no such time (every waiting key is
+held). A run's silence is its workers' largest; above ``LivenessBounds.silence`` it fails the run.
+
 A hand-off is *alone* when no other fault began after its fault and before the key moved, and
 none that began before it was still in effect when it began, on the server (a fault of a node or
 of every worker, a leaderless group's until its election at the latest) or on a holder of the key.
@@ -107,7 +117,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-__all__ = ["Distribution", "Handoff", "Liveness", "LivenessBounds", "Strand", "measure_liveness"]
+__all__ = ["Distribution", "Handoff", "Liveness", "LivenessBounds", "Silence", "Strand", "measure_liveness"]
 
 Record = Mapping[str, Any]
 Interval = tuple[float, float]
@@ -153,6 +163,10 @@ class LivenessBounds:
     election: float = 9.0
     """nats-server's longest raft election timeout: a group whose leader died or was cut off has no
     leader, and takes no write, until then."""
+    silence: float = 5.0
+    """Longest silence allowed: strand time (of any request) in which an available worker wrote
+    nothing. A strand is one request's; this is one worker's, so a worker that took nothing while
+    the others served every request fails here and not there."""
 
     @classmethod
     def for_lease(cls, lease: float, **fields: float) -> LivenessBounds:
@@ -176,6 +190,18 @@ class Strand:
     """Its first start (None: never)."""
     longest: Interval
     """The longest single stretch of strand time within the wait."""
+
+
+@dataclass(frozen=True, slots=True)
+class Silence:
+    """One worker's longest silence: strand time in which it was available and wrote nothing."""
+
+    worker: str
+    seconds: float
+    heard: float
+    """Its record before the silence."""
+    next_heard: float | None
+    """Its record after it (None: none until the log or its process ended)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +260,14 @@ class Liveness:
     handoffs: tuple[Handoff, ...]
     """Every measured hand-off, in fault order."""
     handoffs_by_kind: Mapping[str, Distribution] = field(default_factory=dict)
+    silences: tuple[Silence, ...] = ()
+    """Each worker's longest silence, largest first."""
+
+    @property
+    def silences_over(self) -> tuple[Silence, ...]:
+        if self.bounds is None:
+            return ()
+        return tuple(s for s in self.silences if s.seconds > self.bounds.silence)
 
     @property
     def strand(self) -> Distribution:
@@ -260,7 +294,7 @@ class Liveness:
         # A hand-off that another fault began to delay before its key moved measures both faults:
         # it is reported (and listed), but only one no other fault confounds holds the protocol to
         # its bound.
-        return not (self.strands_over or self.late_alone)
+        return not (self.strands_over or self.late_alone or self.silences_over)
 
     def summary(self, shown: int = 5) -> list[str]:
         """Lines for the verdict's summary: the distributions, then the worst cases."""
@@ -271,6 +305,13 @@ class Liveness:
                   f"{s.stored:.3f}, started {'never' if s.started is None else f'{s.started:.3f}'}; longest "
                   f"stretch {s.longest[1] - s.longest[0]:.3f}s from {s.longest[0]:.3f})"
                   for s in self.strands[:shown] if s.seconds > 0]
+        if self.silences:
+            lines.append("silence per worker (strand time in which it was available and wrote nothing): "
+                         + ", ".join(f"{x.worker} {x.seconds:.3f}s" for x in self.silences)
+                         + (f"; over {b.silence:g}s: {len(self.silences_over)}" if b is not None else ""))
+            lines += [f"  silent {x.worker} from {x.heard:.3f} until "
+                      f"{'the end' if x.next_heard is None else f'{x.next_heard:.3f}'}: {x.seconds:.3f}s of strand time"
+                      for x in self.silences_over[:shown]]
         if b is not None:
             late = self.late_handoffs
             lines.append(f"hand-offs (seconds from the fault until its held keys' next start; bounds: kill-9 "
@@ -321,6 +362,17 @@ class _Union:
 
     def covered(self, a: float, b: float) -> float:
         return max(0.0, self._covered_until(b) - self._covered_until(a)) if b > a else 0.0
+
+    def parts(self, a: float, b: float) -> list[Interval]:
+        """The parts of ``[a, b)`` inside the union."""
+        out: list[Interval] = []
+        i = max(0, bisect.bisect_right(self.starts, a) - 1)
+        while i < len(self.starts) and self.starts[i] < b:
+            lo, hi = max(a, self.starts[i]), min(b, self.ends[i])
+            if hi > lo:
+                out.append((lo, hi))
+            i += 1
+        return out
 
     def gaps(self, a: float, b: float) -> list[Interval]:
         """The parts of ``[a, b)`` outside the union."""
@@ -419,10 +471,11 @@ def _faults(ordered: Sequence[Record], end_of_log: float, workers: set[str]) -> 
     return faults
 
 
-def _no_worker_available(ordered: Sequence[Record], holds: Sequence[_Hold], faults: Sequence[_Fault],
-                         pauses: Mapping[str, Sequence[Interval]], blocks: Mapping[str, Sequence[Interval]],
-                         end_of_log: float) -> list[Interval]:
-    """The intervals in which no worker was available (module docstring)."""
+def _availability(ordered: Sequence[Record], holds: Sequence[_Hold], faults: Sequence[_Fault],
+                  pauses: Mapping[str, Sequence[Interval]], blocks: Mapping[str, Sequence[Interval]],
+                  end_of_log: float) -> tuple[list[Interval], dict[str, list[Interval]]]:
+    """The intervals in which no worker was available, and per worker those in which it was not
+    (module docstring)."""
     # (t, ends before begins at one instant, worker, field, delta); field "up" is set, not added.
     changes: list[tuple[float, int, str, str, int]] = []
     capacity: dict[str, float] = {}
@@ -453,11 +506,19 @@ def _no_worker_available(ordered: Sequence[Record], holds: Sequence[_Hold], faul
 
     unavailable: list[Interval] = []
     since: float | None = float(ordered[0]["t"]) if ordered else None
+    first = float(ordered[0]["t"]) if ordered else 0.0
+    away: dict[str, float] = {}  # an available worker is not in it; one unavailable since when
+    apart: dict[str, list[Interval]] = defaultdict(list)
     for t, _, w, name, delta in changes:
         if name == "up":
             state[w]["up"] = delta
         else:
             state[w][name] += delta
+        was = w not in away and w in apart
+        if available(w) and not was:
+            apart[w].append((away.pop(w, first), t))
+        elif not available(w) and was:
+            away[w] = t
         any_free = any(available(x) for x in state)
         if any_free and since is not None:
             unavailable.append((since, t))
@@ -466,7 +527,9 @@ def _no_worker_available(ordered: Sequence[Record], holds: Sequence[_Hold], faul
             since = t
     if since is not None:
         unavailable.append((since, end_of_log))
-    return unavailable
+    for w, t in away.items():
+        apart[w].append((t, end_of_log))
+    return unavailable, apart
 
 
 class _KeyHolds:
@@ -549,7 +612,7 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
     unable_by = {w: _Union([*worker_stops.get(w, []), *ended.get(w, [])]) for w in {*worker_stops, *ended}}
     for key, token_spans in _tokens_with_the_unavailable(ordered, unable_by, end_of_log).items():
         shadows[key] += token_spans
-    nobody = _no_worker_available(ordered, holds, faults, pauses, blocks, end_of_log)
+    nobody, apart = _availability(ordered, holds, faults, pauses, blocks, end_of_log)
     everywhere = [*nobody, *((f.start, effect_end[id(f)]) for f in faults if f.target is None)]
 
     stored: dict[tuple[str, str], float] = {}
@@ -567,6 +630,7 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
     blocked = {key: _Union([*((h.start, h.end) for h in grouped.get(key, ())), *shadows.get(key, ()),
                             *everywhere]) for key in {k for k, _ in stored}}
     strands: list[Strand] = []
+    stranded: list[Interval] = []
     for (key, tag), t_stored in stored.items():
         started = first_start.get((key, tag))
         until = end_of_log if started is None else started
@@ -574,10 +638,12 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
             strands.append(Strand(key, tag, 0.0, t_stored, started, (t_stored, t_stored)))
             continue
         gaps = blocked[key].gaps(t_stored, until)
+        stranded += gaps
         seconds = sum(b - a for a, b in gaps)
         longest = max(gaps, key=lambda g: g[1] - g[0], default=(t_stored, t_stored))
         strands.append(Strand(key, tag, seconds, t_stored, started, longest))
     strands.sort(key=lambda s: -s.seconds)
+    silences = _silences(ordered, workers, _Union(stranded), apart, end_of_log)
 
     deaths: dict[str, list[float]] = defaultdict(list)
     for r in ordered:
@@ -590,7 +656,29 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
         by_kind[handoff.fault].append(handoff.seconds if handoff.seconds is not None
                                       else end_of_log - handoff.began)
     return Liveness(bounds, tuple(strands), tuple(handoffs),
-                    {kind: Distribution.of(values) for kind, values in by_kind.items()})
+                    {kind: Distribution.of(values) for kind, values in by_kind.items()}, silences)
+
+
+def _silences(ordered: Sequence[Record], workers: Iterable[str], stranded: _Union,
+              apart: Mapping[str, Sequence[Interval]], end_of_log: float) -> tuple[Silence, ...]:
+    """Each worker's longest silence (module docstring): between two of its records (or its last
+    and the end of the log), the strand time of any request in which it was available."""
+    heard: dict[str, list[float]] = defaultdict(list)
+    for r in ordered:
+        if r.get("kind") != "dumped":  # the soak asked it (fleet.SilenceWatch): no sign of work
+            heard[str(r.get("w"))].append(float(r["t"]))
+    found: list[Silence] = []
+    for w in sorted(workers):
+        unable = _Union(apart.get(w, ()))
+        times = heard[w]
+        best = Silence(w, 0.0, times[0] if times else 0.0, None)
+        for a, b in zip(times, [*times[1:], None], strict=True):
+            until = end_of_log if b is None else b
+            seconds = sum(hi - lo - unable.covered(lo, hi) for lo, hi in stranded.parts(a, until))
+            if seconds > best.seconds:
+                best = Silence(w, seconds, a, b)
+        found.append(best)
+    return tuple(sorted(found, key=lambda x: -x.seconds))
 
 
 def _tokens_with_the_unavailable(ordered: Sequence[Record], stopped_by: Mapping[str, _Union],

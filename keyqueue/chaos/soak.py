@@ -57,7 +57,7 @@ from nats.aio.client import Client
 from keyqueue.admin.dead_letters import dead_letters
 from keyqueue.chaos.checker import GIVEN_BACK, LivenessBounds, Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore
-from keyqueue.chaos.fleet import Faults, Fleet, LogTail, RssSample, RssWatch, WorkerSpec
+from keyqueue.chaos.fleet import Faults, Fleet, LogTail, RssSample, RssWatch, SilenceWatch, WorkerSpec
 from keyqueue.chaos.handlers import (
     BAD_INPUTS,
     FOREIGN_ACK_SID,
@@ -140,6 +140,8 @@ class SoakOptions:
     this fraction (0.10: 10%); None: only print the comparison."""
     bounds: LivenessBounds | None = None
     """The checker's liveness bounds; None: its defaults for ``ack_wait``."""
+    dump_after: float = 15.0
+    """Dump a worker silent this long with requests waiting (:class:`~keyqueue.chaos.fleet.SilenceWatch`)."""
     settle_timeout: float = 90.0
     workdir: Path = field(default_factory=lambda: Path("chaos-run"))
     progress: Callable[[str], None] | None = print
@@ -162,6 +164,8 @@ class SoakResult:
     held_back: float = 0.0
     """Seconds the producer stored nothing, the backlog over ``SoakOptions.max_backlog``."""
     max_backlog: int = 0
+    dumps: int = 0
+    """Workers dumped for their silence (``dump`` records; their stacks in their stderr files)."""
 
     @property
     def rss_over(self) -> list[RssSample]:
@@ -181,6 +185,8 @@ class SoakResult:
                 + f"requests enqueued: {self.enqueued}; run time {self.elapsed:.0f}s; log {self.log_path}\n"
                 + (f"producer held back {self.held_back:.0f}s in all, more than {self.max_backlog:,} requests waiting "
                    f"(the fleet was slower than the soak's rate)\n" if self.held_back else "")
+                + (f"silent workers dumped {self.dumps} times (their stacks: {self.log_path.stem}.<worker>.stderr)\n"
+                   if self.dumps else "")
                 + self.verdict.summary() + self._rss_summary())
 
     def _rss_summary(self) -> str:
@@ -434,6 +440,8 @@ async def soak(options: SoakOptions) -> SoakResult:
         supervising = asyncio.create_task(fleet.supervise(settled))
         rss = RssWatch(fleet, options.rss_warmup)
         sampling = asyncio.create_task(rss.run(settled))
+        silence = SilenceWatch(fleet, options.dump_after)
+        listening = asyncio.create_task(silence.run(settled))
         tasks: list[asyncio.Task[object]] = []
         if "network" in options.classes:
             targets: list[Faultable] = [groups[name] for name in names]
@@ -483,6 +491,7 @@ async def soak(options: SoakOptions) -> SoakResult:
         settled.set()
         await sampling
         await supervising
+        await listening
         rss_samples = rss.final()
         snapshot = await _patiently(nc, store.snapshot, SNAPSHOT_WAIT, "reading the fenced store's history")
         verdict = check(read_log(log_path), producer.expected, store_history=snapshot.history(),
@@ -490,7 +499,7 @@ async def soak(options: SoakOptions) -> SoakResult:
                         bounds=options.bounds or LivenessBounds.for_lease(options.ack_wait))
         await nc.close()
         return SoakResult(verdict, faults.counts, time.monotonic() - began, enqueued, log_path, offsets, rss_samples,
-                          options.rss_limit, producer.held_back, options.max_backlog)
+                          options.rss_limit, producer.held_back, options.max_backlog, silence.dumps)
     finally:
         settled.set()
         if fleet is not None:

@@ -25,16 +25,24 @@ stays on the true clock.
 
 Signals inject faults into this process: SIGUSR1 blocks the event loop for ``--stall-under``
 seconds, SIGUSR2 for ``--stall-over`` (each logged as ``paused`` / ``resumed``, since nothing in
-the process runs meanwhile); SIGTERM drains (a second SIGTERM stops at once).
+the process runs meanwhile); SIGTERM drains (a second SIGTERM stops at once). Two more ask what a
+worker that went silent is doing (the soak sends both, :class:`~keyqueue.chaos.fleet.SilenceWatch`),
+each written to the process's stderr: SIGQUIT, every thread's Python stack (:mod:`faulthandler`,
+from C: it answers with the event loop blocked and the GIL held); SIGHUP, from the event loop, the
+NATS client's state (connected, reconnecting, its reconnect task) and every asyncio task's stack,
+with a ``dumped`` record of the client's state in the run log. The worker logs ``disconnected``
+and ``reconnected`` records as its connection drops and comes back.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
+import sys
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
@@ -192,6 +200,27 @@ def _stall(log: RunLog, seconds: float) -> None:
     log.write("resumed", reason="stall")
 
 
+def _dump(log: RunLog, nc: Any) -> None:
+    """Write the NATS client's state and every asyncio task's stack to stderr; log the state."""
+    task = getattr(nc, "_reconnection_task", None)
+    state: dict[str, Any] = {
+        "connected": nc.is_connected, "reconnecting": nc.is_reconnecting, "closed": nc.is_closed,
+        "url": nc.connected_url.netloc if nc.connected_url else None,
+        "reconnect_task": None if task is None else ("cancelled" if task.cancelled() else "done" if task.done()
+                                                     else "running"),
+        "reconnect_error": repr(task.exception()) if task is not None and task.done() and not task.cancelled()
+        and task.exception() is not None else None,
+        "last_error": repr(nc.last_error) if nc.last_error else None,
+        "tasks": len(asyncio.all_tasks()),
+    }
+    print(f"--- dump at {time.time():.3f}: {state}", file=sys.stderr, flush=True)
+    for each in asyncio.all_tasks():
+        print(f"task {each!r}", file=sys.stderr)
+        each.print_stack(limit=12, file=sys.stderr)
+    sys.stderr.flush()
+    log.write("dumped", **state)
+
+
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url")
@@ -224,10 +253,13 @@ async def main() -> None:
         if worker is not None:
             worker.reconnected()
 
+    async def disconnected() -> None:
+        log.write("disconnected")
+
     # The server (or this worker's proxy) may be down right now: a restarted worker waits for it.
     for attempt in range(120):
         try:
-            nc = await connect(args.url, name=args.name, reconnected=reconnected)
+            nc = await connect(args.url, name=args.name, reconnected=reconnected, disconnected=disconnected)
             break
         except ConnectionFailed:
             if attempt == 119:
@@ -246,6 +278,8 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, _stall, log, args.stall_under)
     loop.add_signal_handler(signal.SIGUSR2, _stall, log, args.stall_over)
+    loop.add_signal_handler(signal.SIGHUP, _dump, log, nc)
+    faulthandler.register(signal.SIGQUIT, file=sys.stderr, all_threads=True)
     signals = 0
 
     def on_term() -> None:

@@ -7,6 +7,7 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -17,6 +18,7 @@ from nats.aio.msg import Msg
 
 from keyqueue.chaos.checker import check
 from keyqueue.chaos.fenced import FencedRecord, FencedStore
+from keyqueue.chaos.fleet import Fleet, LogTail, SilenceWatch, WorkerSpec
 from keyqueue.chaos.handlers import foreign_subjects
 from keyqueue.chaos.proxy import FaultProxy, FaultScript, FaultSpec, ProxyGroup
 from keyqueue.chaos.soak import QUEUE, SoakOptions, _foreign_ack, _foreign_tokens_stored, _Producer
@@ -491,3 +493,46 @@ async def test_the_soak_finds_which_foreign_tokens_are_still_stored(nc: Client, 
     assert await _foreign_tokens_stored(api, {key, "\\xff\\xfe8"}) == {key}
     await api.purge(config.names.token_stream, subject=config.names.token_prefix + ">")
     assert await _foreign_tokens_stored(api, {key}) == set()
+
+
+async def test_a_worker_silent_with_requests_waiting_is_dumped_once(nc: Client, nats_url: str,
+                                                                    tmp_path: Path) -> None:
+    # A real chaos worker, silent (nothing for it to do) while the log says a request waits: the
+    # watch sends SIGQUIT and SIGHUP, and the worker writes its threads' stacks (faulthandler) and
+    # its client's state and asyncio tasks (the event loop) into its stderr, and a dumped record.
+    await Topology(Publisher(nc, QueueConfig(QUEUE).names).api, QueueConfig(QUEUE)).ensure()
+    await FencedStore(nc).ensure()
+    log_path = tmp_path / "run.jsonl"
+    fleet = Fleet(WorkerSpec(QUEUE, ack_wait=2.0, concurrency=2, replicas=1), {"w0": nats_url}, log_path)
+    try:
+        fleet.start("w0")
+        await fleet.wait_ready(["w0"], timeout=60)
+        watch = SilenceWatch(fleet, after=5.0)
+        watch.look(time.time())
+        assert watch.dumps == 0  # nothing waits
+        fleet.note("producer", "stored", key="k", tag="k-1")
+        watch.look(time.time())
+        assert watch.dumps == 0  # heard from within 5 s
+        watch.look(time.time() + 6)
+        watch.look(time.time() + 7)
+        assert watch.dumps == 1  # once per silence
+        stderr = log_path.with_suffix(".w0.stderr")
+        dumped = None
+        for _ in range(200):
+            dumped = next((r for r in LogTail(log_path).new_records() if r["kind"] == "dumped"), None)
+            if dumped is not None and "Stack for <Task" in stderr.read_text():
+                break
+            await asyncio.sleep(0.05)
+        assert dumped is not None and dumped["connected"] is True and dumped["reconnecting"] is False
+        assert dumped["reconnect_task"] is None and dumped["tasks"] > 0
+        text = stderr.read_text()
+        assert "Current thread" in text or "Thread 0x" in text  # faulthandler's dump
+        assert "--- dump at" in text and "Stack for <Task" in text  # the client's state, each task's stack
+        assert any(r["kind"] == "dump" and r["target"] == "w0" for r in LogTail(log_path).new_records())
+        # A record of its own ends the silence: the next one is dumped again.
+        fleet.note("w0", "event", event="token", key="k")
+        watch.look(time.time())
+        watch.look(time.time() + 6)
+        assert watch.dumps == 2
+    finally:
+        fleet.stop_all()

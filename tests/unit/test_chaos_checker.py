@@ -485,6 +485,49 @@ def test_a_token_that_went_to_a_worker_that_could_not_act_on_it_is_no_strand() -
     assert not check(bare, {"k": ["a"]}, bounds=BOUNDS).ok
 
 
+# --- liveness: a worker that says nothing ---------------------------------------------------------
+
+
+def served_by_w2(keys: int, lag: float) -> list[dict[str, Any]]:
+    """One request a second on a new key, each taken by w2 ``lag`` seconds after it was stored."""
+    log: list[dict[str, Any]] = []
+    for i in range(keys):
+        t, key = 1.0 + i, f"k{i}"
+        log += [stored(t, key, "a"), *session("w2", key, "a", t + lag, t + lag + 0.01, t + lag + 0.02, t + lag + 0.03)]
+    return log
+
+
+def test_a_live_worker_that_takes_nothing_while_keys_wait_fails_the_run() -> None:
+    # w1 is up and available from 0 and never heard again; w2 takes every key, each within the
+    # strand bound: no request strands, yet w1 sat out 30 x 0.3 s of strand time.
+    log = [ready("w1", 0.0), ready("w2", 0.0), *served_by_w2(30, 0.3)]
+    expected = {f"k{i}": ["a"] for i in range(30)}
+    verdict = check(log, expected, bounds=BOUNDS)
+    assert verdict.liveness is not None and not verdict.liveness.strands_over
+    [worst, other] = verdict.liveness.silences
+    assert (worst.worker, round(worst.seconds, 6), worst.heard, worst.next_heard) == ("w1", 9.0, 0.0, None)
+    assert other.worker == "w2" and other.seconds < 0.31
+    assert not verdict.ok and verdict.liveness.silences_over == (worst,)
+    assert "silent w1 from 0.000 until the end: 9.000s of strand time" in verdict.summary()
+
+
+def test_a_worker_stopped_cut_off_or_with_nothing_to_take_is_not_silent() -> None:
+    expected = {f"k{i}": ["a"] for i in range(30)}
+    # Stopped (SIGSTOP) or cut off (a network outage on it) all along: not available, so not silent.
+    paused = [ready("w1", 0.0), ready("w2", 0.0), rec("paused", "w1", 0.5), *served_by_w2(30, 0.3)]
+    cut = [ready("w1", 0.0), ready("w2", 0.0), fault(0.5, "net-outage", "w1", 1), *served_by_w2(30, 0.3)]
+    # Idle while every waiting request's key is held by w2 (a hot key, in order): no strand time.
+    hot = [ready("w1", 0.0), ready("w2", 0.0), event("acquired", "w2", 0.5, "k")]
+    for i in range(30):
+        hot += [stored(1.0 + i, "k", f"r{i}"), *run("w2", "k", f"r{i}", 1.5 + i, 1.6 + i)]
+    hot.append(event("released", "w2", 31.0, "k"))
+    for log, keys in ((paused, expected), (cut, expected), (hot, {"k": [f"r{i}" for i in range(30)]})):
+        verdict = check(log, keys, bounds=BOUNDS)
+        assert verdict.liveness is not None
+        assert {x.worker: round(x.seconds, 6) for x in verdict.liveness.silences}["w1"] == 0.0, verdict.summary()
+        assert verdict.ok, verdict.summary()
+
+
 # --- handler shapes: a sync body counts until it really ended ----------------------------------
 
 
