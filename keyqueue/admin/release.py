@@ -30,20 +30,17 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from keyqueue.admin.inspection import parse_time
 from keyqueue.admin.workers import queue_workers, server_time
-from keyqueue.errors import JetStreamError, KeyqueueError, StreamNotFound
+from keyqueue.errors import KeyqueueError, StreamNotFound
 from keyqueue.jetstream.api import JetStreamApi, StoredMsg
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.wire import headers as H
 
 __all__ = ["HolderAlive", "Released", "Skipped", "describe", "release_keys"]
-
-NO_MESSAGE_FOUND: Final = 10057
-"""JetStream's err_code for deleting a sequence that holds no message."""
 
 
 @dataclass(frozen=True)
@@ -224,11 +221,7 @@ async def _release(api: JetStreamApi, names: QueueNames, publisher: Publisher, r
 
 
 async def _delete(api: JetStreamApi, stream: str, seq: int) -> None:
-    try:
-        await api.request(f"STREAM.MSG.DELETE.{stream}", {"seq": seq, "no_erase": True})
-    except JetStreamError as e:
-        if e.err_code != NO_MESSAGE_FOUND:
-            raise
+    await api.delete_msg(stream, seq)  # one already gone is fine
 
 
 def describe(released: Released) -> str:

@@ -138,6 +138,18 @@ def stored_seconds(timestamp: str) -> float | None:
         return None
 
 
+MESSAGE_GONE: Final = frozenset({10057, 10043})
+"""JetStream's err_codes for deleting a sequence that holds no message: 10057 ("no message found",
+"stream store EOF") below the stream's first sequence or past its last; 10043 ("sequence N not
+found") one deleted already between messages still stored (the server's filestore reports it as
+not removed, without an error). A delete sent again after its reply was lost gets either."""
+
+
+def message_gone(error: JetStreamError) -> bool:
+    """Whether a delete by sequence failed only because the message is not there (any more)."""
+    return error.err_code in MESSAGE_GONE
+
+
 def raise_for_reply(body: Mapping[str, Any]) -> None:
     """Raise the typed error carried by a JetStream API reply, if any."""
     error = body.get("error")
@@ -257,8 +269,14 @@ class JetStreamApi:
         await self.request(f"STREAM.DELETE.{stream}")
 
     async def delete_msg(self, stream: str, seq: int, *, no_erase: bool = True) -> bool:
-        """Delete one message by sequence; ``no_erase`` skips the costly overwrite on disk."""
-        body = await self.request(f"STREAM.MSG.DELETE.{stream}", {"seq": seq, "no_erase": no_erase})
+        """Delete one message by sequence; whether it was there (one already gone is no error);
+        ``no_erase`` skips the costly overwrite on disk."""
+        try:
+            body = await self.request(f"STREAM.MSG.DELETE.{stream}", {"seq": seq, "no_erase": no_erase})
+        except JetStreamError as e:
+            if message_gone(e):
+                return False
+            raise
         return bool(body.get("success"))
 
     async def purge(self, stream: str, *, subject: str | None = None, up_to_seq: int | None = None) -> int:

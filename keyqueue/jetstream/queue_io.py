@@ -33,6 +33,7 @@ from keyqueue.jetstream.api import (
     JetStreamApi,
     StoredMsg,
     direct_reply,
+    message_gone,
     parse_pub_ack,
     raise_for_reply,
     stored_from_direct,
@@ -49,9 +50,6 @@ from keyqueue.jetstream.topology import QueueConfig
 from keyqueue.wire.headers import RELEASED, is_release_marker
 
 log = logging.getLogger("keyqueue.session")
-
-NO_MESSAGE_FOUND = 10057
-"""JetStream's err_code for deleting a sequence that holds no message."""
 
 EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
 """Publish header: store only if the subject's last message has this sequence (0: none)."""
@@ -263,11 +261,7 @@ class QueueIO:
 
     async def delete(self, seq: int) -> None:
         """Delete a processed request; one already gone (a re-run after a crash) is fine."""
-        try:
-            await self.api.delete_msg(self.names.inbox_stream, seq, no_erase=True)
-        except JetStreamError as e:
-            if e.err_code != NO_MESSAGE_FOUND:
-                raise
+        await self.api.delete_msg(self.names.inbox_stream, seq, no_erase=True)
 
     async def settle(self, futures: list[asyncio.Future[list[Msg]]]) -> None:
         """Wait for pipelined purges; raise the first real error (a message already gone is fine)."""
@@ -283,7 +277,7 @@ class QueueIO:
             try:
                 raise_for_reply(json.loads(reply.data))
             except JetStreamError as e:
-                if e.err_code != NO_MESSAGE_FOUND:
+                if not message_gone(e):
                     raise
 
     def confirmed(self, future: asyncio.Future[list[Msg]]) -> bool:
@@ -293,7 +287,7 @@ class QueueIO:
         try:
             raise_for_reply(json.loads(future.result()[0].data))
         except JetStreamError as e:
-            return e.err_code == NO_MESSAGE_FOUND
+            return message_gone(e)
         except (KeyqueueError, ValueError, IndexError):
             return False
         return True
@@ -417,7 +411,7 @@ class QueueIO:
         try:
             raise_for_reply(json.loads(reply.data))
         except JetStreamError as e:
-            if e.err_code != NO_MESSAGE_FOUND:
+            if not message_gone(e):
                 raise
 
     @property
@@ -475,7 +469,7 @@ class QueueIO:
         try:
             raise_for_reply(json.loads(reply.data))
         except JetStreamError as e:
-            if e.err_code != NO_MESSAGE_FOUND:
+            if not message_gone(e):
                 raise
 
     async def token_stored(self, token: Token) -> bool:

@@ -343,3 +343,25 @@ async def test_the_release_marker_on_r3_is_refused_after_an_arrival_alone_otherw
         assert await io.mark_released("k", seqs[2]) is True
         assert await io.next_request("k", 1, requests_only=True) is None
         assert await io.request_remains("k", 1) is False
+
+
+async def test_a_delete_sent_again_finds_its_message_gone_and_says_nothing(cluster: EmbeddedCluster) -> None:
+    """A request's or a lease record's delete sent again (its first reply lost to a leader move or a
+    reconnect) finds the message gone. The server says so in two ways: 10057 where the sequence
+    is below the stream's first, 10043 ("sequence N not found") where messages after and before it
+    are still stored. Both are a done delete; a 10043 once failed the session of a restart soak."""
+    async with connections(cluster, 1) as [nc]:
+        config = await replicated_queue(nc, "gone")
+        io = QueueIO(nc, config)
+        api = JetStreamApi(nc)
+        publisher = Publisher(nc, config.names)
+        seqs = [(await publisher.enqueue(request("k", f"r{i}".encode()))).seq for i in range(3)]
+        for seq in (seqs[1], seqs[1], seqs[0], seqs[0]):  # between stored messages, then the first
+            await io.delete(seq)
+        assert not await api.delete_msg(config.names.inbox_stream, seqs[1])  # there was none to delete
+        assert [m.seq for m in (await io.read("k", 0, 10))[0]] == [seqs[2]]
+        records = [await io.compare_and_set(config.names.lease(f"k{i}"), 0, b"{}", 5) for i in range(3)]
+        for seq in (records[1], records[1], records[0], records[0]):
+            await io.remove_record(seq)
+        assert await io.last_record(config.names.lease("k2")) is not None
+        assert await io.last_record(config.names.lease("k1")) is None
