@@ -61,6 +61,10 @@ from keyqueue.errors import ConnectionFailed, LeaseLost, Reject
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.topology import QueueConfig
 
+HANDLER_IO_TIMEOUT = 1.0
+"""Seconds a handler's write to the fenced store waits for its reply before the run fails (and is
+retried): a write is a few milliseconds, an R3 leader's election up to 9 s."""
+
 
 class EventLog(NullObserver):
     """A session observer that appends each step to the run log as an ``event`` record::
@@ -244,7 +248,8 @@ async def main() -> None:
                    help="child processes of the process pool that runs process-shape requests (0: none)")
     args = p.parse_args()
     skew_wall_clock(args.clock_offset)
-    logging.basicConfig(level=logging.WARNING, format=f"{args.name} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(created).3f {args.name} %(levelname)s %(name)s: %(message)s")
     log = RunLog(args.logfile, args.name)
     worker: QueueWorker | None = None
 
@@ -265,7 +270,11 @@ async def main() -> None:
             if attempt == 119:
                 raise
             await asyncio.sleep(0.5)
-    store = FencedStore(nc, replicas=args.replicas)
+    # The handler's own write gives up after a second, as a handler that retries its I/O promptly
+    # would: a write lost with a restarted leader (no reply ever) costs the key a second and a
+    # retry, not the API's 5 s, which the checker would count against the hand-off (the key's
+    # holder never let go of it).
+    store = FencedStore(nc, replicas=args.replicas, timeout=HANDLER_IO_TIMEOUT)
     config = QueueConfig(args.queue, ack_wait=args.ack_wait, replicas=args.replicas)
     settings = SessionSettings(ack_wait=args.ack_wait, linger=args.linger, drain_timeout=args.drain_timeout,
                                retry=RetryPolicy(max_attempts=1000, base_delay=0.05, max_delay=0.5))

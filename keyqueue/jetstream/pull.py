@@ -216,6 +216,8 @@ class TokenPuller:
         """No pull before this time (on ``clock``): set while the consumer answers 503."""
         self._tasks: set[asyncio.Future[Any]] = set()
         """What deliveries handled from the read loop left to await, while it runs."""
+        self._checking: asyncio.Task[None] | None = None
+        """The consumer check begun after missed heartbeats, while it runs (pulls do not wait for it)."""
 
     def wake(self) -> None:
         """Call when a slot frees up (or anything else changes what should be requested)."""
@@ -258,7 +260,11 @@ class TokenPuller:
                     log.warning("queue %s: missed idle heartbeats from the server; pulling afresh",
                                 self.names.queue)
                     self.state.reset()
-                    await self._check_consumer()
+                    # Whether the consumer is gone is only worth a log line: pulling afresh must
+                    # not wait for the answer, which a consumer with no leader yet never sends
+                    # (the API's 5 s timeout, in which this worker took no key).
+                    if self._checking is None or self._checking.done():
+                        self._checking = asyncio.create_task(self._check_consumer())
                 capacity = self.capacity()
                 chunk = self._chunk = chunk_size(capacity)
                 # With priorities the server must see every free slot of a better tier waiting,
@@ -286,6 +292,8 @@ class TokenPuller:
                     async with asyncio.timeout(wait):
                         await self._wake.wait()
         finally:
+            if self._checking is not None:
+                self._checking.cancel()
             if sub is not None:
                 await self._unsubscribe(sub)
 

@@ -93,6 +93,8 @@ class FakeClient:
     fail_publish: BaseException | None = None
     pulls: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
     requests: list[str] = field(default_factory=list)
+    answer: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
+    """Set: requests are answered at once; cleared: they wait (a consumer with no leader)."""
     callbacks: list[Callable[[Any], Any]] = field(default_factory=list)
     inboxes: int = 0
 
@@ -112,10 +114,16 @@ class FakeClient:
     async def request(self, subject: str, payload: bytes = b"", timeout: float = 0,
                       headers: dict[str, str] | None = None) -> FakeMsg:
         self.requests.append(subject)
+        await self.answer.wait()
         return FakeMsg(data=b"{}")
 
     def batches(self) -> list[int]:
         return [body["batch"] for _, body, _ in self.pulls]
+
+
+def _set(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
 
 
 class Harness:
@@ -494,6 +502,22 @@ async def test_missed_heartbeats_check_the_consumer_and_pull_afresh(caplog: pyte
         assert h.client.requests == [f"$JS.API.CONSUMER.INFO.{NAMES.token_stream}.{NAMES.consumer}"]
         assert h.client.batches() == [4, 4, 4, 4]
         assert "missed idle heartbeats" in caplog.text
+
+
+async def test_missed_heartbeats_pull_afresh_without_waiting_for_the_consumer_check() -> None:
+    # After a consumer leader died, its consumer answers nothing until a new one is elected: the
+    # check waits out the API's timeout. Pulls go out meanwhile, and one check at a time.
+    async with Harness(capacity=8) as h:
+        h.client.answer.clear()
+        assert h.client.batches() == [4, 4]
+        h.clock.now += 2 * h.puller.options.heartbeat + 0.001
+        await h.next_round()
+        assert h.client.batches() == [4, 4, 4, 4]
+        h.clock.now += 2 * h.puller.options.heartbeat + 0.001
+        await h.next_round()
+        assert h.client.batches() == [4, 4, 4, 4, 4, 4]
+        assert h.client.requests == [f"$JS.API.CONSUMER.INFO.{NAMES.token_stream}.{NAMES.consumer}"]
+        h.client.answer.set()
 
 
 async def test_a_pull_not_sent_is_not_counted_and_a_closed_connection_is_reported_once(
