@@ -6,18 +6,29 @@ refused by the server (10077), so running it anywhere, any time, is safe; but sc
 subject of a big queue from every worker is waste, so one worker of the fleet is elected for it
 with the same lease records that lock keys (core/lock.py, subject ``kq.<queue>.role.reconciler``).
 When the elected worker dies, its record expires and another takes over within two intervals.
+
+A pass that fails (an outage: a stream with no leader, a connection down) is tried again after
+half a second, then twice as long each time up to the interval: a token publish refused during an
+outage is repaired as soon as the streams answer again, not an interval later. The worker also
+wakes the reconciler when its token pulls are answered again after a 503 streak, or its
+connection is back: the moments after which tokens may be missing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from typing import Final
 
 from keyqueue.core.key_io import ReconcilerIO
 from keyqueue.core.lock import KeyLock, StaleRecordWatch
 from keyqueue.errors import KeyqueueError, LeaseLost
 
 log = logging.getLogger("keyqueue.reconciler")
+
+RETRY_FIRST: Final = 0.5
+"""Seconds before a failed pass is tried again (doubling up to the interval)."""
 
 
 class Reconciler:
@@ -33,6 +44,12 @@ class Reconciler:
         self._expiry = StaleRecordWatch()
         """What this worker saw of the elected worker's record, across its tries to be elected."""
         self._lock = self._new_claim()
+        self._woken = asyncio.Event()
+
+    def wake(self) -> None:
+        """Run a pass now (if elected) rather than at the end of the interval: tokens may be missing
+        (a token stream back from an outage, a connection back)."""
+        self._woken.set()
 
     def _new_claim(self) -> KeyLock:
         claim = KeyLock(self.io, self.io.names.role("reconciler"), max(1.0, 2 * self.interval),
@@ -70,16 +87,28 @@ class Reconciler:
         return scheduled
 
     async def run(self) -> None:
-        """Reconcile now and then every ``interval`` seconds until cancelled."""
+        """Reconcile now and then every ``interval`` seconds (sooner after a failed pass, or when
+        woken) until cancelled."""
+        retry = RETRY_FIRST
         while True:
+            self._woken.clear()
+            delay = self.interval
             try:
                 if await self.elected():
                     await self.reconcile()
+                retry = RETRY_FIRST
             except KeyqueueError as e:
-                log.warning("queue %s: reconcile pass failed: %s", self.io.names.queue, e)
+                delay, retry = min(self.interval, retry), min(self.interval, 2 * retry)
+                log.warning("queue %s: reconcile pass failed: %s; trying again in %gs", self.io.names.queue, e, delay)
             except Exception:
                 # Not an outage: a bug. It must not end the pass after it, nor the worker's key
                 # sessions (they share the worker's task group).
                 log.exception("queue %s: reconcile pass failed unexpectedly; trying again in %gs", self.io.names.queue,
                               self.interval)
-            await asyncio.sleep(self.interval)
+            await self._pause(delay)
+
+    async def _pause(self, delay: float) -> None:
+        """Wait ``delay`` seconds, or until woken."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self._woken.wait()

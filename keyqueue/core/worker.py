@@ -133,8 +133,11 @@ class QueueWorker:
         _check_pull_options(config, pull)
         self.pinned: str | None = None
         """The pin id while this worker is the pinned client of a ``pinned_client`` queue."""
+        # Tokens refused by a token stream with no leader (a producer's, a release's) are the
+        # reconciler's: it runs once the consumer answers again.
         self.puller = TokenPuller(nc, config.names, capacity=self.free_slots, on_token=self._on_token,
-                                  options=pull, on_pinned=self._on_pinned)
+                                  options=pull, on_pinned=self._on_pinned,
+                                  on_answered_again=lambda: self.reconciler.wake())
         self.reconciler = Reconciler(self.io, interval=reconcile_interval, worker=self.name)
         self.sessions: dict[str, asyncio.Task[str]] = {}
         self.slots = Slots(concurrency, lambda: len(self.sessions) - len(self._giving_back), freed=self._slot_freed)
@@ -447,6 +450,7 @@ class QueueWorker:
 
     def reconnected(self) -> None:
         self.puller.reconnected()
+        self.reconciler.wake()
         if self.lane is not None:
             self.lane.reconnected()
 

@@ -184,7 +184,8 @@ class TokenPuller:
     def __init__(self, nc: Client, names: QueueNames, *, capacity: Callable[[], int],
                  on_token: Callable[[Token], Awaitable[None] | None], options: PullOptions | None = None,
                  on_pinned: Callable[[str | None], Awaitable[None]] | None = None,
-                 clock: Callable[[], float] = time.monotonic, stream: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, stream: str | None = None,
+                 on_answered_again: Callable[[], None] | None = None) -> None:
         self.nc = nc
         self.names = names
         self.stream = stream or names.token_stream
@@ -193,6 +194,8 @@ class TokenPuller:
         self.capacity = capacity
         self.on_token = on_token
         self.on_pinned = on_pinned
+        self.on_answered_again = on_answered_again
+        """Called when the consumer answers again (a delivery or a heartbeat) after refusing pulls."""
         self.options = options or PullOptions()
         self.clock = clock
         self.state = PullState(last_activity=clock())
@@ -388,7 +391,7 @@ class TokenPuller:
         headers = msg.headers or {}
         status = headers.get(STATUS)
         if not status:
-            self._refused = 0
+            self._answered()
             self.state.delivered(now)
             if self.state.pending < self._chunk:
                 self._wake.set()  # a chunk was used up: request the next one
@@ -404,12 +407,17 @@ class TokenPuller:
             return steps
         self.statuses[status] = self.statuses.get(status, 0) + 1
         if status == "100":  # idle heartbeat
-            self._refused = 0
+            self._answered()
             self.state.last_activity = now
             return None
         pinned = self._on_status(status, headers, now)
         self._wake.set()
         return pinned
+
+    def _answered(self) -> None:
+        if self._refused and self.on_answered_again is not None:
+            self.on_answered_again()
+        self._refused = 0
 
     async def _hand_back_stale(self, reply: str) -> None:
         with contextlib.suppress(Exception):

@@ -137,9 +137,13 @@ class Harness:
         self.pins: list[str | None] = []
         self.rounds = 0
         self._round = asyncio.Event()
+        self.answered_again = 0
         self.puller = TokenPuller(cast(Client, self.client), NAMES, capacity=self._capacity,
                                   on_token=self._on_token, options=options, on_pinned=self._on_pinned,
-                                  clock=self.clock)
+                                  clock=self.clock, on_answered_again=self._on_answered_again)
+
+    def _on_answered_again(self) -> None:
+        self.answered_again += 1
 
     def _capacity(self) -> int:
         self.rounds += 1
@@ -484,6 +488,22 @@ async def test_after_a_503_nothing_is_pulled_until_the_backoff_has_passed() -> N
         h.clock.now = h.puller._retry_at
         await h.next_round()
         assert h.client.batches() == [4, 4]
+
+
+async def test_the_consumer_answering_again_after_refusals_is_said_once() -> None:
+    # (The worker runs a reconciler pass then: tokens refused meanwhile may be missing.)
+    async with Harness(capacity=4) as h:
+        await h.client.callbacks[0](status_msg("100"))
+        await h.client.callbacks[0](token_msg("k", 1))
+        assert h.answered_again == 0  # nothing was refused
+        await h.client.callbacks[0](status_msg("503"))
+        await h.client.callbacks[0](status_msg("503"))
+        await h.client.callbacks[0](status_msg("100"))
+        await h.client.callbacks[0](status_msg("100"))
+        assert h.answered_again == 1
+        await h.client.callbacks[0](status_msg("409"))
+        await h.client.callbacks[0](token_msg("k", 2))
+        assert h.answered_again == 2
 
 
 async def test_the_pin_goes_on_the_next_pulls() -> None:

@@ -111,7 +111,7 @@ class Stop(Exception):
 
 
 class Ticks:
-    """Stands in for asyncio.sleep: records each wait and stops the loop after ``rounds``."""
+    """Stands in for the loop's pause: records each wait and stops the loop after ``rounds``."""
 
     def __init__(self, rounds: int) -> None:
         self.rounds = rounds
@@ -126,7 +126,7 @@ class Ticks:
 async def run_for(monkeypatch: pytest.MonkeyPatch, rec: Reconciler, rounds: int) -> Ticks:
     ticks = Ticks(rounds)
     with monkeypatch.context() as patch:
-        patch.setattr(asyncio, "sleep", ticks)
+        patch.setattr(rec, "_pause", ticks)
         with pytest.raises(Stop):
             await rec.run()
     return ticks
@@ -268,5 +268,42 @@ async def test_a_failed_pass_or_election_is_logged_and_the_loop_goes_on(
         await run_for(monkeypatch, rec, rounds=1)
     assert rec.passes == 2
     assert [r.getMessage() for r in caplog.records] == [
-        "queue q: reconcile pass failed: no reply to STREAM.INFO"] * 2 + [
-        "queue q: reconcile pass failed: no reply to a lease write"]
+        "queue q: reconcile pass failed: no reply to STREAM.INFO; trying again in 0.5s",
+        "queue q: reconcile pass failed: no reply to STREAM.INFO; trying again in 1s",
+        "queue q: reconcile pass failed: no reply to a lease write; trying again in 0.5s"]
+
+
+async def test_a_failed_pass_is_tried_again_sooner_and_sooner_up_to_the_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An outage refused tokens: the pass after it repairs them, so it comes as soon as the
+    # streams may answer again, not an interval later; a pass that succeeds resets the backoff.
+    queue = FakeQueue(requests={"a": 1})
+    rec = reconciler(queue, interval=5.0)
+    queue.scan_error = KeyqueueTimeout("no reply to STREAM.INFO")
+    assert (await run_for(monkeypatch, rec, rounds=5)).waits == [0.5, 1.0, 2.0, 4.0, 5.0]
+    queue.scan_error = None
+    assert (await run_for(monkeypatch, rec, rounds=2)).waits == [5.0, 5.0]
+    assert queue.scheduled == ["a"]
+
+
+async def test_a_woken_reconciler_runs_its_pass_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    queue = FakeQueue(requests={"a": 1})
+    rec = reconciler(queue, interval=3600.0)
+    passes: asyncio.Queue[int] = asyncio.Queue()
+    reconcile = rec.reconcile
+
+    async def counted() -> list[str]:
+        scheduled = await reconcile()
+        passes.put_nowait(rec.passes)
+        return scheduled
+
+    monkeypatch.setattr(rec, "reconcile", counted)
+    running = asyncio.create_task(rec.run())
+    try:
+        assert await asyncio.wait_for(passes.get(), 5) == 1
+        for n in (2, 3):
+            rec.wake()  # a token stream back from an outage, a connection back
+            assert await asyncio.wait_for(passes.get(), 5) == n
+        assert queue.scheduled == ["a"]
+    finally:
+        running.cancel()
