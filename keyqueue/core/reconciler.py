@@ -45,6 +45,8 @@ class Reconciler:
         """What this worker saw of the elected worker's record, across its tries to be elected."""
         self._lock = self._new_claim()
         self._woken = asyncio.Event()
+        self._began = 0.0
+        """When the current pass began (the event loop's clock)."""
 
     def wake(self) -> None:
         """Run a pass now (if elected) rather than at the end of the interval: tokens may be missing
@@ -92,6 +94,7 @@ class Reconciler:
         retry = RETRY_FIRST
         while True:
             self._woken.clear()
+            self._began = asyncio.get_running_loop().time()
             delay = self.interval
             try:
                 if await self.elected():
@@ -108,7 +111,9 @@ class Reconciler:
             await self._pause(delay)
 
     async def _pause(self, delay: float) -> None:
-        """Wait ``delay`` seconds, or until woken."""
+        """Wait ``delay`` seconds, or until woken (passes stay ``RETRY_FIRST`` apart however often
+        the worker wakes it)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(delay):
                 await self._woken.wait()
+        await asyncio.sleep(max(0.0, self._began + RETRY_FIRST - asyncio.get_running_loop().time()))
