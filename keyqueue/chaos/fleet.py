@@ -290,6 +290,9 @@ class SilenceWatch:
         self.after = after
         self._tail = LogTail(fleet.log_path)
         self._heard: dict[str, float] = {}
+        self._ready: set[str] = set()
+        """Workers whose process said ``ready`` and has not ended since (one still starting has no
+        dump handler yet, and is not expected to work)."""
         self._waiting: set[object] = set()
         self._dumped: set[str] = set()
         self.dumps = 0
@@ -304,11 +307,16 @@ class SilenceWatch:
             if w in self.fleet.urls and kind != "dumped":
                 self._heard[w] = max(self._heard.get(w, 0.0), float(str(r["t"])))
                 self._dumped.discard(w)
+                if kind == "ready":
+                    self._ready.add(w)
+                elif kind in ("exited", "killed"):
+                    self._ready.discard(w)
         if not self._waiting:
             return
         for name in self.fleet.names():
             heard = self._heard.get(name)
-            if (heard is None or name in self._dumped or now - heard < self.after or name in self.fleet.paused
+            if (heard is None or name not in self._ready or name in self._dumped or now - heard < self.after
+                    or name in self.fleet.paused
                     or name in self.fleet.busy or not self.fleet.alive(name)):
                 continue
             self._dumped.add(name)

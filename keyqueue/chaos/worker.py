@@ -247,6 +247,10 @@ async def main() -> None:
     p.add_argument("--pool-size", type=int, default=0,
                    help="child processes of the process pool that runs process-shape requests (0: none)")
     args = p.parse_args()
+    # The soak's dump signals (SilenceWatch): answered from the start, never the default action
+    # (both would end the process); SIGHUP's loop handler comes once the client is up.
+    faulthandler.register(signal.SIGQUIT, file=sys.stderr, all_threads=True)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     skew_wall_clock(args.clock_offset)
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(created).3f {args.name} %(levelname)s %(name)s: %(message)s")
@@ -288,7 +292,6 @@ async def main() -> None:
     loop.add_signal_handler(signal.SIGUSR1, _stall, log, args.stall_under)
     loop.add_signal_handler(signal.SIGUSR2, _stall, log, args.stall_over)
     loop.add_signal_handler(signal.SIGHUP, _dump, log, nc)
-    faulthandler.register(signal.SIGQUIT, file=sys.stderr, all_threads=True)
     signals = 0
 
     def on_term() -> None:

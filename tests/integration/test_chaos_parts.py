@@ -534,5 +534,10 @@ async def test_a_worker_silent_with_requests_waiting_is_dumped_once(nc: Client, 
         watch.look(time.time())
         watch.look(time.time() + 6)
         assert watch.dumps == 2
+        # A process that ended (or a new one not ready yet: no handler for the signals) is left alone.
+        fleet.note("w0", "exited", pid=0, code=-9)
+        watch.look(time.time())
+        watch.look(time.time() + 60)
+        assert watch.dumps == 2
     finally:
         fleet.stop_all()
