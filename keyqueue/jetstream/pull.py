@@ -79,6 +79,11 @@ def chunk_size(capacity: int) -> int:
     return max(PULL_CHUNK_MIN, -(-capacity // PULLS_PER_WORKER))
 
 
+LEADERSHIP_CHANGE: Final = "Leadership Change"
+"""Description of the 409 a replicated consumer's new leader sends to each pull request that was
+waiting at the old one (nats-server replicates which requests wait, for this)."""
+
+
 def no_responders_backoff(streak: int) -> float:
     """Seconds to wait before pulling again after ``streak`` refused pulls in a row (503, 409, an
     unknown status; doubling, capped)."""
@@ -429,8 +434,16 @@ class TokenPuller:
         count = headers.get(PENDING_MESSAGES)
         if status in ("404", "408"):
             self.state.given_back(int(count) if count else None, now)
+        elif status == "409" and headers.get(DESCRIPTION, "").startswith(LEADERSHIP_CHANGE):
+            # The consumer's new leader answers the old one's waiting pull requests so: it is up,
+            # ask it at once. (Each waiting request gets one; counted as refusals, a worker with
+            # a few outstanding backed off for up to 2 s, taking no key.)
+            self.state.given_back(int(count) if count else None, now)
+            self._answered()
+            self._retry_at = 0.0
+            log.debug("queue %s: pull ended: 409 %s", self.names.queue, LEADERSHIP_CHANGE)
         elif status == "409":
-            # The consumer refused the pull (its limits, a leadership change, ...): sent again at
+            # The consumer refused the pull (its limits, a deleted consumer, ...): sent again at
             # once, it would most likely be refused again, a round trip after round trip.
             self.state.given_back(int(count) if count else None, now)
             self._back_off(now)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import random
 import time
 from collections.abc import AsyncIterator
@@ -20,16 +21,17 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from keyqueue.core.lock import KeyLock
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
 from keyqueue.errors import WrongLastSequence
-from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.api import DESCRIPTION, STATUS, JetStreamApi
 from keyqueue.jetstream.connect import connect
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
-from keyqueue.jetstream.pull import Token
+from keyqueue.jetstream.pull import LEADERSHIP_CHANGE, Token
 from keyqueue.jetstream.queue_io import QueueIO
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.server.cluster import EmbeddedCluster
@@ -365,3 +367,34 @@ async def test_a_delete_sent_again_finds_its_message_gone_and_says_nothing(clust
             await io.remove_record(seq)
         assert await io.last_record(config.names.lease("k2")) is not None
         assert await io.last_record(config.names.lease("k1")) is None
+
+
+async def test_a_consumer_stepdown_ends_each_waiting_pull_with_a_409_leadership_change(
+        cluster: EmbeddedCluster) -> None:
+    """The server fact the puller's handling of 409 Leadership Change rests on: the new leader of a
+    replicated consumer answers every pull request that waited at the old one, each with its own
+    409 (the puller asks the new leader at once rather than backing off once per 409)."""
+    async with connections(cluster, 1) as [nc]:
+        config = await replicated_queue(nc, "stepdown")
+        names = config.names
+        statuses: asyncio.Queue[Msg] = asyncio.Queue()
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(f"{inbox}.*", cb=statuses.put)
+        for n in (1, 2, 3):
+            await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}",
+                             json.dumps({"batch": 1, "expires": 30 * 10**9}).encode(), reply=f"{inbox}.{n}")
+        await nc.flush()
+        api = JetStreamApi(nc)
+        deadline = time.monotonic() + 10
+        while (await api.request(f"CONSUMER.INFO.{names.token_stream}.{names.consumer}")).get("num_waiting") != 3:
+            assert time.monotonic() < deadline, "the pull requests never reached the consumer's leader"
+            await asyncio.sleep(0.05)
+        await api.request(f"CONSUMER.LEADER.STEPDOWN.{names.token_stream}.{names.consumer}")
+        answered = []
+        with contextlib.suppress(TimeoutError):
+            while len(answered) < 3:
+                answered.append(await asyncio.wait_for(statuses.get(), 10))
+        await sub.unsubscribe()
+        assert sorted(msg.subject for msg in answered) == [f"{inbox}.{n}" for n in (1, 2, 3)]
+        assert {(msg.headers or {}).get(STATUS) for msg in answered} == {"409"}
+        assert {(msg.headers or {}).get(DESCRIPTION) for msg in answered} == {LEADERSHIP_CHANGE}

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
-from keyqueue.jetstream.api import STATUS
+from keyqueue.jetstream.api import DESCRIPTION, STATUS
 from keyqueue.jetstream.pull import (
     NO_RESPONDERS_BACKOFF_MAX,
     NO_RESPONDERS_LOG_INTERVAL,
@@ -67,8 +67,10 @@ def token_msg(key: str, seq: int, *, delivered: int = 1, pin: str | None = None)
     return FakeMsg(NAMES.token(key), ack_subject(seq, delivered), {PIN_ID: pin} if pin else None)
 
 
-def status_msg(status: str, pending: int | None = None) -> FakeMsg:
+def status_msg(status: str, pending: int | None = None, description: str | None = None) -> FakeMsg:
     headers = {STATUS: status}
+    if description is not None:
+        headers[DESCRIPTION] = description
     if pending is not None:
         headers[PENDING_MESSAGES] = str(pending)
     return FakeMsg(headers=headers)
@@ -504,6 +506,23 @@ async def test_the_consumer_answering_again_after_refusals_is_said_once() -> Non
         await h.client.callbacks[0](status_msg("409"))
         await h.client.callbacks[0](token_msg("k", 2))
         assert h.answered_again == 2
+
+
+async def test_a_new_consumer_leader_is_asked_at_once_however_many_pulls_it_ends() -> None:
+    # A consumer stepdown: the new leader ends each pull request that waited at the old one with
+    # a 409 Leadership Change. Counted as refusals, three of them held pulls back 0.4 s (a worker
+    # with more outstanding, up to 2 s); the new leader is up, so the pulls go again at once.
+    async with Harness(capacity=12) as h:
+        assert h.client.batches() == [4, 4]
+        for _ in range(3):
+            await h.client.callbacks[0](status_msg("409", pending=4, description="Leadership Change"))
+        await h.next_round()
+        assert h.puller._retry_at == 0.0 and h.puller._refused == 0
+        assert h.client.batches() == [4, 4, 4, 4]
+        # Another 409 (a limit of the consumer) still backs off.
+        await h.client.callbacks[0](status_msg("409", pending=4, description="Exceeded MaxWaiting"))
+        await h.next_round()
+        assert h.puller._retry_at == h.clock.now + no_responders_backoff(1)
 
 
 async def test_the_pin_goes_on_the_next_pulls() -> None:
