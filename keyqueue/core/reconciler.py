@@ -101,8 +101,11 @@ class Reconciler:
                     await self.reconcile()
                 retry = RETRY_FIRST
             except KeyqueueError as e:
+                first = retry == RETRY_FIRST
                 delay, retry = min(self.interval, retry), min(self.interval, 2 * retry)
-                log.warning("queue %s: reconcile pass failed: %s; trying again in %gs", self.io.names.queue, e, delay)
+                # One warning per outage (and one per interval while it lasts), not per retry.
+                log.log(logging.WARNING if first or delay == self.interval else logging.DEBUG,
+                        "queue %s: reconcile pass failed: %s; trying again in %gs", self.io.names.queue, e, delay)
             except Exception:
                 # Not an outage: a bug. It must not end the pass after it, nor the worker's key
                 # sessions (they share the worker's task group).

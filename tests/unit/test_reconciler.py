@@ -267,20 +267,23 @@ async def test_a_failed_pass_or_election_is_logged_and_the_loop_goes_on(
         queue.write_error = KeyqueueTimeout("no reply to a lease write")
         await run_for(monkeypatch, rec, rounds=1)
     assert rec.passes == 2
+    # One warning per outage (the retries in between are at DEBUG).
     assert [r.getMessage() for r in caplog.records] == [
         "queue q: reconcile pass failed: no reply to STREAM.INFO; trying again in 0.5s",
-        "queue q: reconcile pass failed: no reply to STREAM.INFO; trying again in 1s",
         "queue q: reconcile pass failed: no reply to a lease write; trying again in 0.5s"]
 
 
 async def test_a_failed_pass_is_tried_again_sooner_and_sooner_up_to_the_interval(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # An outage refused tokens: the pass after it repairs them, so it comes as soon as the
     # streams may answer again, not an interval later; a pass that succeeds resets the backoff.
     queue = FakeQueue(requests={"a": 1})
     rec = reconciler(queue, interval=5.0)
     queue.scan_error = KeyqueueTimeout("no reply to STREAM.INFO")
-    assert (await run_for(monkeypatch, rec, rounds=5)).waits == [0.5, 1.0, 2.0, 4.0, 5.0]
+    with caplog.at_level(logging.DEBUG, logger="keyqueue.reconciler"):
+        assert (await run_for(monkeypatch, rec, rounds=6)).waits == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    # Warned at the outage's first failure, then once per interval while it lasts.
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] + [logging.DEBUG] * 3 + [logging.WARNING] * 2
     queue.scan_error = None
     assert (await run_for(monkeypatch, rec, rounds=2)).waits == [5.0, 5.0]
     assert queue.scheduled == ["a"]
