@@ -270,8 +270,14 @@ def check(records: Iterable[Record], expected: Mapping[str, Sequence[str]], *,
     bodies = _bodies(ordered)
     runs = sorted(_with_bodies(_runs(ordered), bodies), key=lambda run: run.start)
     busy: dict[str, list[Interval]] = defaultdict(list)
+    starts: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for run in runs:
+        starts[(run.w, run.key, run.tag)].append(run.start)
     for b in bodies:
-        busy[b.key].append((b.start, b.end))
+        # From its run's start: a body that waited for a free thread or pool child (all busy
+        # with other keys' slow bodies) was the handler's time as much as its running was.
+        began = [t for t in starts.get((b.w, b.key, b.tag), ()) if t <= b.start]
+        busy[b.key].append((max(began) if began else b.start, b.end))
     overlaps, fenced = _overlaps(runs, _pauses(ordered), handover_after, _renewal_faults(ordered))
     bad_inputs = _bad_inputs(ordered)
     bad_tags = {(b.key, b.tag) for b in bad_inputs}

@@ -67,7 +67,8 @@ that ``w`` held at ``f0`` and that had a request stored before ``f0`` and not st
 (the latest such request) *moved* at the first ``start`` of any of its requests after ``f0``, on
 any worker; its hand-off is that time less ``f0`` (never: the end of the log), or less the end of
 a sync handler's body of the key (a thread or a child, :mod:`keyqueue.chaos.checker`) that ran at
-``f0``, if later: nothing cuts such a body short, so its key moves after it; time it ran is the
+``f0`` (from its run's ``start``: time it waited for a free thread or pool child counts as its
+own), if later: nothing cuts such a body short, so its key moves after it; time it ran is the
 handler's (a body on a lost lease ends with its process). The bound of a fault ending at ``f1``:
 
 - ``kill-9``: ``f0 + moved_after_loss`` (the lease, then a waiter's acquisition);
@@ -555,8 +556,9 @@ class _KeyHolds:
 def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = None,
                      busy: Mapping[str, Sequence[Interval]] | None = None) -> Liveness:
     """Strands and hand-offs of a run log (module docstring); ``bounds`` None: report, never fail.
-    ``busy``: per key, when a sync handler's body of it ran (a thread or child, from its ``enter``
-    to its real end: :mod:`keyqueue.chaos.checker`'s bodies)."""
+    ``busy``: per key, when a sync handler's body of it ran (a thread or child, from its run's
+    ``start``, which may wait for a free thread or child, to its real end: :mod:`keyqueue.chaos.checker`'s
+    bodies)."""
     ordered = sorted(records, key=lambda r: float(r["t"]))
     end_of_log = float(ordered[-1]["t"]) if ordered else 0.0
     lease_after = bounds.moved_after_loss if bounds is not None else 0.0

@@ -699,6 +699,19 @@ def test_a_hand_off_counts_from_the_end_of_a_sync_body_running_at_the_fault() ->
     assert late.liveness is not None and [(h.seconds, h.alone) for h in late.liveness.late_handoffs] == [(2.5, True)]
 
 
+def test_a_sync_body_that_waited_for_a_free_pool_child_counts_from_its_runs_start() -> None:
+    # a starts at 1.1 but its pool child takes it only at 4.0 (every child busy with other keys'
+    # slow bodies), and it ends at 4.1: at the fault (2.0) the key was the handler's, waiting for
+    # its own resources; b starts at 4.6, 0.5 s after a's body.
+    log = [ready("w1", 0.0), event("acquired", "w1", 1.0, "k"), rec("start", "w1", 1.1, "k", "a", shape="process"),
+           *body("w1", "k", "a", 4.0, 4.1, pid=11, child=True), rec("end", "w1", 4.1, "k", "a"), stored(1.5, "k", "b"),
+           fault(2.0, "stepdown-dlq", None, 1), fault_end(2.2, 1), *run("w1", "k", "b", 4.6, 4.7),
+           event("released", "w1", 4.8, "k")]
+    verdict = check(log, {"k": ["a", "b"]}, bounds=BOUNDS)
+    assert verdict.ok, verdict.summary()
+    assert verdict.liveness is not None and [round(h.seconds or 0, 6) for h in verdict.liveness.handoffs] == [0.5]
+
+
 def test_a_late_hand_off_under_a_server_fault_still_in_effect_is_not_alone() -> None:
     """A node cut off (or any fault of the server) just before a worker's connection was reset keeps
     that worker's lease writes unanswered until it heals: the reset's hand-off is late, but the time
