@@ -10,8 +10,8 @@ When the elected worker dies, its record expires and another takes over within t
 A pass that fails (an outage: a stream with no leader, a connection down) is tried again after
 half a second, then twice as long each time up to the interval: a token publish refused during an
 outage is repaired as soon as the streams answer again, not an interval later. The worker also
-wakes the reconciler when its token pulls are answered again after a 503 streak, or its
-connection is back: the moments after which tokens may be missing.
+wakes the reconciler when its token pulls are answered again after refusals (503 with no leader,
+409), or its connection is back: the moments after which tokens may be missing.
 """
 
 from __future__ import annotations
