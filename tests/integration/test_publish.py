@@ -51,12 +51,18 @@ async def test_the_token_is_published_only_once_the_request_is_stored(nc: Client
         body = json.loads(msg.data)
         return body.get("stream") == config.names.inbox_stream and body.get("seq") == stored.seq
 
+    # The request's PubAck, sent only once the request is stored, comes before the token. (The
+    # request's own publish, when this subscriber sees it, comes before its PubAck. Under a loaded
+    # CPU the server has twice in about 220 runs not delivered that client publish to this other
+    # connection's ">" while delivering its PubAck and the token: ['_INBOX...1', 'kq.order.tok.k',
+    # '_INBOX...2']. Not explained; the PubAck alone proves the request was stored.)
     subjects = [m.subject for m in seen]
-    assert config.names.inbox("k") in subjects, subjects
-    published = subjects.index(config.names.inbox("k"))
-    acknowledged = next(i for i, m in enumerate(seen) if is_request_ack(m))
+    acknowledged = next((i for i, m in enumerate(seen) if is_request_ack(m)), None)
+    assert acknowledged is not None, subjects
     scheduled = subjects.index(config.names.token("k"))
-    assert published < acknowledged < scheduled
+    assert acknowledged < scheduled, subjects
+    if config.names.inbox("k") in subjects:
+        assert subjects.index(config.names.inbox("k")) < acknowledged, subjects
 
 
 async def test_a_request_whose_reply_never_comes_is_released(nc: Client, nats_client: Client,
