@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Faults", "Fleet", "LogTail", "RssSample", "RssWatch", "SilenceWatch", "WorkerSpec", "rss_bytes"]
+__all__ = ["Faults", "Fleet", "LogTail", "LoopLag", "RssSample", "RssWatch", "SilenceWatch", "WorkerSpec",
+           "rss_bytes"]
 
 
 class LogTail:
@@ -276,6 +277,32 @@ class RssWatch:
             now = self.fleet.rss(name)
             samples.append(RssSample(name, pid, self.warm.get(pid), None if now is None else now[1]))
         return samples
+
+
+class LoopLag:
+    """Notes each time the soak's own event loop ran late (``lag`` records): that loop carries every
+    worker's fault proxy, the producer and the fault injectors, so while it is late every worker's
+    traffic waits too, as under a fault of every worker. The checker does not count it as one (it
+    would excuse the protocol too); the records and the summary say when it happened."""
+
+    TICK: float = 0.1
+    """Seconds between the watch's wake-ups."""
+    LATE: float = 0.25
+    """A wake-up this much later than asked is noted."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.lags: list[float] = []
+
+    async def run(self, until: asyncio.Event) -> None:
+        while not until.is_set():
+            asked = time.monotonic() + self.TICK
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(until.wait(), self.TICK)
+            late = time.monotonic() - asked
+            if late >= self.LATE:
+                self.lags.append(late)
+                self.fleet.note("soak", "lag", seconds=round(late, 3))
 
 
 class SilenceWatch:

@@ -54,7 +54,12 @@ stopped, or (``d`` > 1) any worker was stopped or its process ended, within
 worker was unavailable (stopped, cut off, slowed, or its process ended) at some moment before the
 key's next token or acquisition anywhere, the interval from the token to that next event is in the
 key's shadow: the worker could not act on it, and the server delivers it again only after its
-ack wait.
+ack wait. Its claim may outlast that interval: the session tries to acquire for up to two leases,
+and a write of it that a slowed or cut-off link delivers late, after the key's holder gave it
+back, is a lease record its sender never hears of, which holds the key until its TTL. So the
+shadow lasts at least until the claim's end: that worker's next ``acquired``, ``contended`` or
+session-ending event of the key, or three leases after the token if none came (a failed acquire
+says nothing in the log), or a lease after its process ended, whichever is first.
 
 *Strand.* A request's strand is the total time, from its ``stored`` record until its first
 ``start`` (or the end of the log), during which its key was free, some worker was available, no
@@ -140,6 +145,13 @@ SLOWED: Final = frozenset({"net-latency", "net-bandwidth"})
 more): for strands it is not available, and a token it takes meanwhile is in the key's shadow."""
 
 UNAVAILABLE: Final = CUT_OFF | SLOWED
+
+CLAIM_ENDS: Final = SESSION_ENDS | {"acquired", "contended"}
+"""Session events after which a worker's claim on a key (a token it received) is settled."""
+
+CLAIM_LEASES: Final = 3
+"""How long, in leases, a claim that logged no end may hold its key: a session tries to acquire for
+two leases, and a record written at the last moment lives one more."""
 
 LEADERLESS: Final = ("leader-kill-9", "node-cut")
 """Fault kinds (prefixes) after which a replicated group waits out a raft election."""
@@ -612,7 +624,7 @@ def measure_liveness(records: Iterable[Record], bounds: LivenessBounds | None = 
         if r.get("kind") in PROCESS_ENDS:
             ended[str(r.get("w"))].append((float(r["t"]), float(r["t"]) + 1e-6))
     unable_by = {w: _Union([*worker_stops.get(w, []), *ended.get(w, [])]) for w in {*worker_stops, *ended}}
-    for key, token_spans in _tokens_with_the_unavailable(ordered, unable_by, end_of_log).items():
+    for key, token_spans in _tokens_with_the_unavailable(ordered, unable_by, end_of_log, lease).items():
         shadows[key] += token_spans
     nobody, apart = _availability(ordered, holds, faults, pauses, blocks, end_of_log)
     everywhere = [*nobody, *((f.start, effect_end[id(f)]) for f in faults if f.target is None)]
@@ -684,21 +696,39 @@ def _silences(ordered: Sequence[Record], workers: Iterable[str], stranded: _Unio
 
 
 def _tokens_with_the_unavailable(ordered: Sequence[Record], stopped_by: Mapping[str, _Union],
-                                 end_of_log: float) -> dict[str, list[Interval]]:
+                                 end_of_log: float, lease: float = 0.0) -> dict[str, list[Interval]]:
     """Key -> the intervals its token spent with a worker that was unavailable meanwhile: from a
     ``token`` event (the worker received the key's token) until the key's next token or
     acquisition anywhere, when that worker was stopped, cut off, slowed or died in between (it
-    could not act on the token, which waits its ack wait before the server delivers it again)."""
+    could not act on the token, which waits its ack wait before the server delivers it again); and
+    at least until that worker's claim ended (``CLAIM_LEASES`` leases at most: see the module
+    docstring)."""
     marks: dict[str, list[tuple[float, str | None]]] = defaultdict(list)
+    claim_ends: dict[tuple[str, str], list[float]] = defaultdict(list)
+    process_ends: dict[str, list[float]] = defaultdict(list)
     for r in ordered:
-        if r.get("kind") == "event" and r.get("event") in ("token", "acquired") and r.get("key") is not None:
-            marks[str(r["key"])].append((float(r["t"]), str(r.get("w")) if r.get("event") == "token" else None))
+        if r.get("kind") in PROCESS_ENDS:
+            process_ends[str(r.get("w"))].append(float(r["t"]))
+        if r.get("kind") != "event" or r.get("key") is None:
+            continue
+        event = r.get("event")
+        if event in ("token", "acquired"):
+            marks[str(r["key"])].append((float(r["t"]), str(r.get("w")) if event == "token" else None))
+        if event in CLAIM_ENDS:
+            claim_ends[(str(r["key"]), str(r.get("w")))].append(float(r["t"]))
     found: dict[str, list[Interval]] = defaultdict(list)
     for key, seen in marks.items():
         for (t, w), (until, _) in zip(seen, [*seen[1:], (end_of_log, None)], strict=True):
             unable = stopped_by.get(w) if w is not None else None
-            if unable is not None and unable.covered(t, max(until, t + 1e-6)) > 0:
-                found[key].append((t, until))
+            if w is None or unable is None or unable.covered(t, max(until, t + 1e-6)) <= 0:
+                continue
+            ends = claim_ends.get((key, w), [])
+            i = bisect.bisect_left(ends, t)
+            deaths = process_ends.get(w, [])
+            j = bisect.bisect_left(deaths, t)
+            claim_end = min(ends[i] if i < len(ends) else math.inf, t + CLAIM_LEASES * lease,
+                            deaths[j] + lease if j < len(deaths) else math.inf, end_of_log)
+            found[key].append((t, max(until, claim_end)))
     return found
 
 

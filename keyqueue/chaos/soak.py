@@ -57,7 +57,7 @@ from nats.aio.client import Client
 from keyqueue.admin.dead_letters import dead_letters
 from keyqueue.chaos.checker import GIVEN_BACK, LivenessBounds, Verdict, check, read_log
 from keyqueue.chaos.fenced import FencedStore
-from keyqueue.chaos.fleet import Faults, Fleet, LogTail, RssSample, RssWatch, SilenceWatch, WorkerSpec
+from keyqueue.chaos.fleet import Faults, Fleet, LogTail, LoopLag, RssSample, RssWatch, SilenceWatch, WorkerSpec
 from keyqueue.chaos.handlers import (
     BAD_INPUTS,
     FOREIGN_ACK_SID,
@@ -166,6 +166,8 @@ class SoakResult:
     max_backlog: int = 0
     dumps: int = 0
     """Workers dumped for their silence (``dump`` records; their stacks in their stderr files)."""
+    lags: tuple[float, ...] = ()
+    """Seconds the soak's own loop (every worker's proxy) ran late, each time it was (``lag`` records)."""
 
     @property
     def rss_over(self) -> list[RssSample]:
@@ -187,6 +189,8 @@ class SoakResult:
                    f"(the fleet was slower than the soak's rate)\n" if self.held_back else "")
                 + (f"silent workers dumped {self.dumps} times (their stacks: {self.log_path.stem}.<worker>.stderr)\n"
                    if self.dumps else "")
+                + (f"the soak's own loop, which carries every worker's proxy, ran late {len(self.lags)} times, at "
+                   f"most {max(self.lags):.2f}s (`lag` records): every worker waited meanwhile\n" if self.lags else "")
                 + self.verdict.summary() + self._rss_summary())
 
     def _rss_summary(self) -> str:
@@ -442,6 +446,8 @@ async def soak(options: SoakOptions) -> SoakResult:
         sampling = asyncio.create_task(rss.run(settled))
         silence = SilenceWatch(fleet, options.dump_after)
         listening = asyncio.create_task(silence.run(settled))
+        lag = LoopLag(fleet)
+        timing = asyncio.create_task(lag.run(settled))
         tasks: list[asyncio.Task[object]] = []
         if "network" in options.classes:
             targets: list[Faultable] = [groups[name] for name in names]
@@ -492,6 +498,7 @@ async def soak(options: SoakOptions) -> SoakResult:
         await sampling
         await supervising
         await listening
+        await timing
         rss_samples = rss.final()
         snapshot = await _patiently(nc, store.snapshot, SNAPSHOT_WAIT, "reading the fenced store's history")
         verdict = check(read_log(log_path), producer.expected, store_history=snapshot.history(),
@@ -499,7 +506,7 @@ async def soak(options: SoakOptions) -> SoakResult:
                         bounds=options.bounds or LivenessBounds.for_lease(options.ack_wait))
         await nc.close()
         return SoakResult(verdict, faults.counts, time.monotonic() - began, enqueued, log_path, offsets, rss_samples,
-                          options.rss_limit, producer.held_back, options.max_backlog, silence.dumps)
+                          options.rss_limit, producer.held_back, options.max_backlog, silence.dumps, tuple(lag.lags))
     finally:
         settled.set()
         if fleet is not None:

@@ -1,0 +1,43 @@
+"""The soak's watch of its own event loop, which carries every worker's fault proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, cast
+
+from keyqueue.chaos.checker import check
+from keyqueue.chaos.fleet import Fleet, LoopLag
+from keyqueue.chaos.soak import SoakResult
+
+
+class Notes:
+    def __init__(self) -> None:
+        self.records: list[tuple[str, str, dict[str, Any]]] = []
+
+    def note(self, w: str, kind: str, **fields: Any) -> None:
+        self.records.append((w, kind, fields))
+
+
+async def test_a_loop_held_past_the_tick_is_noted_once_with_how_late_it_ran() -> None:
+    notes = Notes()
+    lag = LoopLag(cast(Fleet, notes))
+    until = asyncio.Event()
+    watching = asyncio.create_task(lag.run(until))
+    await asyncio.sleep(0)  # the watch is waiting on its tick
+    time.sleep(0.6)  # noqa: ASYNC251 - the loop is held, as a busy soak process holds it
+    await asyncio.sleep(LoopLag.TICK * 2)  # the watch wakes, late
+    until.set()
+    await watching
+    held = [fields["seconds"] for w, kind, fields in notes.records if (w, kind) == ("soak", "lag")
+            and fields["seconds"] >= 0.4]
+    assert len(held) == 1 and held[0] <= 2.0, notes.records
+    assert [round(x, 3) for x in lag.lags] == [fields["seconds"] for _, _, fields in notes.records]
+
+
+def test_the_summary_says_when_the_soaks_own_loop_ran_late() -> None:
+    result = SoakResult(check([], {}), Counter(), 1.0, 0, Path("run.jsonl"), lags=(0.3, 2.9))
+    assert "ran late 2 times, at most 2.90s" in result.summary()
+    assert "ran late" not in SoakResult(check([], {}), Counter(), 1.0, 0, Path("run.jsonl")).summary()
