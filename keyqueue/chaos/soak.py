@@ -561,7 +561,7 @@ async def _settle(log_path: Path, expected: dict[str, list[str]], foreign: dict[
     deadline = time.monotonic() + timeout
     asked = -math.inf
     while time.monotonic() < deadline:
-        for r in tail.new_records():
+        for r in await tail.read():
             if r["kind"] == "end" and r.get("ok", True):
                 wanted.discard((r["key"], r["tag"]))
             elif r.get("event") in GIVEN_BACK:

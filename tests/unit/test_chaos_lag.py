@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, cast
 
 from keyqueue.chaos.checker import check
-from keyqueue.chaos.fleet import Fleet, LoopLag
+from keyqueue.chaos.fleet import Fleet, LogTail, LoopLag
 from keyqueue.chaos.soak import SoakResult
 
 
@@ -41,3 +42,23 @@ def test_the_summary_says_when_the_soaks_own_loop_ran_late() -> None:
     result = SoakResult(check([], {}), Counter(), 1.0, 0, Path("run.jsonl"), lags=(0.3, 2.9))
     assert "ran late 2 times, at most 2.90s" in result.summary()
     assert "ran late" not in SoakResult(check([], {}), Counter(), 1.0, 0, Path("run.jsonl")).summary()
+
+
+async def test_the_log_is_parsed_off_the_soaks_loop(tmp_path: Path) -> None:
+    # Parsing a long soak's whole log on the loop held every worker's proxy for seconds.
+    log = tmp_path / "run.jsonl"
+    log.write_text('{"w": "w1", "kind": "ready", "t": 1.0}\n{"w": "w1", "kind": "start", "t": 2.0}\n{"w": "w')
+    tail = LogTail(log)
+    parsed_on: list[threading.Thread] = []
+    parse = tail.new_records
+
+    def on_which_thread() -> list[dict[str, object]]:
+        parsed_on.append(threading.current_thread())
+        return parse()
+
+    tail.new_records = on_which_thread  # type: ignore[method-assign]
+    assert [r["kind"] for r in await tail.read()] == ["ready", "start"]  # the unfinished line waits
+    assert parsed_on and parsed_on[0] is not threading.main_thread()
+    with log.open("a") as more:
+        more.write('2", "kind": "ready", "t": 3.0}\n')
+    assert [(r["w"], r["kind"]) for r in await tail.read()] == [("w2", "ready")]
