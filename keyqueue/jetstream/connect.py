@@ -71,9 +71,13 @@ class Link:
     (a request mux fails the requests whose replies it still awaited: they will never come).
     """
 
-    __slots__ = ("_closed_event", "_drop_waiters", "_listeners", "_up", "cause", "closed", "closed_by_owner", "drops")
+    __slots__ = ("_closed_event", "_connected", "_drop_waiters", "_listeners", "_up", "cause", "closed",
+                 "closed_by_owner", "drops")
 
-    def __init__(self) -> None:
+    def __init__(self, connected: Callable[[], bool] | None = None) -> None:
+        self._connected = connected
+        """The client's own word (nats-py's ``is_connected``): it knows of a drop before it tells this
+        link, from its reconnect task, which runs only once the loop gets to it."""
         self._up: asyncio.Event | None = None
         self._closed_event: asyncio.Event | None = None
         self._listeners: list[Callable[[], None]] = []
@@ -95,8 +99,13 @@ class Link:
         return self._up
 
     @property
-    def is_up(self) -> bool:
+    def told_up(self) -> bool:
+        """Whether the last word this link had was "up" (a drop not reported yet leaves it so)."""
         return not self.closed and self._event().is_set()
+
+    @property
+    def is_up(self) -> bool:
+        return self.told_up and (self._connected is None or self._connected())
 
     def on_down(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call ``listener`` (no arguments, on the loop) at every drop; returns its removal."""
@@ -171,7 +180,15 @@ class Link:
             return False
         try:
             async with asyncio.timeout(timeout):
-                await self._event().wait()
+                while not self.is_up and not self.closed:
+                    if self.told_up:
+                        # The client saw the drop and has not told this link yet: its reconnect task
+                        # does, once the loop runs it. Yield to it. (Returning at once here made a retry
+                        # loop spin without ever yielding: the reconnect could not run, and a producer's
+                        # publish held its event loop for the whole outage wait, 15 s.)
+                        await asyncio.sleep(_POLL)
+                    else:
+                        await self._event().wait()
         except TimeoutError:
             return False
         return self.is_up
@@ -217,7 +234,7 @@ class KeyqueueClient(Client):
     def __init__(self) -> None:
         super().__init__()
         self._ps = LeanParser(self)  # keyqueue's own subscriptions' messages handed on at once
-        self.link = Link()
+        self.link = Link(lambda: self.is_connected)
         self._reconnect_errors = LogThrottle(ERROR_LOG_INTERVAL)
         self.target: str | ConnectOptions | None = None
         """What :func:`connect` was given: another connection to the same servers, with the same
@@ -408,7 +425,7 @@ async def connect(target: str | ConnectOptions, *, name: str = "keyqueue",
     async def on_disconnect() -> None:
         # nats-py calls this before its first reconnect attempt (and on close, after flushing).
         dropped = discard_unsent(nc)
-        again = not nc.link.is_up and not nc.is_closed  # a reconnect tried again (KeyqueueClient): said already
+        again = not nc.link.told_up and not nc.is_closed  # a reconnect tried again (KeyqueueClient): said already
         nc.link.down(closed=nc.is_closed, cause=nc.last_error)
         if not nc.is_closed and not again:
             log.warning("NATS connection %s: lost, reconnecting; publishes fail with Disconnected until it is "

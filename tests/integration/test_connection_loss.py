@@ -20,7 +20,7 @@ from keyqueue.core.worker import QueueWorker
 from keyqueue.errors import Disconnected
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
-from keyqueue.jetstream.publish import OutgoingRequest, Publisher
+from keyqueue.jetstream.publish import Enqueued, OutgoingRequest, Publisher
 from keyqueue.jetstream.pull import PullOptions
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.server.embedded import EmbeddedServer
@@ -175,6 +175,42 @@ async def test_nothing_published_while_disconnected_is_sent_after_the_reconnect(
         assert await stored_requests(nc, config.names) == []
         assert (await api.stream_info(config.names.token_stream))["state"]["messages"] == 0
     finally:
+        await nc.close()
+
+
+async def test_a_publish_tried_while_nats_py_starts_reconnecting_yields_to_the_reconnect(
+        nats_server: EmbeddedServer, caplog: pytest.LogCaptureFixture) -> None:
+    # nats-py learns of a drop in its read loop: it marks itself reconnecting and starts its reconnect
+    # as a task, which tells keyqueue's link (the disconnected callback) only once the loop runs it. A
+    # publish between the two failed at once, and its retry loop asked the link, which still said up,
+    # and tried again without yielding: the reconnect never ran, and the producer held its event loop
+    # for the whole outage wait (15 s; seen in the chaos soak as every worker's traffic frozen).
+    watched = Watched()
+    nc = await watched.open(nats_server.url)
+    config = QueueConfig("spin", ack_wait=2)
+    await Topology(JetStreamApi(nc), config).ensure()
+    publisher = Publisher(nc, config.names, outage_wait=15.0)
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    counting = asyncio.create_task(count_turns())
+    try:
+        with caplog.at_level(logging.WARNING, logger="keyqueue.connection"):
+            await nc._process_op_err(ConnectionResetError("the read loop saw the socket close"))  # type: ignore[attr-defined]
+            assert nc.is_reconnecting and nc.link.told_up and not nc.link.is_up
+            before = turns
+            [result] = await publisher.enqueue_many([request("k", b"across the drop")])
+        assert isinstance(result, Enqueued), result  # stored once the reconnect ran
+        assert turns > before  # the loop ran other tasks meanwhile
+        assert watched.up.is_set() and "lost, reconnecting" in caplog.text  # the drop was still reported
+        assert [m.data for m in await stored_requests(nc, config.names)] == [b"across the drop"]
+    finally:
+        counting.cancel()
         await nc.close()
 
 
