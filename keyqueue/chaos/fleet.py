@@ -40,17 +40,20 @@ class LogTail:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
+        self._reading = threading.Lock()
+        """Two reads at once (:meth:`read` runs in a thread) each take their own lines, none twice."""
 
     def new_records(self) -> list[dict[str, object]]:
         """The complete lines appended since the last call."""
-        try:
-            with open(self.path, "rb") as log:
-                log.seek(self.offset)
-                chunk = log.read()
-        except FileNotFoundError:
-            return []
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
+        with self._reading:
+            try:
+                with open(self.path, "rb") as log:
+                    log.seek(self.offset)
+                    chunk = log.read()
+            except FileNotFoundError:
+                return []
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self.offset += len(complete)
         return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
     async def read(self) -> list[dict[str, object]]:

@@ -62,3 +62,16 @@ async def test_the_log_is_parsed_off_the_soaks_loop(tmp_path: Path) -> None:
     with log.open("a") as more:
         more.write('2", "kind": "ready", "t": 3.0}\n')
     assert [(r["w"], r["kind"]) for r in await tail.read()] == [("w2", "ready")]
+
+
+async def test_reads_at_once_each_take_their_own_lines(tmp_path: Path) -> None:
+    # Reads run in threads: two at once (a restart's wait for ready beside another) must not both
+    # take the same lines, nor move the offset twice past them.
+    log = tmp_path / "run.jsonl"
+    log.write_text("".join(f'{{"w": "w1", "kind": "ready", "t": {n}}}\n' for n in range(20_000)))
+    tail = LogTail(log)
+    first, second = await asyncio.gather(tail.read(), tail.read())
+    assert sorted(r["t"] for r in [*first, *second]) == list(range(20_000))  # type: ignore[type-var]
+    with log.open("a") as more:
+        more.write('{"w": "w2", "kind": "ready", "t": 1.5}\n')
+    assert [r["w"] for r in await tail.read()] == ["w2"]
