@@ -159,7 +159,8 @@ async def test_nothing_published_while_disconnected_is_sent_after_the_reconnect(
     api = JetStreamApi(nc)
     config = QueueConfig("late", ack_wait=2)
     await Topology(api, config).ensure()
-    publisher = Publisher(nc, config.names)
+    # Each refused publish first waits out the outage: a short wait proves the same refusals.
+    publisher = Publisher(nc, config.names, outage_wait=1.0)
     try:
         await nats_server.stop()
         await watched.down.wait()
