@@ -52,8 +52,13 @@ chaos-cluster: $(STAMP)
 # (pytest-xdist: each test file on one of them, the Spark tests on one with their JVM), then the
 # tests marked serial (the soaks, the browser tests) alone: about 20 minutes against 26 on 2 cores
 # (docs/decisions.md, "The suite in parallel processes: an option, not the default").
+#
+# The project's modules are compiled first: where PYTHONDONTWRITEBYTECODE is set, each of the suite's
+# hundreds of `keyqueue worker` and CLI processes would otherwise compile keyqueue again (0.7 s of CPU
+# each on 2 cores; docs/decisions.md, "The suite's processes start from compiled modules").
 TEST_WORKERS ?= 1
 test: $(STAMP) java-check chromium-check
+	@$(PY) -m compileall -q -j 0 keyqueue plugins contrib examples bench tests >/dev/null
 ifeq ($(TEST_WORKERS),1)
 	$(PY) -m pytest -q
 else
