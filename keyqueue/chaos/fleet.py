@@ -157,9 +157,11 @@ class Fleet:
             self.note(name, "resumed", reason="sigcont")
             self.signal(name, signal.SIGCONT)
 
-    def kill(self, name: str) -> None:
+    async def kill(self, name: str) -> None:
         self.signal(name, signal.SIGKILL)
-        self.procs[name].wait()
+        # Reaped off the loop: this loop carries every worker's proxy, and a big process takes
+        # a few tenths of a second to end (the soak's loop watch saw them).
+        await asyncio.to_thread(self.procs[name].wait)
         self.paused.discard(name)
         self.note(name, "killed")
 
@@ -169,7 +171,7 @@ class Fleet:
         try:
             await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout)
         except TimeoutError:
-            self.kill(name)
+            await self.kill(name)
 
     def alive(self, name: str) -> bool:
         return self.procs[name].poll() is None

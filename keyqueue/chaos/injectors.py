@@ -101,7 +101,7 @@ async def _process_fault(fleet: Fleet, name: str, kind: str, rng: random.Random,
         await asyncio.sleep(rng.uniform(ack_wait * 1.2, ack_wait * 2.5))
         fleet.resume(name)
     elif kind == "kill-9":
-        fleet.kill(name)
+        await fleet.kill(name)
         fleet.start(name)
         await fleet.wait_ready([name], timeout=90)
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections import Counter
@@ -75,3 +76,50 @@ async def test_reads_at_once_each_take_their_own_lines(tmp_path: Path) -> None:
     with log.open("a") as more:
         more.write('{"w": "w2", "kind": "ready", "t": 1.5}\n')
     assert [r["w"] for r in await tail.read()] == ["w2"]
+
+
+class _SlowToReap:
+    """A process that ends some tenths of a second after its SIGKILL, as a big worker does."""
+
+    pid = 0  # never signalled: the test replaces os.kill
+
+    def __init__(self) -> None:
+        self.reaped_in: str | None = None
+
+    def poll(self) -> int | None:
+        return None
+
+    def wait(self) -> int:
+        time.sleep(0.4)
+        self.reaped_in = threading.current_thread().name
+        return -9
+
+
+async def test_a_killed_worker_is_reaped_off_the_soaks_loop(tmp_path: Path, monkeypatch: Any) -> None:
+    # Fleet.kill waited for the killed process on the soak's loop: each kill -9 held every worker's
+    # proxy for as long as the process took to end (the loop watch saw 0.3-0.4 s).
+    from keyqueue.chaos.fleet import WorkerSpec
+
+    fleet = Fleet(WorkerSpec("q", ack_wait=2.0, concurrency=1, replicas=1), {"w0": "nats://127.0.0.1:1"},
+                  tmp_path / "run.jsonl")
+    proc = _SlowToReap()
+    fleet.procs["w0"] = cast(Any, proc)
+    monkeypatch.setattr("os.kill", lambda pid, sig: None)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    ticking = asyncio.create_task(tick())
+    try:
+        await asyncio.sleep(0)
+        await fleet.kill("w0")
+    finally:
+        ticking.cancel()
+        os.close(fleet.fd)
+    assert proc.reaped_in is not None and proc.reaped_in != threading.main_thread().name
+    assert ticks >= 10  # the loop ran on through the 0.4 s the process took to end
+    assert [r["kind"] for r in LogTail(tmp_path / "run.jsonl").new_records()] == ["killed"]
