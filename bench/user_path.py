@@ -16,9 +16,11 @@ at once, timed from the first enqueue (the producer shares the machine's cores).
 it prints the workers' CPU time per request over the same span (user + system, from the kernel),
 which other load on a shared machine disturbs much less than the wall clock. ``--profile FILE``
 runs the worker under cProfile and writes its statistics to FILE (the rates are then not
-comparable). ``--peers`` then runs Celery, Dramatiq and procrastinate (``bench.peers``) on the same
-two workloads and prints keyqueue beside them and raw fetch+ack: ``--hot-per-key 200 --cold-keys
-2000 --peers`` is the comparison ``make bench`` makes, alone. ``make bench`` runs :func:`measure`
+comparable). ``--core`` also runs the core alone (``bench.worker``) on the cold keys, after the
+product path, and prints its CPU per key beside the product path's. ``--peers`` then runs Celery,
+Dramatiq and procrastinate (``bench.peers``) on the same two workloads and prints keyqueue beside
+them and raw fetch+ack: ``--hot-per-key 200 --cold-keys 2000 --peers`` is the comparison ``make
+bench`` makes, alone. ``make bench`` runs :func:`measure`
 too, as its *product path* rows beside the core's.
 """
 
@@ -252,27 +254,52 @@ async def measure(url: str, hot_keys: int, hot_per_key: int, cold_keys: int, pro
 
 
 @contextlib.asynccontextmanager
-async def servers(cluster: bool, scratch: Path) -> AsyncIterator[tuple[str, list[str]]]:
-    """One embedded nats-server, or (``cluster``) a 3-node cluster: its URL and monitoring URLs."""
+async def servers(cluster: bool, scratch: Path) -> AsyncIterator[tuple[str, list[str], int | None]]:
+    """One embedded nats-server, or (``cluster``) a 3-node cluster: its URL, monitoring URLs and (one
+    server) its pid."""
     if cluster:
         from keyqueue.server.cluster import EmbeddedCluster
 
         async with EmbeddedCluster(3, store_root=scratch / "r3") as nodes:
-            yield nodes.url, [s.monitoring_url for s in nodes.servers]
+            yield nodes.url, [s.monitoring_url for s in nodes.servers], None
     else:
         async with EmbeddedServer(store_dir=scratch / "store") as server:
-            yield server.url, [server.monitoring_url]
+            yield server.url, [server.monitoring_url], server.pid
+
+
+async def core_cold(url: str, monitoring_url: str, server_pid: int, keys: int, scratch: Path) -> tuple[float, float]:
+    """The core alone on the cold workload, beside the product path: ``bench.worker`` (a QueueWorker
+    with a no-op processor, no app, no hooks, no events) with the product path's 128 slots, ``keys``
+    keys x 1 stored first. Its rate and its worker's CPU per key (us)."""
+    from bench.fleet import WorkerOptions
+    from bench.workloads import Bench, interleaved, keyed_run
+
+    nc = await connect(url, name="bench-core-producer")
+    try:
+        (scratch / "core").mkdir()
+        b = Bench(url, monitoring_url, server_pid, nc, scratch / "core", WorkerOptions(concurrency=128))
+        run = await keyed_run(b, "corecold", interleaved(keys, 1, "core"), 1)
+    finally:
+        await nc.close()
+    if run.note or run.check.summary() != "order kept, exclusive":
+        raise RuntimeError(f"the core's cold run: {run.check.summary()} {run.note}")
+    return run.rate, run.worker_cpu / run.rate * 1e6
 
 
 async def main(args: argparse.Namespace) -> None:
     replicas = 3 if args.cluster else 1
     with tempfile.TemporaryDirectory() as tmp:
-        async with servers(args.cluster, Path(tmp)) as (url, monitoring):
+        async with servers(args.cluster, Path(tmp)) as (url, monitoring, server_pid):
             rates = await raw.measure(url, args.raw, monitoring=monitoring, replicas=replicas)
             product = await measure(url, args.hot_keys, args.hot_per_key, args.cold_keys, args.profile,
                                     processes=args.processes, end_to_end=args.end_to_end,
                                     monitoring=monitoring, loop=args.loop, task=args.task,
                                     unkeyed=args.unkeyed, py_spy=args.py_spy, replicas=replicas)
+            core = None
+            if args.core:
+                if server_pid is None:
+                    raise SystemExit("--core runs on one server only (not with --cluster)")
+                core = await core_cold(url, monitoring[0], server_pid, args.cold_keys, Path(tmp))
     hot = f"hot keys {args.hot_keys} x {args.hot_per_key}"
     cold = f"cold keys {args.cold_keys:,} x 1"
     plain = f"unkeyed {args.unkeyed:,}"
@@ -284,6 +311,10 @@ async def main(args: argparse.Namespace) -> None:
                    f"  stored and served at once {both:7,.0f} req/s {both / rates.fetch_ack:.2f}x")
         print(f"{label:26} {rate:9,.0f} req/s  {rate / rates.fetch_ack:.2f}x raw  worker CPU {cpu:5.0f} us/req"
               + at_once)
+    if core is not None:
+        rate, cpu = core
+        print(f"{'core alone, ' + cold:26} {rate:9,.0f} req/s  {rate / rates.fetch_ack:.2f}x raw  worker CPU "
+              f"{cpu:5.0f} us/req  (the product path's CPU per cold key {product.cold_cpu_us / cpu:.2f}x the core's)")
     print(f"{'enqueue_many (producer)':26} CPU {product.enqueue_cpu_us:5.0f} us/req")
     for label, per in (("raw fetch+ack, per msg", rates.server), ("hot, per request", product.hot_server),
                        ("cold, per key", product.cold_server), ("unkeyed, per request", product.unkeyed_server)):
@@ -323,6 +354,9 @@ if __name__ == "__main__":
                         help="note: a no-op; io_note: awaits 1 ms; unkeyed_note: a no-op without a key")
     parser.add_argument("--cluster", action="store_true",
                         help="on a 3-node cluster with R3 streams (raw fetch+ack too), not one server")
+    parser.add_argument("--core", action="store_true",
+                        help="also run the core alone (bench.worker: a QueueWorker, no-op processor, 128 slots) on "
+                             "the cold keys, after the product path: how much of a cold key's CPU is above the core")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=False,
                         help="also run Celery, Dramatiq and procrastinate on both workloads, and print the ratios")
     asyncio.run(main(parser.parse_args()))
