@@ -10,6 +10,7 @@ import signal
 
 import nats.errors
 import pytest
+from loop_turns import LoopTurns
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from queue_workers import running, stored_requests
@@ -191,27 +192,17 @@ async def test_a_publish_tried_while_nats_py_starts_reconnecting_yields_to_the_r
     config = QueueConfig("spin", ack_wait=2)
     await Topology(JetStreamApi(nc), config).ensure()
     publisher = Publisher(nc, config.names, outage_wait=15.0)
-    turns = 0
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
-
-    counting = asyncio.create_task(count_turns())
     try:
         with caplog.at_level(logging.WARNING, logger="keyqueue.connection"):
             await nc._process_op_err(ConnectionResetError("the read loop saw the socket close"))  # type: ignore[attr-defined]
             assert nc.is_reconnecting and nc.link.told_up and not nc.link.is_up
-            before = turns
-            [result] = await publisher.enqueue_many([request("k", b"across the drop")])
+            async with LoopTurns() as turns:
+                [result] = await publisher.enqueue_many([request("k", b"across the drop")])
         assert isinstance(result, Enqueued), result  # stored once the reconnect ran
-        assert turns > before  # the loop ran other tasks meanwhile
+        assert turns.count > 0  # the loop ran other tasks meanwhile
         assert watched.up.is_set() and "lost, reconnecting" in caplog.text  # the drop was still reported
         assert [m.data for m in await stored_requests(nc, config.names)] == [b"across the drop"]
     finally:
-        counting.cancel()
         await nc.close()
 
 

@@ -10,6 +10,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, cast
 
+from loop_turns import LoopTurns
+
 from keyqueue.chaos.checker import check
 from keyqueue.chaos.fleet import Fleet, LogTail, LoopLag
 from keyqueue.chaos.soak import SoakResult
@@ -105,21 +107,11 @@ async def test_a_killed_worker_is_reaped_off_the_soaks_loop(tmp_path: Path, monk
     proc = _SlowToReap()
     fleet.procs["w0"] = cast(Any, proc)
     monkeypatch.setattr("os.kill", lambda pid, sig: None)
-    ticks = 0
-
-    async def tick() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0.01)
-
-    ticking = asyncio.create_task(tick())
     try:
-        await asyncio.sleep(0)
-        await fleet.kill("w0")
+        async with LoopTurns(every=0.01) as turns:
+            await fleet.kill("w0")
     finally:
-        ticking.cancel()
         os.close(fleet.fd)
     assert proc.reaped_in is not None and proc.reaped_in != threading.main_thread().name
-    assert ticks >= 10  # the loop ran on through the 0.4 s the process took to end
+    assert turns.count >= 10  # the loop ran on through the 0.4 s the process took to end
     assert [r["kind"] for r in LogTail(tmp_path / "run.jsonl").new_records()] == ["killed"]
