@@ -50,7 +50,7 @@ chaos-cluster: $(STAMP)
 
 # One process by default (CI's run). `make test TEST_WORKERS=2` runs the suite in 2 processes
 # (pytest-xdist: each test file on one of them, the Spark tests on one with their JVM), then the
-# tests marked serial (the soaks, the browser tests) alone: about 20 minutes against 26 on 2 cores
+# tests marked serial (the soaks, the browser tests) alone: about 20 minutes against 23 on 2 cores
 # (docs/decisions.md, "The suite in parallel processes: an option, not the default").
 #
 # The project's modules are compiled first: where PYTHONDONTWRITEBYTECODE is set, each of the suite's
