@@ -20,8 +20,8 @@ comparable). ``--core`` also runs the core alone (``bench.worker``) on the cold 
 product path, and prints its CPU per key beside the product path's. ``--peers`` then runs Celery,
 Dramatiq and procrastinate (``bench.peers``) on the same two workloads and prints keyqueue beside
 them and raw fetch+ack: ``--hot-per-key 200 --cold-keys 2000 --peers`` is the comparison ``make
-bench`` makes, alone. ``make bench`` runs :func:`measure`
-too, as its *product path* rows beside the core's.
+bench`` makes, alone. ``make bench`` runs :func:`measure` too, as its *product path* rows beside
+the core's.
 """
 
 from __future__ import annotations
