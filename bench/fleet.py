@@ -25,7 +25,8 @@ class WorkerOptions:
     kill_on_stop: bool = False
     profile_dir: Path | None = None
     loop: str | None = None
-    """``keyqueue worker --loop`` for the product path's workers (None: the command's default)."""
+    """The event loop of every worker, ``keyqueue worker --loop`` or ``bench.worker --loop`` (None: their
+    default, ``auto``: uvloop where it is installed)."""
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Fleet:
                    "--ack-wait", str(self.options.ack_wait)]
             if self.options.kill_on_stop:
                 cmd.append("--kill-on-stop")
+            if self.options.loop is not None:
+                cmd += ["--loop", self.options.loop]
             if self.options.profile_dir is not None:
                 cmd += ["--profile", str(self.options.profile_dir / f"{self.queue}-w{index}.txt")]
             proc = await asyncio.create_subprocess_exec(

@@ -267,18 +267,20 @@ async def servers(cluster: bool, scratch: Path) -> AsyncIterator[tuple[str, list
             yield server.url, [server.monitoring_url], server.pid
 
 
-async def core_cold(url: str, monitoring_url: str, server_pid: int, keys: int, scratch: Path) -> tuple[float, float]:
+async def core_cold(url: str, monitoring_url: str, server_pid: int, keys: int, scratch: Path, *,
+                    queue: str = "corecold", loop: str | None = None) -> tuple[float, float]:
     """The core alone on the cold workload, beside the product path: ``bench.worker`` (a QueueWorker
-    with a no-op processor, no app, no hooks, no events) with the product path's 128 slots, ``keys``
-    keys x 1 stored first. Its rate and its worker's CPU per key (us)."""
+    with a no-op processor, no app, no hooks, no events) with the product path's 128 slots, on the
+    event loop ``loop`` (None: the default, as ``keyqueue worker``'s), ``keys`` keys x 1 stored
+    first. Its rate and its worker's CPU per key (us)."""
     from bench.fleet import WorkerOptions
     from bench.workloads import Bench, interleaved, keyed_run
 
     nc = await connect(url, name="bench-core-producer")
     try:
-        (scratch / "core").mkdir()
-        b = Bench(url, monitoring_url, server_pid, nc, scratch / "core", WorkerOptions(concurrency=128))
-        run = await keyed_run(b, "corecold", interleaved(keys, 1, "core"), 1)
+        (scratch / queue).mkdir(exist_ok=True)
+        b = Bench(url, monitoring_url, server_pid, nc, scratch / queue, WorkerOptions(concurrency=128, loop=loop))
+        run = await keyed_run(b, queue, interleaved(keys, 1, "core"), 1)
     finally:
         await nc.close()
     if run.note or run.check.summary() != "order kept, exclusive":
@@ -299,7 +301,7 @@ async def main(args: argparse.Namespace) -> None:
             if args.core:
                 if server_pid is None:
                     raise SystemExit("--core runs on one server only (not with --cluster)")
-                core = await core_cold(url, monitoring[0], server_pid, args.cold_keys, Path(tmp))
+                core = await core_cold(url, monitoring[0], server_pid, args.cold_keys, Path(tmp), loop=args.loop)
     hot = f"hot keys {args.hot_keys} x {args.hot_per_key}"
     cold = f"cold keys {args.cold_keys:,} x 1"
     plain = f"unkeyed {args.unkeyed:,}"

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench.records import write_records
+from keyqueue.app.event_loop import LOOPS, run
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.session import SessionSettings
 from keyqueue.core.worker import QueueWorker
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--linger", type=float, default=0.05)
     parser.add_argument("--ack-wait", type=float, default=30.0)
     parser.add_argument("--kill-on-stop", action="store_true")
+    parser.add_argument("--loop", choices=LOOPS, default="auto",
+                        help="the event loop, as keyqueue worker --loop (default auto: uvloop where installed)")
     parser.add_argument("--profile", help="write a pyinstrument HTML/text profile of the run here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -99,14 +102,14 @@ def main() -> None:
         profiler = Profiler(async_mode="disabled", interval=0.0005)
         profiler.start()
         try:
-            asyncio.run(serve(args))
+            run(serve(args), args.loop)
         finally:
             profiler.stop()
             Path(args.profile).write_text(profiler.output_text(unicode=False, color=False, show_all=False))
             if profiler.last_session is not None:
                 profiler.last_session.save(str(Path(args.profile).with_suffix(".pyisession")))
         return
-    asyncio.run(serve(args))
+    run(serve(args), args.loop)
 
 
 if __name__ == "__main__":

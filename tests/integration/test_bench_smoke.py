@@ -8,6 +8,7 @@ import pytest
 
 from bench import report as output
 from bench.fleet import WorkerOptions
+from bench.floor import floor
 from bench.results import SMOKE
 from bench.run import (
     BULK,
@@ -26,6 +27,10 @@ from bench.run import (
     REBASER,
     run,
 )
+from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.queue_io import requests_waiting
+from keyqueue.jetstream.topology import QueueConfig
 
 
 @pytest.mark.timeout(60)
@@ -55,3 +60,21 @@ async def test_smallest_run_reports_every_workload(tmp_path: Path) -> None:
     assert HOT_1 in text and REBASER in text
     page = output.markdown(result, chart=None)
     assert "| workload |" in page and output.ANALYSIS_START in page
+
+
+@pytest.mark.timeout(60)
+async def test_the_floor_gives_every_key_back_with_the_protocols_messages(nats_url: str) -> None:
+    """``bench.floor`` sends a cold key's messages by hand: every key is acquired, read (one request
+    each), acked and marked released; a refused write, a read that found another count or a token
+    left behind fails it."""
+    figures = await floor(nats_url, "floorsmoke", 40)
+
+    assert figures.rate > 0 and figures.cpu_per_key > 0
+    nc = await connect(nats_url)
+    try:
+        api = JetStreamApi(nc)
+        names = QueueConfig("floorsmoke").names
+        assert (await api.stream_info(names.token_stream))["state"]["messages"] == 0
+        assert await requests_waiting(api, names) == 0  # the markers removed every request
+    finally:
+        await nc.close()
