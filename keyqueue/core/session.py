@@ -585,7 +585,10 @@ class KeySession:
                         # requests without awaiting I/O: yield, so other keys, keepalives and the
                         # connection's flusher run between requests, and a few busy sessions per
                         # loop iteration only, so a key that just arrived is not kept waiting.
-                        await self.turns.take()
+                        # With none read ahead, what comes next (a read, the release) waits for
+                        # a reply anyway: a cold key's session takes no turn.
+                        if self.buffer:
+                            await self.turns.take()
                         continue
                 if self.should_yield():
                     break

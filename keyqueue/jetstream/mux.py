@@ -111,8 +111,8 @@ class RequestMux:
 
     @property
     def in_flight(self) -> int:
-        """Requests sent whose reply has not arrived (and that have not expired)."""
-        return len(self._pending)
+        """Requests sent whose reply has not arrived and that nobody gave up on (none expired)."""
+        return sum(not pending.future.done() for pending in self._pending.values())
 
     async def _ensure(self) -> None:
         if self._sub is None:
@@ -139,7 +139,10 @@ class RequestMux:
 
     def _on_reply(self, msg: Msg) -> None:
         pending = self._pending.get(msg.subject)
-        if pending is None or pending.future.done():
+        if pending is None:
+            return
+        if pending.future.done():  # given up on (a shorter deadline, a cancel): forgotten now
+            del self._pending[msg.subject]
             return
         status = (msg.headers or {}).get(STATUS)
         if pending.multi and not status:
@@ -173,7 +176,9 @@ class RequestMux:
         except Exception as e:
             self._pending.pop(reply, None)
             raise ConnectionFailed(f"cannot publish to {subject}: {e}") from e
-        future.add_done_callback(lambda _: self._pending.pop(reply, None))
+        # No done callback per request (it would cost a loop callback each): a reply, the expiry
+        # and a dropped connection remove the entry; one whose future ended otherwise (its waiter's
+        # shorter deadline, or a cancel) is removed when its reply comes or it expires.
         if self._timer is None:
             self._arm()
         return future
