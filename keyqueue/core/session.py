@@ -585,9 +585,9 @@ class KeySession:
                         # requests without awaiting I/O: yield, so other keys, keepalives and the
                         # connection's flusher run between requests, and a few busy sessions per
                         # loop iteration only, so a key that just arrived is not kept waiting.
-                        # With none read ahead, what comes next (a read, the release) waits for
-                        # a reply anyway: a cold key's session takes no turn.
-                        if self.buffer:
+                        # A session with no request left to read (a cold key's, say) goes on to
+                        # wait or to give its key back without a turn: it is no longer busy.
+                        if self.buffer or self.more:
                             await self.turns.take()
                         continue
                 if self.should_yield():

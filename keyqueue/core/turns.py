@@ -1,7 +1,8 @@
 """Turns on the event loop for busy key sessions, so that a key that just arrived goes first.
 
 A busy session (one with requests read ahead and deletes pipelined) can run request after
-request without waiting for I/O, so it yields to the loop after each one. With a hundred such
+request without waiting for I/O, so it yields to the loop after each one while requests are left
+for it to read (after its last one it waits for a reply anyway: a cold key's session takes no turn). With a hundred such
 sessions, one loop iteration runs a hundred requests before anything else gets its next step,
 and a new key needs about ten steps (its token, the lease record, the first read, the handler),
 each one iteration apart: it waited a hundred milliseconds and more behind the busy keys.

@@ -16,6 +16,7 @@ from keyqueue.core.observer import KeyHold, NullObserver, RequestAttempt, Sessio
 from keyqueue.core.processor import BaseProcessor, Reply, Request, RequestContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.session import SessionSettings
+from keyqueue.core.turns import Turns
 from keyqueue.core.worker import QueueWorker
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.connect import connect
@@ -229,4 +230,42 @@ async def test_batch_processor_handles_a_prefix_and_rejects_one_request(nats_url
     dead = await api.get_msg(config.names.dlq_stream, seq=1)
     assert dead is not None and dead.data == b"bad" and dead.headers[H.DLQ_REASON] == "rejected"
     assert await stored_requests(nc, config.names) == []
+    await nc.close()
+
+
+class CountedTurns(Turns):
+    """The worker's turns, counting those its sessions take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken = 0
+
+    async def take(self) -> None:
+        self.taken += 1
+        await super().take()
+
+
+async def test_a_session_takes_a_turn_only_while_requests_are_left_to_read(nats_url: str) -> None:
+    """A busy session yields the loop between requests (core/turns.py); a key with nothing left to
+    read goes on to give its key back without one: cold keys, one request each, take no turn."""
+    nc = await connect(nats_url)
+    config = QueueConfig("turns", ack_wait=5)
+    await Topology(JetStreamApi(nc), config).ensure()
+    pub = Publisher(nc, config.names)
+    for k in range(20):
+        await pub.enqueue(request(f"cold{k}", b"x"))
+    log: list[tuple[str, bytes]] = []
+    async with running(nc, config, lambda key: Recorder(log), concurrency=8,
+                       settings=SessionSettings(ack_wait=5, linger=0.0)) as worker:
+        worker.turns = turns = CountedTurns()  # before any token came: the sessions share it
+        await wait_until(lambda: len(log) == 20)
+        await wait_until(lambda: not worker.sessions)
+        assert turns.taken == 0
+        # Stored before the key's token (enqueue_many schedules keys last): one read finds all five.
+        await pub.enqueue_many([request("busy", b"%d" % i) for i in range(5)])
+        await wait_until(lambda: len(log) == 25)
+        await wait_until(lambda: not worker.sessions)
+    # Five requests read at once: a turn after each of the first four, none after the last.
+    assert turns.taken == 4
+    assert [d for k, d in log if k == "busy"] == [b"%d" % i for i in range(5)]
     await nc.close()

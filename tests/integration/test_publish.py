@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from keyqueue.chaos.proxy import FaultProxy
 from keyqueue.errors import EnqueueTimeout, KeyqueueTimeout
 from keyqueue.jetstream.api import JetStreamApi
-from keyqueue.jetstream.mux import RequestMux
+from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.publish import OutgoingRequest, Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.wire import headers as H
@@ -101,6 +101,39 @@ async def test_a_request_whose_reply_never_comes_is_released(nc: Client, nats_cl
         late = await mux.send("sink", b"late")
         await asyncio.wait([late], timeout=10)
         assert isinstance(late.exception(), KeyqueueTimeout) and mux.in_flight == 0
+    finally:
+        await mux.close()
+
+
+async def test_a_request_given_up_on_is_forgotten_when_its_late_reply_comes(nc: Client, nats_client: Client) -> None:
+    """A waiter's own deadline (``wait``) ends a request before the mux's expiry; the mux keeps no
+    callback per request, so the entry goes when the late reply arrives, not 60 s later."""
+    release = asyncio.Event()
+
+    async def late(msg: Msg) -> None:
+        await release.wait()
+        await msg.respond(b"late")
+
+    await nats_client.subscribe("slow", cb=late)
+    await nats_client.flush()
+    mux = RequestMux(nc)
+    try:
+        future = await mux.send("slow", b"ping")
+        with pytest.raises(KeyqueueTimeout, match=r"no reply to the slow one within 0\.05s"):
+            await wait(future, 0.05, "the slow one")
+        assert mux.in_flight == 0  # given up on: not counted as waiting
+        release.set()
+        # An answered request sent after it shows when the late reply has been read too.
+        async def echo(msg: Msg) -> None:
+            await msg.respond(b"pong")
+
+        await nats_client.subscribe("echo", cb=echo)
+        await nats_client.flush()
+        [reply] = await asyncio.wait_for(await mux.send("echo", b"ping"), 5)
+        if (reply.headers or {}).get("Status") == "503":  # the echo's interest not yet seen (as above)
+            [reply] = await asyncio.wait_for(await mux.send("echo", b"ping"), 5)
+        assert reply.data == b"pong", reply.headers
+        assert not mux._pending  # the late reply removed the request it answered
     finally:
         await mux.close()
 
