@@ -88,7 +88,8 @@ async def run(sizes: Sizes, *, peers: bool, command: str, work_dir: Path | None 
     scratch = Path(work_dir or tempfile.mkdtemp(prefix="keyqueue-bench-"))
     report.notes.append(
         f"keyqueue rows 1-6 measure the core: QueueWorker with {options.concurrency} slots per process, linger "
-        f"{options.linger * 1000:.0f} ms, ack_wait {options.ack_wait:.0f} s, a no-op processor; producers "
+        f"{options.linger * 1000:.0f} ms, ack_wait {options.ack_wait:.0f} s, a no-op processor, on the event loop "
+        f"`keyqueue worker` runs ({options.loop or 'auto'}: uvloop where installed); producers "
         "in the benchmark's own process on Publisher. Rows 1p/2p measure the product path: `keyqueue "
         "worker` serving a no-op @app.task with the default processor, hooks and the events plugin, "
         "fed by Task.enqueue_many. Like raw fetch+ack and rows 1-2, each is timed on requests stored first "
