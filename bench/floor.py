@@ -45,8 +45,9 @@ from nats.protocol.command import hpub_cmd, pub_cmd
 from bench import raw
 from bench.workloads import interleaved
 from keyqueue.app.event_loop import LOOPS, run
-from keyqueue.jetstream.api import JetStreamApi
+from keyqueue.jetstream.api import STATUS, JetStreamApi
 from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.kv import EXPECTED_LAST_SUBJECT_SEQUENCE as EXPECTED
 from keyqueue.jetstream.mux import SyncDispatch
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.topology import QueueConfig, Topology
@@ -57,8 +58,6 @@ SLOTS = 128
 """Keys held at once, as the product path's and the core's workers (``--concurrency 128``)."""
 
 NS = 1_000_000_000
-STATUS = "Status"
-EXPECTED = "Nats-Expected-Last-Subject-Sequence"
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,11 @@
 
 A busy session (one with requests read ahead and deletes pipelined) can run request after
 request without waiting for I/O, so it yields to the loop after each one while requests are left
-for it to read (after its last one it waits for a reply anyway: a cold key's session takes no turn). With a hundred such
-sessions, one loop iteration runs a hundred requests before anything else gets its next step,
-and a new key needs about ten steps (its token, the lease record, the first read, the handler),
-each one iteration apart: it waited a hundred milliseconds and more behind the busy keys.
+for it to read (after its last one it waits for a reply anyway: a cold key's session takes no
+turn). With a hundred such sessions, one loop iteration runs a hundred requests before anything
+else gets its next step, and a new key needs about ten steps (its token, the lease record, the
+first read, the handler), each one iteration apart: it waited a hundred milliseconds and more
+behind the busy keys.
 
 While some session is on its way to its first request (it is *hurrying*), :class:`Turns` lets
 at most ``per_iteration`` busy sessions go on in one loop iteration; the others wait, in the
