@@ -255,9 +255,10 @@ async def test_a_session_takes_a_turn_only_while_requests_are_left_to_read(nats_
     for k in range(20):
         await pub.enqueue(request(f"cold{k}", b"x"))
     log: list[tuple[str, bytes]] = []
-    async with running(nc, config, lambda key: Recorder(log), concurrency=8,
-                       settings=SessionSettings(ack_wait=5, linger=0.0)) as worker:
-        worker.turns = turns = CountedTurns()  # before any token came: the sessions share it
+    worker = QueueWorker(nc, config, lambda key: Recorder(log), concurrency=8,
+                         settings=SessionSettings(ack_wait=5, linger=0.0))
+    worker.turns = turns = CountedTurns()  # before it runs: every session it starts shares it
+    async with running_worker(worker):
         await wait_until(lambda: len(log) == 20)
         await wait_until(lambda: not worker.sessions)
         assert turns.taken == 0
