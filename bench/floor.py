@@ -47,9 +47,12 @@ from bench.workloads import interleaved
 from keyqueue.app.event_loop import LOOPS, run
 from keyqueue.jetstream.api import STATUS, JetStreamApi
 from keyqueue.jetstream.connect import connect
+from keyqueue.jetstream.fastpub import header_block
 from keyqueue.jetstream.kv import EXPECTED_LAST_SUBJECT_SEQUENCE as EXPECTED
 from keyqueue.jetstream.mux import SyncDispatch
 from keyqueue.jetstream.publish import Publisher
+from keyqueue.jetstream.pull import PENDING_MESSAGES
+from keyqueue.jetstream.queue_io import ROLLUP, TTL
 from keyqueue.jetstream.topology import QueueConfig, Topology
 from keyqueue.server.embedded import EmbeddedServer
 from keyqueue.wire import headers as H
@@ -104,7 +107,9 @@ class Floor:
         self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{names.token_stream}.{names.consumer}"
         self.read_subject = f"$JS.API.DIRECT.GET.{names.inbox_stream}"
         self.delete_subject = f"$JS.API.STREAM.MSG.DELETE.{names.lease_stream}"
-        self.acquire_block = f"NATS/1.0\r\n{EXPECTED}: 0\r\nNats-TTL: 30\r\n\r\n".encode()
+        acquire = header_block({EXPECTED: "0", TTL: "30"})  # the headers QueueIO.compare_and_set sends
+        assert acquire is not None
+        self.acquire_block = acquire
 
     async def start(self) -> None:
         replies = await self.nc.subscribe(f"{self.inbox}.>")
@@ -152,7 +157,7 @@ class Floor:
 
     def _on_token(self, msg: Any) -> None:
         if msg.headers and msg.headers.get(STATUS):  # 408: the pull expired; ask again for what it did not bring
-            self.requested -= int(msg.headers.get("Nats-Pending-Messages", "0"))
+            self.requested -= int(msg.headers.get(PENDING_MESSAGES, "0"))
             self._pull()
             return
         self.requested -= 1
@@ -182,9 +187,9 @@ class Floor:
             return
         del self._waiting[msg.subject]
         if what == "acks":  # every token of the batch is gone: the markers go
-            for key in about:
-                block = (f"NATS/1.0\r\nNats-Rollup: sub\r\n{EXPECTED}: {key.last}\r\nNats-TTL: 1\r\n"
-                         f"{H.RELEASED}: 1\r\n\r\n").encode()
+            for key in about:  # the headers QueueIO.mark_released sends
+                block = header_block({ROLLUP: "sub", EXPECTED: str(key.last), TTL: "1", H.RELEASED: "1"})
+                assert block is not None
                 self._send(hpub_cmd(self.names.inbox(key.key), self._reply("marker", key), block, b""))
             return
         body = json.loads(msg.data)
