@@ -40,10 +40,14 @@ HAND_BACK_TIMEOUT: Final = 5.0
 
 
 class HandBack:
-    """The give-back of one key session; runs once, shielded from the session's cancellation."""
+    """The give-back of one key session. It runs in the session's own task (:meth:`run`: no task,
+    future or shield per key); the worker does not cancel a session giving its key back, and one
+    cut off all the same gives it back again as a task of its own (:meth:`begin`), which runs to its
+    end even when the session is cut off."""
 
-    __slots__ = ("_cursor", "_forgive_head", "_lease", "_marker", "_recheck_later", "_steady", "_token", "ack_wait",
-                 "io", "key", "lock", "removals", "republished", "task")
+    __slots__ = ("_cursor", "_forgive_head", "_lease", "_marker", "_recheck_later", "_steady", "_token",
+                 "_token_released", "ack_wait", "begun", "ended", "io", "key", "lock", "outcome", "removals",
+                 "republished", "task")
 
     def __init__(self, io: KeyIO, key: str, lock: KeyLock, removals: Removals, *, lease: Callable[[], Lease],
                  token: Callable[[], Token], cursor: Callable[[], int], marker: Callable[[], int],
@@ -64,13 +68,38 @@ class HandBack:
         self.ack_wait = ack_wait
         self.republished = False
         """Whether the give-back published the key's token again (a request remained)."""
+        self.begun = False
+        """Whether the give-back has begun (in the session's task, or as a task of its own)."""
+        self.ended = False
+        """Whether a give-back ran to its end."""
+        self.outcome: Outcome | None = None
+        """The session's outcome the key is given back after."""
         self.task: asyncio.Future[None] | None = None
-        """The give-back, once begun (it runs to its end even when the session is cut off)."""
+        """The give-back as a task of its own (:meth:`begin`), which runs to its end even when the
+        session is cut off; None while it runs in the session's task, or has not begun."""
+        self._token_released = False
+
+    async def run(self, outcome: Outcome) -> None:
+        """Give the key back after a session that ended with ``outcome``, in the caller's task. A
+        cancel that cuts it short leaves it unfinished (:attr:`ended` False): the session then
+        gives the key back again with :meth:`begin`."""
+        self.begun, self.outcome = True, outcome
+        await self._give_back(outcome)
+        self.ended = True
 
     def begin(self, outcome: Outcome) -> asyncio.Future[None]:
-        """Start giving the key back after a session that ended with ``outcome``."""
+        """Give the key back as a task of its own, which a cancel of the session does not reach:
+        after a session cut off before it gave its key back, or while it did (then from the start,
+        each step being safe to take twice: the token's ack and the record's delete are
+        idempotent; a release marker already stored refuses the second, which the slow way
+        follows)."""
+        self.begun, self.outcome = True, outcome
         self.task = asyncio.ensure_future(self._give_back(outcome))
+        self.task.add_done_callback(self._task_ended)
         return self.task
+
+    def _task_ended(self, task: asyncio.Future[None]) -> None:
+        self.ended = not task.cancelled()
 
     async def _give_back(self, outcome: Outcome) -> None:
         if not self._lease().valid():
@@ -113,12 +142,14 @@ class HandBack:
         request stored before it makes it fail (then the key is re-checked and scheduled, the slow
         way), and one stored after it finds no token in the way of its own (ours is gone first).
         The lease record goes last: the next holder must not read the requests handled here."""
-        try:
-            await self._steady(functools.partial(self.io.release_token, self._token(), HAND_BACK_TIMEOUT))
-        except Exception as e:
-            log.debug("queue %s key %s: releasing the token: %r", self.io.names.queue, self.key, e)
-            await self._slow(token_gone=False)
-            return
+        if not self._token_released:  # (a give-back begun again after a cut-off may find it released)
+            try:
+                await self._steady(functools.partial(self.io.release_token, self._token(), HAND_BACK_TIMEOUT))
+            except Exception as e:
+                log.debug("queue %s key %s: releasing the token: %r", self.io.names.queue, self.key, e)
+                await self._slow(token_gone=False)
+                return
+            self._token_released = True
         marked = False
         try:
             last = await self.removals.last_stored(self._marker())
@@ -145,10 +176,13 @@ class HandBack:
             if token_gone:
                 self.recheck_later()  # a request may have arrived with our token in its way
             return
+        token_gone = token_gone or self._token_released
         steps = [self._steady(self.lock.release)]
         if not token_gone:
             steps.append(self._steady(functools.partial(self.io.release_token, self._token(), HAND_BACK_TIMEOUT)))
         results = await asyncio.gather(*steps, return_exceptions=True)
+        if len(results) > 1 and not isinstance(results[1], BaseException):
+            self._token_released = True
         for what, result in zip(("lease record", "token"), results, strict=False):
             if isinstance(result, BaseException):
                 log.debug("queue %s key %s: releasing the %s: %r", self.io.names.queue, self.key, what, result)

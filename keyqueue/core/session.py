@@ -288,7 +288,7 @@ class KeySession:
     @property
     def giving_back(self) -> bool:
         """Whether the session has begun giving its key back."""
-        return self._hand_back is not None and self._hand_back.task is not None
+        return self._hand_back is not None and self._hand_back.begun
 
     @property
     def hand_back(self) -> HandBack:
@@ -357,7 +357,13 @@ class KeySession:
         except asyncio.CancelledError:
             # Cut off by the drain deadline (or a second signal): the request in hand stays
             # stored and runs again on the next holder, who may start at once.
-            if not self.giving_back and self.acquired and self.lease.valid():
+            back = self._hand_back
+            if back is not None and back.begun and back.task is None and not back.ended:
+                # Cut off while giving its key back in its own task (the worker cancels no session
+                # that is; something else did): the give-back begins again, as a task of its own.
+                assert back.outcome is not None
+                back.begin(back.outcome)
+            elif not self.giving_back and self.acquired and self.lease.valid():
                 self.hand_back.begin(Outcome.HANDED_OFF)
                 self.ending = SessionEnd(Outcome.INTERRUPTED)
             elif self.ending is None and self.acquired and not self.lease.valid():
@@ -525,11 +531,11 @@ class KeySession:
             # A processor or NATS failure: give the key back now, not after ack_wait, with a short
             # delay so a failure that repeats cannot spin through the fleet.
             self.ending = SessionEnd(Outcome.FAILED, reason=repr(error), error=error)  # the observer logs it
-            await self._give_back_shielded(Outcome.FAILED)
+            await self._give_back(Outcome.FAILED)
             return Outcome.FAILED
         assert outcome is not None
         self.ending = SessionEnd(outcome)
-        await self._give_back_shielded(outcome)
+        await self._give_back(outcome)
         return outcome
 
     async def _steady(self, step: Callable[[], Awaitable[T]]) -> T:
@@ -861,8 +867,10 @@ class KeySession:
         await processor.idle(self.ctx)
         return Outcome.RELEASED
 
-    async def _give_back_shielded(self, outcome: Outcome) -> None:
-        await asyncio.shield(self.hand_back.begin(outcome))
+    async def _give_back(self, outcome: Outcome) -> None:
+        """Give the key back in this task (the worker does not cancel a session that is giving its
+        key back: :meth:`run` begins it again as a task of its own if something else does)."""
+        await self.hand_back.run(outcome)
 
     def _recheck_by_worker(self, token: Token, cursor: int) -> None:
         if self.recheck_later is not None:

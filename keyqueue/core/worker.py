@@ -427,16 +427,14 @@ class QueueWorker:
         for session in list(self._held.values()):
             session.wake()  # a session waiting for a request notices the drain at once
         if now:
-            for task in list(self.sessions.values()):
-                task.cancel()
+            self._cut_off_sessions()
 
     async def _drain(self) -> None:
         await self.slots.changed()  # parked sessions go on to give their keys back
         deadline = time.monotonic() + self.settings.drain_timeout
         while self.sessions and time.monotonic() < deadline and not self._stop_now:
             await asyncio.wait(list(self.sessions.values()), timeout=max(0.0, deadline - time.monotonic()))
-        for task in list(self.sessions.values()):
-            task.cancel()
+        self._cut_off_sessions()
         if self.sessions:
             await asyncio.wait(list(self.sessions.values()), timeout=DRAIN_GRACE)
         if self.sessions and self.watchdog is not None:
@@ -447,6 +445,15 @@ class QueueWorker:
             self.watchdog.end_process(
                 f"{len(self.sessions)} key session(s) still ran {DRAIN_GRACE:g}s after the drain deadline "
                 f"(a sync task that no exception stops: {', '.join(sorted(self.sessions)[:5])})")
+
+    def _cut_off_sessions(self) -> None:
+        """Cancel the key sessions (the drain deadline, a stop now), but none that is giving its key
+        back: a give-back runs in its session's task and to its end, each step bounded
+        (core/hand_back.py), as it did when cut off (it was then awaited all the same)."""
+        for key, task in list(self.sessions.items()):
+            held = self._held.get(key)
+            if held is None or not held.giving_back:
+                task.cancel()
 
     def reconnected(self) -> None:
         self.puller.reconnected()

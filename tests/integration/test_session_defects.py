@@ -19,9 +19,11 @@ from keyqueue.core.worker import QueueWorker
 from keyqueue.errors import ConfigError
 from keyqueue.jetstream.api import JetStreamApi
 from keyqueue.jetstream.publish import Publisher
+from keyqueue.jetstream.queue_io import QueueIO
 from keyqueue.jetstream.topology import QueueConfig, Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from queue_workers import running as running_worker
 from test_core_basic import Recorder, request, running, wait_until
 
 
@@ -158,6 +160,89 @@ async def test_a_session_cut_off_after_its_ack_still_rechecks(nc: Client) -> Non
     assert stored is not None, "the second request should still be waiting"
     tokens = await JetStreamApi(nc).stream_info(config.names.token_stream)
     assert tokens["state"]["messages"] == 1, "the key was left without a token: its request is stranded"
+
+
+async def _given_back(nc: Client, config: QueueConfig, key: str) -> bool:
+    """Whether nothing of the key's session is left: no token, no lease record, and its inbox
+    holds at most its release marker."""
+    api = JetStreamApi(nc)
+    tokens = await api.stream_info(config.names.token_stream)
+    record = await QueueIO(nc, config).last_record(config.names.lease(key))
+    stored = await QueueIO(nc, config).next_request(key, 1, requests_only=True)
+    return tokens["state"]["messages"] == 0 and record is None and stored is None
+
+
+async def _until_given_back(nc: Client, config: QueueConfig, key: str) -> None:
+    """Poll the server (nothing to await) until the key is given back; fails after 10 s."""
+    async with asyncio.timeout(10):
+        while not await _given_back(nc, config, key):  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+
+
+def _slow_markers(worker: QueueWorker, go: asyncio.Event) -> tuple[list[int], asyncio.Event]:
+    """Make the first release marker wait for ``go``; the ``last`` of each marker asked for, and
+    an event set once the first is waiting."""
+    real = worker.io.mark_released
+    asked: list[int] = []
+    waiting = asyncio.Event()
+
+    async def mark_released(key: str, last: int, timeout: float | None = None) -> bool:
+        asked.append(last)
+        if len(asked) == 1:
+            waiting.set()
+            await go.wait()
+        return await real(key, last, timeout)
+
+    worker.io.mark_released = mark_released  # type: ignore[method-assign]
+    return asked, waiting
+
+
+async def test_a_stop_now_does_not_cut_off_a_key_being_given_back(nc: Client) -> None:
+    """The give-back runs in the session's own task (no task, future and shield per key): a stop
+    now or the drain deadline cancels every session but one giving its key back, whose steps are
+    each bounded. Before: the session was cancelled and waited for its give-back's own task."""
+    config, pub = await setup(nc, "nocut", ack_wait=5)
+    await pub.enqueue(request("k", b"first"))
+    log: list[tuple[str, bytes]] = []
+    worker = QueueWorker(nc, config, lambda key: Recorder(log), settings=SessionSettings(ack_wait=5, linger=0.01))
+    go = asyncio.Event()
+    asked, waiting = _slow_markers(worker, go)
+    task = asyncio.create_task(worker.run())
+    await worker.started()
+    await asyncio.wait_for(waiting.wait(), 10)
+    session = worker.sessions["k"]
+    worker.stop(now=True)
+    assert session.cancelling() == 0, "a session giving its key back was cancelled"
+    go.set()
+    await task
+    assert log == [("k", b"first")]
+    assert len(asked) == 1, f"the give-back began again: {asked}"
+    assert await _given_back(nc, config, "k")
+
+
+async def test_a_session_cut_off_while_giving_its_key_back_gives_it_back_again(nc: Client) -> None:
+    """Something other than the worker cancels a session part-way through its give-back (which runs
+    in the session's task): the give-back begins again as a task of its own, which the cancel does
+    not reach, and the key ends given back (no token, no record left to wait out), then runs its
+    next request."""
+    config, pub = await setup(nc, "recut", ack_wait=5)
+    await pub.enqueue(request("k", b"first"))
+    log: list[tuple[str, bytes]] = []
+    worker = QueueWorker(nc, config, lambda key: Recorder(log), settings=SessionSettings(ack_wait=5, linger=0.01))
+    never = asyncio.Event()
+    asked, waiting = _slow_markers(worker, never)
+    async with running_worker(worker):
+        await asyncio.wait_for(waiting.wait(), 10)
+        session = worker.sessions["k"]
+        session.cancel()
+        await asyncio.wait([session])
+        assert session.cancelled()
+        await wait_until(lambda: len(asked) == 2, timeout=10)
+        assert asked[0] == asked[1], "the second give-back's marker is not the first's"
+        await _until_given_back(nc, config, "k")
+        await pub.enqueue(request("k", b"second"))
+        await wait_until(lambda: ("k", b"second") in log, timeout=10)
+    assert log == [("k", b"first"), ("k", b"second")]
 
 
 async def test_a_request_its_holders_keep_dying_on_is_dead_lettered(nc: Client) -> None:
