@@ -25,6 +25,7 @@ before ``keyqueue_worker_stopping`` fires.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -82,6 +83,39 @@ HookCall = Callable[[], Awaitable[None]]
 """One lifecycle hook call, bound to its arguments, waiting for the dispatcher."""
 
 
+class _HookCalls:
+    """Lifecycle hook calls waiting for the dispatcher, in order: a deque and one waiter.
+
+    What ``asyncio.Queue`` does here, without its fifteen or so Python calls per put and get
+    (several events per request: the largest single item of a cold key's product-path CPU after
+    the session itself, docs/benchmarks.md)."""
+
+    __slots__ = ("_calls", "_waiter")
+
+    def __init__(self) -> None:
+        self._calls: collections.deque[HookCall | None] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def put_nowait(self, call: HookCall | None) -> None:
+        self._calls.append(call)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def get_nowait(self) -> HookCall | None:
+        """The oldest call; raises ``IndexError`` if there is none."""
+        return self._calls.popleft()
+
+    async def wait(self) -> None:
+        """Return once a call is waiting (at once if one is)."""
+        while not self._calls:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+
 class Worker:
     """Serves an app's queues: one core ``QueueWorker`` per queue, plugins, and a clean stop.
 
@@ -135,9 +169,12 @@ class Worker:
         """Times a key session waited for slow hooks to catch up."""
         # Unbounded as a container (a session's notifications are sync and cannot wait), bounded
         # by back-pressure: see wait_for_room.
-        self._events: asyncio.Queue[HookCall | None] = asyncio.Queue()
+        self._events = _HookCalls()
         self._room = asyncio.Event()
         self._room.set()
+        self._full = False
+        """Whether ``event_backlog`` calls wait (``_room`` is clear), kept apart from the event
+        so that the path of every event reads a field, not a method."""
         self._warned_at = -_BACKLOG_WARN_INTERVAL
         self._attempt_began: dict[tuple[str, str, str], float] = {}
         """(queue, key, "") -> when the key's current attempt began, for ``keyqueue_request_failed``; an
@@ -163,7 +200,7 @@ class Worker:
     @property
     def events_waiting(self) -> int:
         """Lifecycle hook calls not yet made."""
-        return self._events.qsize()
+        return len(self._events)
 
     @property
     def queues(self) -> list[str]:
@@ -527,8 +564,10 @@ class Worker:
             yield
 
     def _queue(self, call: HookCall) -> None:
-        self._events.put_nowait(call)
-        if self._events.qsize() >= self.event_backlog:
+        events = self._events
+        events.put_nowait(call)
+        if not self._full and len(events) >= self.event_backlog:
+            self._full = True
             self._room.clear()
 
     async def wait_for_room(self) -> None:
@@ -538,23 +577,31 @@ class Worker:
         cannot outgrow memory and no hook call is dropped; the price is that slow hooks slow the
         worker down. (A hook must therefore never wait for a request this worker processes.)
         """
-        if self._room.is_set():
+        if not self._full:
             return
         self.held_back += 1
         now = time.monotonic()
         if now - self._warned_at >= _BACKLOG_WARN_INTERVAL:
             self._warned_at = now
             log.warning("worker %s: %d lifecycle events wait for their hooks; key sessions wait for the hooks "
-                        "to catch up (a hook is slow)", self.name, self._events.qsize())
+                        "to catch up (a hook is slow)", self.name, len(self._events))
         await self._room.wait()
 
     async def _dispatch(self) -> None:
+        events = self._events
         try:
-            while (call := await self._events.get()) is not None:
-                if self._events.qsize() < self.event_backlog:
+            while True:
+                if not events:
+                    await events.wait()
+                call = events.get_nowait()
+                if call is None:
+                    return
+                if self._full and len(events) < self.event_backlog:
+                    self._full = False
                     self._room.set()
                 await call()
         finally:
+            self._full = False
             self._room.set()  # nothing may wait for a dispatcher that has ended
 
 
