@@ -264,6 +264,38 @@ async def test_the_worker_queues_only_the_hooks_some_plugin_implements() -> None
     assert request_id == "01J1" and elapsed >= 0
 
 
+async def test_the_dispatcher_makes_hook_calls_in_order_and_holds_sessions_back_at_the_backlog() -> None:
+    """The hook calls wait in a deque with one waiter (not an ``asyncio.Queue``): made in the order
+    queued, the dispatcher woken by the first after it found none, sessions held back (``_full``)
+    while ``event_backlog`` wait and let go once the dispatcher has made room."""
+    app, _ = make_app()
+    worker = Worker(app)
+    worker.event_backlog = 3
+    made: list[int] = []
+    gate = asyncio.Event()
+
+    def call(n: int) -> Callable[[], Awaitable[None]]:
+        async def made_n() -> None:
+            await gate.wait()
+            made.append(n)
+        return made_n
+
+    dispatcher = asyncio.create_task(worker._dispatch())
+    await asyncio.sleep(0)  # it finds nothing and waits
+    for n in range(4):
+        worker._queue(call(n))
+    assert worker.events_waiting == 4 and worker._full and not worker._room.is_set()
+    held_back = asyncio.create_task(worker.wait_for_room())
+    await asyncio.sleep(0)
+    assert not held_back.done() and worker.held_back == 1
+    gate.set()
+    await held_back  # room once fewer than three wait
+    worker._queue(None)
+    await dispatcher
+    assert made == [0, 1, 2, 3]
+    assert not worker._full and worker._room.is_set() and worker.events_waiting == 0
+
+
 # --- wait times: the stored message's timestamp -----------------------------------------------------
 
 
