@@ -48,14 +48,69 @@ Steady = Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]
 """Runs an idempotent NATS step again after an outage, within the lease (``KeySession._steady``)."""
 
 
+class PurgeWindows:
+    """The purge windows of a worker's key sessions, on one loop timer, not one per session.
+
+    A session opens its window when a request starts while requests done before it are still
+    stored (:meth:`Removals.arm`). Every window lasts :data:`PURGE_WINDOW`, so windows end in the
+    order they were opened and one timer, armed for the oldest, is enough: opening and closing one
+    is a dict entry. (With a timer per session, a hundred busy keys pushed and popped about one
+    timer per two requests on the loop's heap, nearly all of them to no purpose: a loop iteration
+    of a hundred busy sessions outlasts the window, so it ended between two requests.)"""
+
+    __slots__ = ("_open", "_timer", "window")
+
+    def __init__(self, window: float = PURGE_WINDOW) -> None:
+        self.window = window
+        self._open: dict[Removals, float] = {}
+        """The sessions' removals whose window is open, oldest first, with when it ends (loop time)."""
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, removals: object) -> bool:
+        return removals in self._open
+
+    def open(self, removals: Removals) -> None:
+        """Open ``removals``' window (it is told :meth:`Removals.window_ended` when it ends) unless
+        it is open."""
+        if removals in self._open:
+            return
+        loop = asyncio.get_running_loop()
+        self._open[removals] = ends = loop.time() + self.window
+        if self._timer is None:
+            self._timer = loop.call_at(ends, self._end_due)
+
+    def close(self, removals: Removals) -> None:
+        """Close ``removals``' window, if open, without telling it."""
+        self._open.pop(removals, None)
+
+    def _end_due(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._open:
+            removals, ends = next(iter(self._open.items()))
+            if ends > now:
+                self._timer = loop.call_at(ends, self._end_due)
+                return
+            del self._open[removals]
+            try:
+                removals.window_ended()
+            except Exception:  # a bug: the other windows still end
+                log.exception("queue %s key %s: the purge window's end failed", removals.io.names.queue,
+                              removals.key)
+
+
 class Removals:
     """The removals of one key session: sent, coalesced, confirmed."""
 
-    __slots__ = ("_beside", "_cursor", "_in_hand", "_lease", "_steady", "_timer", "deletes", "io", "key", "owed",
+    __slots__ = ("_beside", "_cursor", "_in_hand", "_lease", "_steady", "_windows", "deletes", "io", "key", "owed",
                  "purged_through", "unconfirmed", "unpurged")
 
     def __init__(self, io: KeyIO, key: str, *, lease: Callable[[], Lease], cursor: Callable[[], int],
-                 in_hand: Callable[[], int], steady: Steady) -> None:
+                 in_hand: Callable[[], int], steady: Steady, windows: PurgeWindows | None = None) -> None:
         self.io = io
         self.key = key
         self._lease = lease
@@ -75,17 +130,18 @@ class Removals:
         """The last inbox sequence a removal sent so far covers (confirmed or not)."""
         self.unconfirmed = 0
         """Requests covered by the removals sent and not known to be confirmed."""
-        self._timer: asyncio.TimerHandle | None = None
+        self._windows = windows if windows is not None else PurgeWindows()
+        """The worker's purge windows (one timer for all its sessions)."""
         self._beside: asyncio.Future[None] | None = None
-        """The purge the timer sent while the session worked on (see :meth:`_purge_soon`)."""
+        """The purge sent at the end of the purge window while the session worked on (see :meth:`window_ended`)."""
 
     # --- as requests are handled -----------------------------------------------------------------
 
     def arm(self) -> None:
         """A request starts while requests done before it are still stored: purge them beside it if
         it runs for :data:`PURGE_WINDOW`."""
-        if self.unpurged and self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(PURGE_WINDOW, self._purge_soon)
+        if self.unpurged:
+            self._windows.open(self)
 
     async def done_one(self, *, more_read: bool) -> None:
         """One request done (the one just below the cursor); ``more_read``: requests were read ahead."""
@@ -156,15 +212,13 @@ class Removals:
         self._lease().check()
 
     def stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        """Close the purge window (the requests it was for are being removed)."""
+        self._windows.close(self)
 
-    def _purge_soon(self) -> None:
+    def window_ended(self) -> None:
         """A request has run for PURGE_WINDOW while requests done before it are still stored: send
-        their purge beside it, if this worker still holds the key. (Fired between requests, it
-        does nothing: the session goes on to its next removal, or arms it again.)"""
-        self._timer = None
+        their purge beside it, if this worker still holds the key. (Ended between requests, it
+        does nothing: the session goes on to its next removal, or opens it again.)"""
         if self.unpurged and self._in_hand() and self._beside is None and self._lease().valid():
             self._beside = asyncio.ensure_future(self._purge_beside())
 

@@ -44,7 +44,7 @@ from keyqueue.core.lock import KeyLock
 from keyqueue.core.observer import DeadLetterReason, KeyHold, Outcome, RequestAttempt, SessionEnd, SessionObserver
 from keyqueue.core.outage import RETRIED, RETRY_PAUSE, ride_out
 from keyqueue.core.processor import CloseReason, KeyProcessor, ProcessorFactory, Reply, Request
-from keyqueue.core.removals import Removals
+from keyqueue.core.removals import PurgeWindows, Removals
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.core.slots import Slots
 from keyqueue.core.turns import Turns
@@ -190,7 +190,7 @@ class KeySession:
                  recheck_later: Callable[[Token, int], None] | None = None, slots: Slots | None = None,
                  on_running: Callable[[KeySession, bool], None] | None = None,
                  server_now: Callable[[], float | None] | None = None,
-                 ended_claim: Callable[[], str | None] | None = None) -> None:
+                 ended_claim: Callable[[], str | None] | None = None, windows: PurgeWindows | None = None) -> None:
         self.io = io
         self.token = token
         self.key = token.key
@@ -237,7 +237,7 @@ class KeySession:
         self._in_hand = 0
         """The inbox sequence of the request being processed (0 between requests)."""
         self.removals = Removals(io, self.key, lease=lambda: self.lease, cursor=lambda: self.cursor,
-                                 in_hand=lambda: self._in_hand, steady=self._steady)
+                                 in_hand=lambda: self._in_hand, steady=self._steady, windows=windows)
         """The removals of the requests handled (core/removals.py)."""
         self.ctx = _Context(self)
         self.ending: SessionEnd | None = None

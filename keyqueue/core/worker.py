@@ -53,6 +53,7 @@ from keyqueue.core.observer import (
 )
 from keyqueue.core.processor import ProcessorFactory, Request, RequestContext
 from keyqueue.core.reconciler import Reconciler
+from keyqueue.core.removals import PurgeWindows
 from keyqueue.core.session import KeySession, SessionSettings
 from keyqueue.core.slots import Slots
 from keyqueue.core.turns import Turns
@@ -159,6 +160,8 @@ class QueueWorker:
         self._idle: dict[str, KeySession] = {}
         """Held keys whose sessions wait for a request, longest waiting first (see :meth:`_make_room`)."""
         self.turns = Turns()
+        self.purge_windows = PurgeWindows()
+        """The purge windows of its sessions, on one timer (core/removals.py)."""
         """Loop iterations shared between busy sessions (core/turns.py)."""
         self._last_tick = time.monotonic()
         self._stale_after = self.settings.ack_wait - Lease.default_margin(self.settings.ack_wait)
@@ -263,7 +266,8 @@ class QueueWorker:
                              turns=self.turns, idle=self._idle, recheck_later=self.recheck_later, slots=self.slots,
                              on_running=self._run_changed,
                              server_now=None if self.io.replicated else self.server_clock.now_seconds,
-                             ended_claim=functools.partial(self._ended_claim, token.key))
+                             ended_claim=functools.partial(self._ended_claim, token.key),
+                             windows=self.purge_windows)
         task = self._tg.create_task(self._run_session(session, previous), name=f"session:{token.key}")
         self.sessions[token.key] = task
         self._held[token.key] = session

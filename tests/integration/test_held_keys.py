@@ -233,3 +233,51 @@ async def test_a_cold_key_is_read_once_its_first_read_beside_its_acquire(nc: Cli
     assert sessions >= cold
     unused = [r.getMessage() for r in caplog.records if r.msg == FIRST_READ_UNUSED]
     assert sum(reads.values()) - sessions <= 2 * 4 + len(unused), (reads, unused)
+
+
+class SlowLast(BaseProcessor):
+    """Runs every request at once but ``slow``, which waits for ``go``."""
+
+    def __init__(self, slow: bytes) -> None:
+        self.slow = slow
+        self.ran: list[bytes] = []
+        self.started_slow = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def handle(self, ctx: RequestContext, request: Request) -> Reply | None:
+        if request.data == self.slow:
+            self.started_slow.set()
+            await self.go.wait()
+        self.ran.append(request.data)
+        return None
+
+
+async def test_requests_done_before_a_slow_one_are_removed_while_it_runs(nc: Client) -> None:
+    # Requests done one after another are removed together, every eight, or when the key is given
+    # back; one that runs longer than the purge window (2 ms) has those done before it removed
+    # beside it, so that a worker that dies during a slow request leaves only that one to run again.
+    # The windows of all a worker's sessions end on one loop timer (core/removals.py, PurgeWindows).
+    config = QueueConfig("window", ack_wait=30.0)
+    await Topology(JetStreamApi(nc), config).ensure()
+    publisher = Publisher(nc, config.names)
+    for body in (b"r1", b"r2", b"r3", b"slow"):
+        await publisher.enqueue(request("k", body))
+    processor = SlowLast(b"slow")
+    worker = QueueWorker(nc, config, lambda key: processor, settings=SessionSettings(ack_wait=30.0, linger=0.01))
+
+    async def stored() -> list[bytes]:
+        msgs, _ = await worker.io.read("k", 1, 10)
+        return [m.data for m in msgs if not H.is_release_marker(m.headers)]
+
+    async with running(worker):
+        await asyncio.wait_for(processor.started_slow.wait(), 10)
+        assert processor.ran == [b"r1", b"r2", b"r3"]
+        async with asyncio.timeout(10):
+            while await stored() != [b"slow"]:  # noqa: ASYNC110 - the server's state: nothing to await
+                await asyncio.sleep(0.01)
+        assert len(worker.purge_windows) == 0, "the slow request's window is still open after its purge"
+        processor.go.set()
+        async with asyncio.timeout(10):
+            while await stored():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+    assert processor.ran == [b"r1", b"r2", b"r3", b"slow"]
