@@ -45,9 +45,9 @@ class HandBack:
     cut off all the same gives it back again as a task of its own (:meth:`begin`), which runs to its
     end even when the session is cut off."""
 
-    __slots__ = ("_cursor", "_forgive_head", "_lease", "_marker", "_recheck_later", "_steady", "_token",
-                 "_token_released", "ack_wait", "begun", "ended", "io", "key", "lock", "outcome", "removals",
-                 "republished", "task")
+    __slots__ = ("_cursor", "_forgive_head", "_forgiven", "_lease", "_marker", "_recheck_later", "_steady",
+                 "_token", "_token_released", "ack_wait", "begun", "ended", "io", "key", "lock", "outcome",
+                 "removals", "republished", "task")
 
     def __init__(self, io: KeyIO, key: str, lock: KeyLock, removals: Removals, *, lease: Callable[[], Lease],
                  token: Callable[[], Token], cursor: Callable[[], int], marker: Callable[[], int],
@@ -78,6 +78,7 @@ class HandBack:
         """The give-back as a task of its own (:meth:`begin`), which runs to its end even when the
         session is cut off; None while it runs in the session's task, or has not begun."""
         self._token_released = False
+        self._forgiven = False
 
     async def run(self, outcome: Outcome) -> None:
         """Give the key back after a session that ended with ``outcome``, in the caller's task. A
@@ -92,7 +93,7 @@ class HandBack:
         after a session cut off before it gave its key back, or while it did (then from the start,
         each step being safe to take twice: the token's ack and the record's delete are
         idempotent; a release marker already stored refuses the second, which the slow way
-        follows)."""
+        follows; the head request's crash count is forgiven once)."""
         self.begun, self.outcome = True, outcome
         self.task = asyncio.ensure_future(self._give_back(outcome))
         self.task.add_done_callback(self._task_ended)
@@ -115,7 +116,9 @@ class HandBack:
         # The key may still have work that only its processor knows of (an owed DVU): the token goes
         # back as it is, for another worker at once (a drain) or after a short delay (a failure, so
         # that it cannot spin).
-        await self._forgive_head()
+        if not self._forgiven:  # once: a give-back begun again must not count the head twice
+            self._forgiven = True
+            await self._forgive_head()
         delay = FAILED_SESSION_DELAY if outcome == Outcome.FAILED else 0.0
         await asyncio.gather(self._steady(self.lock.release),
                              self._steady(functools.partial(self.io.nak, self._token(), delay)),
