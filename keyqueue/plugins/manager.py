@@ -67,7 +67,8 @@ BUILTIN_PLUGINS: Final = ("keyqueue.builtins.processor", "keyqueue.builtins.life
 
 def _call(impl: pluggy.HookImpl, kwargs: Mapping[str, Any]) -> Any:
     """Call one hook implementation with the arguments it names, as pluggy does."""
-    return impl.function(*[kwargs[name] for name in impl.argnames])
+    # map over the dict's own lookup: no list comprehension's frame (several calls per request).
+    return impl.function(*map(kwargs.__getitem__, impl.argnames))
 
 
 async def maybe_await(value: T | Awaitable[T]) -> T:
