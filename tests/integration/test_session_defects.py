@@ -197,16 +197,25 @@ def _slow_markers(worker: QueueWorker, go: asyncio.Event) -> tuple[list[int], as
     return asked, waiting
 
 
+async def _key_with_a_slow_marker(nc: Client, name: str, go: asyncio.Event) -> tuple[
+        QueueConfig, Publisher, list[tuple[str, bytes]], QueueWorker, list[int], asyncio.Event]:
+    """A queue with one request for key ``k`` and a worker (not started) whose first release marker
+    waits for ``go``: the queue, its publisher, what ran, the worker, the markers asked for, and
+    an event set once the first waits."""
+    config, pub = await setup(nc, name, ack_wait=5)
+    await pub.enqueue(request("k", b"first"))
+    log: list[tuple[str, bytes]] = []
+    worker = QueueWorker(nc, config, lambda key: Recorder(log), settings=SessionSettings(ack_wait=5, linger=0.01))
+    asked, waiting = _slow_markers(worker, go)
+    return config, pub, log, worker, asked, waiting
+
+
 async def test_a_stop_now_does_not_cut_off_a_key_being_given_back(nc: Client) -> None:
     """The give-back runs in the session's own task (no task, future and shield per key): a stop
     now or the drain deadline cancels every session but one giving its key back, whose steps are
     each bounded. Before: the session was cancelled and waited for its give-back's own task."""
-    config, pub = await setup(nc, "nocut", ack_wait=5)
-    await pub.enqueue(request("k", b"first"))
-    log: list[tuple[str, bytes]] = []
-    worker = QueueWorker(nc, config, lambda key: Recorder(log), settings=SessionSettings(ack_wait=5, linger=0.01))
     go = asyncio.Event()
-    asked, waiting = _slow_markers(worker, go)
+    config, _, log, worker, asked, waiting = await _key_with_a_slow_marker(nc, "nocut", go)
     task = asyncio.create_task(worker.run())
     await worker.started()
     await asyncio.wait_for(waiting.wait(), 10)
@@ -225,12 +234,7 @@ async def test_a_session_cut_off_while_giving_its_key_back_gives_it_back_again(n
     in the session's task): the give-back begins again as a task of its own, which the cancel does
     not reach, and the key ends given back (no token, no record left to wait out), then runs its
     next request."""
-    config, pub = await setup(nc, "recut", ack_wait=5)
-    await pub.enqueue(request("k", b"first"))
-    log: list[tuple[str, bytes]] = []
-    worker = QueueWorker(nc, config, lambda key: Recorder(log), settings=SessionSettings(ack_wait=5, linger=0.01))
-    never = asyncio.Event()
-    asked, waiting = _slow_markers(worker, never)
+    config, pub, log, worker, asked, waiting = await _key_with_a_slow_marker(nc, "recut", asyncio.Event())
     async with running_worker(worker):
         await asyncio.wait_for(waiting.wait(), 10)
         session = worker.sessions["k"]
