@@ -290,7 +290,7 @@ async def test_the_dispatcher_makes_hook_calls_in_order_and_holds_sessions_back_
     assert not held_back.done() and worker.held_back == 1
     gate.set()
     await held_back  # room once fewer than three wait
-    worker._queue(None)
+    worker._events.put_nowait(None)  # what the worker queues to end its dispatcher
     await dispatcher
     assert made == [0, 1, 2, 3]
     assert not worker._full and worker._room.is_set() and worker.events_waiting == 0
