@@ -71,7 +71,7 @@ class HandBack:
         self.begun = False
         """Whether the give-back has begun (in the session's task, or as a task of its own)."""
         self.ended = False
-        """Whether a give-back ran to its end."""
+        """Whether the give-back run in the session's task (:meth:`run`) reached its end."""
         self.outcome: Outcome | None = None
         """The session's outcome the key is given back after."""
         self.task: asyncio.Future[None] | None = None
@@ -96,11 +96,7 @@ class HandBack:
         follows; the head request's crash count is forgiven once)."""
         self.begun, self.outcome = True, outcome
         self.task = asyncio.ensure_future(self._give_back(outcome))
-        self.task.add_done_callback(self._task_ended)
         return self.task
-
-    def _task_ended(self, task: asyncio.Future[None]) -> None:
-        self.ended = not task.cancelled()
 
     async def _give_back(self, outcome: Outcome) -> None:
         if not self._lease().valid():

@@ -179,7 +179,7 @@ class Removals:
 
     async def purge(self) -> None:
         """Send the purge of the requests done and not yet removed (all stored below the cursor)."""
-        self.stop_timer()
+        self.close_window()
         done, self.unpurged = self.unpurged, 0  # requests done while the purge is sent count for the next
         if not done:
             return
@@ -211,7 +211,7 @@ class Removals:
             await owed.pop(0)()  # a confirmation that raises (a lost lease) ends the session
         self._lease().check()
 
-    def stop_timer(self) -> None:
+    def close_window(self) -> None:
         """Close the purge window (the requests it was for are being removed)."""
         self._windows.close(self)
 
@@ -238,7 +238,7 @@ class Removals:
         if self._lease().valid():
             await self.purge()
         else:
-            self.stop_timer()
+            self.close_window()
         deletes, self.deletes = self.deletes, []
         try:
             await self.io.settle(deletes)
@@ -258,7 +258,7 @@ class Removals:
         marker removes the requests they belong to)."""
         await self.after_beside()
         await self.settle_owed()
-        self.stop_timer()
+        self.close_window()
         cursor = self._cursor()
         if self.unpurged:
             return cursor - 1  # done and still stored: the last message (a marker lies before it)

@@ -160,9 +160,9 @@ class QueueWorker:
         self._idle: dict[str, KeySession] = {}
         """Held keys whose sessions wait for a request, longest waiting first (see :meth:`_make_room`)."""
         self.turns = Turns()
+        """Loop iterations shared between busy sessions (core/turns.py)."""
         self.purge_windows = PurgeWindows()
         """The purge windows of its sessions, on one timer (core/removals.py)."""
-        """Loop iterations shared between busy sessions (core/turns.py)."""
         self._last_tick = time.monotonic()
         self._stale_after = self.settings.ack_wait - Lease.default_margin(self.settings.ack_wait)
         """A stall this long may have outlived every lease this worker held."""
@@ -452,8 +452,9 @@ class QueueWorker:
 
     def _cut_off_sessions(self) -> None:
         """Cancel the key sessions (the drain deadline, a stop now), but none that is giving its key
-        back: a give-back runs in its session's task and to its end, each step bounded
-        (core/hand_back.py), as it did when cut off (it was then awaited all the same)."""
+        back: a give-back runs in its session's task and to its end, each step tried for 5 s at a
+        time and again only while the lease holds (core/hand_back.py), as it did when cut off (it
+        was then awaited all the same)."""
         for key, task in list(self.sessions.items()):
             held = self._held.get(key)
             if held is None or not held.giving_back:
