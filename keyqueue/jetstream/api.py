@@ -125,6 +125,12 @@ async def _arrives(arrivals: asyncio.Queue[Msg], accept: Callable[[StoredMsg], b
 def stored_seconds(timestamp: str) -> float | None:
     """A stored message's timestamp (RFC 3339 with up to nanoseconds, the server's wall clock) as
     Unix seconds; None for an empty or unreadable one."""
+    try:
+        # The server's form (``...:SS.nnnnnnnnnZ``) as it is: Python 3.11 reads it (nanoseconds
+        # cut to microseconds, as below), once per request.
+        return datetime.datetime.fromisoformat(timestamp).timestamp()
+    except ValueError:
+        pass
     text = timestamp.strip().replace("Z", "+00:00")
     if not text:
         return None
