@@ -92,7 +92,7 @@ from keyqueue.errors import (
 )
 from keyqueue.jetstream.subjects import UNKEYED
 from keyqueue.jetstream.topology import QueueConfig
-from keyqueue.plugins.manager import hookimpl
+from keyqueue.plugins.manager import hookimpl, inline_observer
 from keyqueue.settings import Settings
 from keyqueue.tasks.canvas import (
     Canvas,
@@ -201,5 +201,6 @@ __all__ = [
     "default_app",
     "group",
     "hookimpl",
+    "inline_observer",
     "task",
 ]

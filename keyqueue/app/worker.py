@@ -29,6 +29,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import signal
@@ -54,6 +55,7 @@ from keyqueue.jetstream.api import stored_seconds
 from keyqueue.jetstream.connect import link_of
 from keyqueue.jetstream.pull import PullOptions
 from keyqueue.jetstream.subjects import UNKEYED
+from keyqueue.plugins.manager import Observers
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -148,6 +150,8 @@ class Worker:
         if linger < 0 or drain_timeout < 0:
             raise ConfigError("linger and drain_timeout must be >= 0 seconds")
         self.app = app
+        self.plugins = app.plugins
+        """The app's plugin manager (read once: the sessions' steps look up their hooks in it)."""
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.concurrency = concurrency
         self.linger = linger
@@ -462,95 +466,103 @@ class Worker:
 
     # --- the sessions' steps -> hook calls (keyqueue.core.observer.SessionObserver) ---
 
-    # Each step is queued only if some plugin implements its hook: a step nobody observes costs a
-    # lookup, not a queued call (PluginManager.implementations is cached until plugins change).
+    # Each step is told only if some plugin implements its hook: a step nobody observes costs a
+    # lookup (PluginManager.observers is cached until plugins change). Inline observers
+    # (keyqueue.inline_observer: the built-in events, the OpenTelemetry and Prometheus metrics) are
+    # called at once; the others are queued for the dispatcher.
 
-    def _observed(self, hook_name: str) -> bool:
-        return bool(self.app.plugins.implementations(hook_name))
+    def _tell(self, observers: Observers, /, **kwargs: Any) -> None:
+        """Tell a step to its hook's observers: the inline ones now (an awaitable one returns is
+        queued for the dispatcher), the others queued, in their order, as one call."""
+        for impl in observers.inline:
+            try:
+                result = impl.function(*map(kwargs.__getitem__, impl.argnames))
+            except Exception:
+                log.exception("plugin %s failed in %s; carrying on", impl.plugin_name, observers.hook_name)
+                continue
+            if result is not None and inspect.isawaitable(result):
+                self._queue(functools.partial(_awaited, result, impl.plugin_name, observers.hook_name))
+        if observers.queued:
+            self._queue(functools.partial(self.plugins.notify_each, observers.hook_name, observers.queued, kwargs))
 
     def token_received(self, queue: str, key: str, delivered: int) -> None:
         return None  # no hook: a token is a hint; key_acquired says who works on the key
 
     def key_acquired(self, hold: KeyHold) -> None:
-        if self._observed("keyqueue_key_acquired"):
-            self._queue(functools.partial(self.app.plugins.lifecycle.key_acquired, worker=self, queue=hold.queue,
-                                          key=hold.key, fencing=hold.fencing))
+        observers = self.plugins.observers("keyqueue_key_acquired")
+        if observers is not None:
+            self._tell(observers, worker=self, queue=hold.queue, key=hold.key, fencing=hold.fencing)
 
     def key_released(self, hold: KeyHold, end: SessionEnd) -> None:
         self._attempt_began.pop((hold.queue, hold.key, ""), None)
         if end.outcome is Outcome.CONTENDED:
             return  # never acquired: no keyqueue_key_acquired to close
-        if self._observed("keyqueue_key_released"):
-            self._queue(functools.partial(self.app.plugins.lifecycle.key_released, worker=self, queue=hold.queue,
-                                          key=hold.key, outcome=end.outcome.value))
+        observers = self.plugins.observers("keyqueue_key_released", reverse=True)
+        if observers is not None:
+            self._tell(observers, worker=self, queue=hold.queue, key=hold.key, outcome=end.outcome.value)
 
     def request_started(self, attempt: RequestAttempt) -> None:
         # When the attempt began, for keyqueue_request_failed's elapsed (a session runs one attempt at a time).
         self._attempt_began[_began(attempt)] = time.monotonic()
-        if self._observed("keyqueue_request_started"):
-            self._queue(functools.partial(self.app.plugins.lifecycle.request_started, worker=self,
-                                          queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,
-                                          message_type=attempt.message_type, attempt=attempt.attempt,
-                                          enqueued_at=stored_seconds(attempt.stored_at)))
+        observers = self.plugins.observers("keyqueue_request_started")
+        if observers is not None:
+            self._tell(observers, worker=self, queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,
+                       message_type=attempt.message_type, attempt=attempt.attempt,
+                       enqueued_at=stored_seconds(attempt.stored_at))
 
     def attempt_failed(self, attempt: RequestAttempt, error: BaseException) -> None:
         began = self._attempt_began.get(_began(attempt))
         elapsed = max(0.0, time.monotonic() - began) if began is not None else 0.0
-        if self._observed("keyqueue_request_failed"):
-            self._queue(functools.partial(self.app.plugins.lifecycle.request_failed, worker=self,
-                                          queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,
-                                          message_type=attempt.message_type, attempt=attempt.attempt, error=error,
-                                          elapsed=elapsed))
+        observers = self.plugins.observers("keyqueue_request_failed", reverse=True)
+        if observers is not None:
+            self._tell(observers, worker=self, queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,
+                       message_type=attempt.message_type, attempt=attempt.attempt, error=error, elapsed=elapsed)
 
     def request_retried(self, attempt: RequestAttempt, delay: float, error: BaseException) -> None:
-        if not self._observed("keyqueue_request_retried"):
-            return
-        self._queue(functools.partial(self.app.plugins.lifecycle.request_retried, worker=self, queue=attempt.queue,
-                                      key=attempt.key, request_id=attempt.request_id,
-                                      message_type=attempt.message_type, attempt=attempt.attempt, delay=delay,
-                                      error=describe(error)))
+        observers = self.plugins.observers("keyqueue_request_retried", reverse=True)
+        if observers is not None:
+            self._tell(observers, worker=self, queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,
+                       message_type=attempt.message_type, attempt=attempt.attempt, delay=delay,
+                       error=describe(error))
 
     def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
         if request.key == UNKEYED:
             self._attempt_began.pop(_began(request), None)
-        hooks = self.app.plugins.lifecycle
         if superseded_by is not None:
-            if not self._observed("keyqueue_request_superseded"):
-                return
-            self._queue(functools.partial(hooks.request_superseded, worker=self, queue=request.queue, key=request.key,
-                                          request_id=request.request_id, message_type=request.message_type,
-                                          superseded_by=superseded_by))
-        elif self._observed("keyqueue_request_succeeded"):
-            self._queue(functools.partial(hooks.request_succeeded, worker=self, queue=request.queue, key=request.key,
-                                          request_id=request.request_id, message_type=request.message_type,
-                                          elapsed=elapsed))
+            observers = self.plugins.observers("keyqueue_request_superseded", reverse=True)
+            if observers is not None:
+                self._tell(observers, worker=self, queue=request.queue, key=request.key,
+                           request_id=request.request_id, message_type=request.message_type,
+                           superseded_by=superseded_by)
+            return
+        observers = self.plugins.observers("keyqueue_request_succeeded", reverse=True)
+        if observers is not None:
+            self._tell(observers, worker=self, queue=request.queue, key=request.key, request_id=request.request_id,
+                       message_type=request.message_type, elapsed=elapsed)
 
     def request_dead_lettered(self, request: RequestAttempt, reason: str, error: BaseException) -> None:
         if request.key == UNKEYED:
             self._attempt_began.pop(_began(request), None)
-        if not self._observed("keyqueue_request_dead_lettered"):
-            return
-        self._queue(functools.partial(self.app.plugins.lifecycle.request_dead_lettered, worker=self,
-                                      queue=request.queue, key=request.key, request_id=request.request_id,
-                                      message_type=request.message_type, reason=reason, attempts=request.attempt,
-                                      error=describe(error)))
+        observers = self.plugins.observers("keyqueue_request_dead_lettered", reverse=True)
+        if observers is not None:
+            self._tell(observers, worker=self, queue=request.queue, key=request.key, request_id=request.request_id,
+                       message_type=request.message_type, reason=reason, attempts=request.attempt,
+                       error=describe(error))
 
     def worker_pinned(self, queue: str, pin_id: str) -> None:
-        if not self._observed("keyqueue_worker_pinned"):
-            return
-        self._queue(functools.partial(self.app.plugins.lifecycle.worker_pinned, worker=self, queue=queue,
-                                      pin_id=pin_id))
+        observers = self.plugins.observers("keyqueue_worker_pinned")
+        if observers is not None:
+            self._tell(observers, worker=self, queue=queue, pin_id=pin_id)
 
     def worker_unpinned(self, queue: str, pin_id: str) -> None:
-        if not self._observed("keyqueue_worker_unpinned"):
-            return
-        self._queue(functools.partial(self.app.plugins.lifecycle.worker_unpinned, worker=self, queue=queue,
-                                      pin_id=pin_id))
+        observers = self.plugins.observers("keyqueue_worker_unpinned", reverse=True)
+        if observers is not None:
+            self._tell(observers, worker=self, queue=queue, pin_id=pin_id)
 
     def around_attempt(self, attempt: RequestAttempt, context: RequestContext,
                        requests: Sequence[Request]) -> AbstractAsyncContextManager[object]:
         """The ``keyqueue_wrap_process`` wrappers, entered in call order and exited in reverse."""
-        plugins = self.app.plugins
+        plugins = self.plugins
         if not plugins.implementations("keyqueue_wrap_process"):
             return _NOT_WRAPPED
         wrappers = plugins.wrappers("keyqueue_wrap_process", queue=attempt.queue, key=attempt.key,
@@ -603,6 +615,14 @@ class Worker:
         finally:
             self._full = False
             self._room.set()  # nothing may wait for a dispatcher that has ended
+
+
+async def _awaited(result: Awaitable[Any], plugin_name: str, hook_name: str) -> None:
+    """Await what an inline observer returned (the dispatcher does, in order); never raises."""
+    try:
+        await result
+    except Exception:
+        log.exception("plugin %s failed in %s; carrying on", plugin_name, hook_name)
 
 
 def _began(attempt: RequestAttempt) -> tuple[str, str, str]:

@@ -53,7 +53,7 @@ from keyqueue.events import (
     superseded_reason,
 )
 from keyqueue.jetstream.fastpub import StaticHeaders, publish_static
-from keyqueue.plugins.manager import hookimpl
+from keyqueue.plugins.manager import hookimpl, inline_observer
 from keyqueue.tasks.canvas import step_request_id
 
 if TYPE_CHECKING:
@@ -387,17 +387,20 @@ def keyqueue_worker_stopping(worker: Worker) -> Any:
 
 
 @hookimpl(trylast=True)
+@inline_observer
 def keyqueue_key_acquired(worker: Worker, queue: str, key: str,
                           fencing: tuple[int, int]) -> Awaitable[None] | None:
     return _emit(worker, "acquired", queue, key, fence=fencing[0] or None)
 
 
 @hookimpl(trylast=True)
+@inline_observer
 def keyqueue_key_released(worker: Worker, queue: str, key: str, outcome: str) -> Awaitable[None] | None:
     return _emit(worker, "released", queue, key, reason=outcome)
 
 
 @hookimpl(trylast=True)
+@inline_observer
 def keyqueue_request_started(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
                              attempt: int, enqueued_at: float | None) -> Awaitable[None] | None:
     # From the stored message's timestamp, never from the request id: a caller's own id, or a
@@ -408,6 +411,7 @@ def keyqueue_request_started(worker: Worker, queue: str, key: str, request_id: s
 
 
 @hookimpl(trylast=True)
+@inline_observer
 def keyqueue_request_failed(request_id: str, elapsed: float) -> None:
     # Remembered for the run of a dead_lettered event, which follows the last failed attempt.
     _RUNS[request_id] = elapsed
@@ -417,6 +421,7 @@ def keyqueue_request_failed(request_id: str, elapsed: float) -> None:
 
 
 @hookimpl(trylast=True)
+@inline_observer
 def keyqueue_request_retried(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
                              attempt: int, delay: float, error: str) -> Awaitable[None] | None:
     return _emit(worker, "retried", queue, key, request_id=request_id, task=message_type, attempt=attempt,
@@ -424,6 +429,7 @@ def keyqueue_request_retried(worker: Worker, queue: str, key: str, request_id: s
 
 
 @hookimpl(trylast=True)
+@inline_observer
 def keyqueue_request_succeeded(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
                                elapsed: float) -> Awaitable[None] | None:
     _RUNS.pop(request_id, None)
@@ -431,6 +437,7 @@ def keyqueue_request_succeeded(worker: Worker, queue: str, key: str, request_id:
 
 
 @hookimpl(trylast=True)
+@inline_observer
 def keyqueue_request_superseded(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
                                 superseded_by: str) -> Awaitable[None] | None:
     _RUNS.pop(request_id, None)
@@ -439,6 +446,7 @@ def keyqueue_request_superseded(worker: Worker, queue: str, key: str, request_id
 
 
 @hookimpl(trylast=True)
+@inline_observer
 def keyqueue_request_dead_lettered(worker: Worker, queue: str, key: str, request_id: str, message_type: str,
                                    reason: str, attempts: int, error: str) -> Awaitable[None] | None:
     return _emit(worker, "dead_lettered", queue, key, request_id=request_id, task=message_type, attempt=attempts,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from keyqueue.errors import ConfigError, MissingExtra
-from keyqueue.plugins.manager import hookimpl
+from keyqueue.plugins.manager import hookimpl, inline_observer
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -85,14 +85,17 @@ class PrometheusPlugin:
         self.instruments[name].labels(*labels).inc()
 
     @hookimpl
+    @inline_observer
     def keyqueue_key_acquired(self, worker: Worker, queue: str) -> None:
         self.instruments["keyqueue.keys.held"].labels(queue).inc()
 
     @hookimpl
+    @inline_observer
     def keyqueue_key_released(self, worker: Worker, queue: str) -> None:
         self.instruments["keyqueue.keys.held"].labels(queue).dec()
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_started(self, queue: str, message_type: str, attempt: int,
                                  enqueued_at: float | None) -> None:
         # From the stored message's timestamp (whatever the request id: a caller's own, a backfill's hash).
@@ -101,23 +104,28 @@ class PrometheusPlugin:
                 max(0.0, time.time() - enqueued_at))
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_failed(self, queue: str, message_type: str, error: BaseException) -> None:
         self._count("keyqueue.requests.failed", queue, message_type, type(error).__name__)
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_retried(self, queue: str, message_type: str) -> None:
         self._count("keyqueue.requests.retried", queue, message_type)
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_succeeded(self, queue: str, message_type: str, elapsed: float) -> None:
         self._count("keyqueue.requests.succeeded", queue, message_type)
         self.instruments["keyqueue.request.run"].labels(queue, message_type).observe(elapsed)
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_superseded(self, queue: str, message_type: str) -> None:
         self._count("keyqueue.requests.superseded", queue, message_type)
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_dead_lettered(self, queue: str, message_type: str, reason: str) -> None:
         self._count("keyqueue.requests.dead_lettered", queue, message_type, reason)
 

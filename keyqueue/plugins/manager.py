@@ -19,11 +19,11 @@ import importlib.metadata
 import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import CoroutineType
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 import pluggy
 
@@ -40,14 +40,17 @@ __all__ = [
     "DISABLE_AUTOLOAD_ENV",
     "ENTRY_POINT_GROUP",
     "LifecycleHooks",
+    "Observers",
     "PluginInfo",
     "PluginManager",
     "autoload_disabled",
     "hookimpl",
+    "inline_observer",
     "maybe_await",
 ]
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 log = logging.getLogger("keyqueue.plugins")
 
@@ -63,6 +66,35 @@ DISABLE_AUTOLOAD_ENV: Final = "KEYQUEUE_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_PLUGINS: Final = ("keyqueue.builtins.processor", "keyqueue.builtins.lifecycle_log", "keyqueue.builtins.events",
                           "keyqueue.builtins.workflows")
 """keyqueue's own behaviour, as plugin modules: tasks and retries, lifecycle logging, events, workflows."""
+
+
+INLINE_ATTRIBUTE: Final = "keyqueue_inline_observer"
+"""The attribute :func:`inline_observer` sets on a hook implementation."""
+
+
+def inline_observer(function: F) -> F:
+    """Mark a lifecycle hook implementation (``@keyqueue.hookimpl``) as an inline observer: a worker
+    calls it at the event itself, on the key session's path, instead of queueing the call for its
+    hook dispatcher (docs/plugins.md, "Inline observers").
+
+    For a plain function that returns at once and does no I/O: count, record a metric, keep an
+    event for a batch. It may return an awaitable (a batch that is due to be sent), which the
+    dispatcher awaits in order with the queued calls. Its exceptions are logged, as any lifecycle
+    hook's; one that blocks blocks every key of the worker. Outside a worker's session events
+    (``keyqueue_worker_started``, ``keyqueue_workflow_changed``...) the mark changes nothing.
+    """
+    setattr(function, INLINE_ATTRIBUTE, True)
+    return function
+
+
+class Observers(NamedTuple):
+    """The implementations of one lifecycle hook a worker calls for an event, each list in call order."""
+
+    hook_name: str
+    inline: tuple[pluggy.HookImpl, ...]
+    """Called at the event (:func:`inline_observer`)."""
+    queued: tuple[pluggy.HookImpl, ...]
+    """Called by the worker's hook dispatcher, after the event (:meth:`PluginManager.notify_each`)."""
 
 
 def _call(impl: pluggy.HookImpl, kwargs: Mapping[str, Any]) -> Any:
@@ -102,6 +134,8 @@ class PluginManager(pluggy.PluginManager):
         super().__init__(PROJECT)
         self._implementations: dict[str, tuple[pluggy.HookImpl, ...]] = {}
         """Hook name -> its implementations, until a plugin is registered or unregistered."""
+        self._observers: dict[tuple[str, bool], Observers | None] = {}
+        """(hook name, reverse) -> its observers (:meth:`observers`), as long as ``_implementations``."""
         self.add_hookspecs(hookspecs)
         self.distributions: dict[str, str] = {}
         """Plugin name -> ``distribution version`` for entry-point plugins."""
@@ -124,12 +158,14 @@ class PluginManager(pluggy.PluginManager):
             raise ConfigError(f"plugin {shown} cannot be registered: {detail}") from exc
         finally:
             self._implementations.clear()
+            self._observers.clear()
 
     def unregister(self, plugin: object | None = None, name: str | None = None) -> Any | None:
         try:
             return super().unregister(plugin, name)
         finally:
             self._implementations.clear()  # set_blocked unregisters too
+            self._observers.clear()
 
     def implementations(self, hook_name: str) -> tuple[pluggy.HookImpl, ...]:
         """The implementations of a hook, in registration order (pluggy calls them last first).
@@ -143,6 +179,23 @@ class PluginManager(pluggy.PluginManager):
             impls = tuple(caller.get_hookimpls()) if isinstance(caller, pluggy.HookCaller) else ()
             self._implementations[hook_name] = impls
         return impls
+
+    def observers(self, hook_name: str, *, reverse: bool = False) -> Observers | None:
+        """The implementations of a lifecycle hook, inline and queued, in the order they are called
+        (``reverse``: a closing hook's, see :meth:`notify`); None when no plugin implements it.
+        Looked up once, as :meth:`implementations` is."""
+        try:
+            return self._observers[hook_name, reverse]
+        except KeyError:
+            pass
+        impls = self.implementations(hook_name)
+        ordered = impls if reverse else impls[::-1]
+        observers = None
+        if ordered:
+            inline = tuple(impl for impl in ordered if getattr(impl.function, INLINE_ATTRIBUTE, False))
+            observers = Observers(hook_name, inline, tuple(impl for impl in ordered if impl not in inline))
+        self._observers[hook_name, reverse] = observers
+        return observers
 
     def implemented_only_by(self, hook_name: str, function: Callable[..., Any]) -> bool:
         """Whether ``function`` is the one implementation of a hook (a built-in one, say, whose
@@ -207,7 +260,11 @@ class PluginManager(pluggy.PluginManager):
         """
         impls = self.implementations(hook_name)
         # Listed in registration order; pluggy calls them last first.
-        for impl in impls if reverse else reversed(impls):
+        await self.notify_each(hook_name, impls if reverse else impls[::-1], kwargs)
+
+    async def notify_each(self, hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]) -> None:
+        """Call ``impls`` of a lifecycle hook in that order, awaiting each; never raises (see :meth:`notify`)."""
+        for impl in impls:
             try:
                 result = _call(impl, kwargs)
                 # Most implementations are coroutine functions or return None: both are told

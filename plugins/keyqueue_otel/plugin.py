@@ -29,7 +29,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from keyqueue import hookimpl
+from keyqueue import hookimpl, inline_observer
 
 if TYPE_CHECKING:
     from keyqueue import App, Request, RequestContext, TaskRequest, Worker
@@ -296,6 +296,7 @@ class OtelPlugin:
     # --- hooks: metrics ---
 
     @hookimpl
+    @inline_observer
     def keyqueue_key_acquired(self, worker: Worker, queue: str, key: str, fencing: tuple[int, int]) -> None:
         meters = self.meters()
         if meters is not None:
@@ -312,6 +313,7 @@ class OtelPlugin:
             self._sessions[(id(worker), queue, key)] = span
 
     @hookimpl
+    @inline_observer
     def keyqueue_key_released(self, worker: Worker, queue: str, key: str, outcome: str) -> None:
         meters = self.meters()
         if meters is not None:
@@ -324,6 +326,7 @@ class OtelPlugin:
             span.end()
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_started(self, queue: str, message_type: str, attempt: int,
                                  enqueued_at: float | None) -> None:
         meters = self.meters()
@@ -331,30 +334,35 @@ class OtelPlugin:
             meters.started(queue, message_type, enqueued_at)
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_failed(self, queue: str, message_type: str, error: BaseException) -> None:
         meters = self.meters()
         if meters is not None:
             meters.failed(queue, message_type, type(error).__name__)
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_retried(self, queue: str, message_type: str) -> None:
         meters = self.meters()
         if meters is not None:
             meters.retried(queue, message_type)
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_succeeded(self, queue: str, message_type: str, elapsed: float) -> None:
         meters = self.meters()
         if meters is not None:
             meters.succeeded(queue, message_type, elapsed)
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_superseded(self, queue: str, message_type: str) -> None:
         meters = self.meters()
         if meters is not None:
             meters.superseded(queue, message_type)
 
     @hookimpl
+    @inline_observer
     def keyqueue_request_dead_lettered(self, queue: str, message_type: str, reason: str) -> None:
         meters = self.meters()
         if meters is not None:

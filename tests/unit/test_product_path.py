@@ -264,6 +264,115 @@ async def test_the_worker_queues_only_the_hooks_some_plugin_implements() -> None
     assert request_id == "01J1" and elapsed >= 0
 
 
+OBSERVED_HOOKS = ("keyqueue_key_acquired", "keyqueue_key_released", "keyqueue_request_started",
+                  "keyqueue_request_failed", "keyqueue_request_retried", "keyqueue_request_succeeded",
+                  "keyqueue_request_superseded", "keyqueue_request_dead_lettered", "keyqueue_worker_pinned",
+                  "keyqueue_worker_unpinned")
+"""The lifecycle hooks a worker's key sessions (and lanes) tell it of."""
+
+
+def every_observer(manager: PluginManager, record: Callable[[str, dict[str, Any]], Any], *,
+                   inline: bool) -> object:
+    """A plugin implementing each of :data:`OBSERVED_HOOKS` with every argument its spec names."""
+    namespace: dict[str, Any] = {"record": record}
+    for name in OBSERVED_HOOKS:
+        args = manager.hook.__dict__[name].spec.argnames
+        exec(f"def {name}(self, {', '.join(args)}):\n"
+             f"    return record({name!r}, dict({', '.join(f'{a}={a}' for a in args)}))", namespace)
+    marks = (keyqueue.inline_observer,) if inline else ()
+    methods = {}
+    for name in OBSERVED_HOOKS:
+        function = namespace[name]
+        for mark in marks:
+            function = mark(function)
+        methods[name] = keyqueue.hookimpl(function)
+    return type("EveryObserver", (), methods)()
+
+
+def tell_every_step(worker: Worker) -> None:
+    attempt = RequestAttempt("shop", "k1", "01J1", "note", 1, 1, stored_at="2026-03-01T12:30:05.5Z")
+    hold = KeyHold("shop", "k1", (1, 1), 1)
+    worker.key_acquired(hold)
+    worker.request_started(attempt)
+    worker.attempt_failed(attempt, RuntimeError("no"))
+    worker.request_retried(attempt, 0.5, RuntimeError("no"))
+    worker.request_succeeded(attempt, 0.01, None)
+    worker.request_succeeded(attempt, 0.01, "01J2")
+    worker.request_dead_lettered(attempt, "max-attempts", RuntimeError("no"))
+    worker.worker_pinned("shop", "pin-1")
+    worker.worker_unpinned("shop", "pin-1")
+    worker.key_released(hold, SessionEnd(Outcome.RELEASED))
+
+
+async def test_inline_observers_are_called_at_the_step_and_the_others_by_the_dispatcher() -> None:
+    """An inline observer (``keyqueue.inline_observer``) is called at the step itself, with every
+    argument its hook's spec names; the others wait for the dispatcher, with the same arguments; an
+    awaitable an inline one returns is awaited by the dispatcher; one that raises is logged and the
+    others still run."""
+    app, _ = make_app()
+    app.plugins.set_blocked("keyqueue.builtins.events")
+    at_once: list[tuple[str, dict[str, Any]]] = []
+    later: list[tuple[str, dict[str, Any]]] = []
+    sent: list[str] = []
+
+    async def send(request_id: str) -> None:
+        sent.append(request_id)
+
+    class Failing:
+        @keyqueue.hookimpl
+        @keyqueue.inline_observer
+        def keyqueue_request_started(self) -> None:
+            raise RuntimeError("a broken plugin")
+
+    class Sending:
+        @keyqueue.hookimpl
+        @keyqueue.inline_observer
+        def keyqueue_request_succeeded(self, request_id: str) -> Awaitable[None]:
+            return send(request_id)
+
+    app.plugins.register(every_observer(app.plugins, lambda name, kwargs: at_once.append((name, kwargs)),
+                                        inline=True))
+    app.plugins.register(every_observer(app.plugins, lambda name, kwargs: later.append((name, kwargs)),
+                                        inline=False))
+    app.plugins.register(Failing())
+    app.plugins.register(Sending())
+    worker = Worker(app)
+    tell_every_step(worker)
+    assert sorted({name for name, _ in at_once}) == sorted(OBSERVED_HOOKS)
+    for name, kwargs in at_once:
+        assert tuple(kwargs) == app.plugins.hook.__dict__[name].spec.argnames, name
+        assert kwargs["worker"] is worker
+    assert dict(at_once)["keyqueue_request_started"]["enqueued_at"] == pytest.approx(
+        datetime.datetime(2026, 3, 1, 12, 30, 5, 500000, tzinfo=datetime.UTC).timestamp())
+    assert later == [] and sent == []  # the queued observers, and the awaitable, wait for the dispatcher
+    while worker.events_waiting:
+        call = worker._events.get_nowait()
+        assert call is not None
+        await call()
+    assert later == at_once
+    assert sent == ["01J1"]
+
+
+async def test_inline_observers_keep_the_call_order_of_opening_and_closing_hooks() -> None:
+    """Among inline observers, the last registered is called first on an opening hook and last on a
+    closing one (docs/plugins.md, "Order"), as the dispatcher calls the others."""
+    app, _ = make_app()
+    app.plugins.set_blocked("keyqueue.builtins.events")
+    order: list[str] = []
+    def recorder(who: str) -> Callable[[str, dict[str, Any]], None]:
+        return lambda name, _: order.append(f"{who} {name}")
+
+    for who in ("first", "second"):
+        app.plugins.register(every_observer(app.plugins, recorder(who), inline=True))
+    worker = Worker(app)
+    hold = KeyHold("shop", "k1", (1, 1), 1)
+    worker.key_acquired(hold)
+    worker.key_released(hold, SessionEnd(Outcome.RELEASED))
+    assert order == ["second keyqueue_key_acquired", "first keyqueue_key_acquired",
+                     "first keyqueue_key_released", "second keyqueue_key_released"]
+    assert worker.events_waiting == 0
+
+
 async def test_the_dispatcher_makes_hook_calls_in_order_and_holds_sessions_back_at_the_backlog() -> None:
     """The hook calls wait in a deque with one waiter (not an ``asyncio.Queue``): made in the order
     queued, the dispatcher woken by the first after it found none, sessions held back (``_full``)
