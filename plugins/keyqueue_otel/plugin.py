@@ -20,16 +20,24 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from keyqueue import hookimpl, inline_observer
+from keyqueue import hookimpl
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+try:
+    from keyqueue import inline_observer
+except ImportError:  # a keyqueue before inline observers: its worker queues these hooks, as it did
+    def inline_observer(function: _F) -> _F:
+        return function
 
 if TYPE_CHECKING:
     from keyqueue import App, Request, RequestContext, TaskRequest, Worker
