@@ -412,39 +412,42 @@ class RecordingTaskProcessor(TaskProcessor):
             [expired] = await self._skip(ctx, [request], EXPIRED_BY)
             assert isinstance(expired, Reply)
             return expired
-        if self._serial(request):  # other policies run (and count) as one batch, in handle_batch
+        serial = self._serial(request)
+        if serial:  # other policies run (and count) as one batch, in handle_batch
             await self._take_slot(ctx, [request])
         watch = self.watch
         if watch is None:
-            return await self._handle_keeping(ctx, request)
+            return await self._handle_keeping(ctx, request, serial)
         # Cancels written while this worker was disconnected never reached its subscription: a
         # session that outlived the outage loads them again before its next request starts.
         if watch.stale():
             await ctx.steady(watch.refresh)
-        flag = watch.start_run(request.request_id)
+        request_id = request.request_id
+        flag = watch.start_run(request_id)
         if flag is None:
             [reply] = await self._skip(ctx, [request])
             assert isinstance(reply, Reply)
             return reply
         token = CANCEL_CHECK.set(flag)
         try:
-            return await self._handle_keeping(ctx, request)
+            return await self._handle_keeping(ctx, request, serial)
         finally:
             CANCEL_CHECK.reset(token)
-            watch.end_run(request.request_id)
+            watch.end_run(request_id)
 
-    async def _handle_keeping(self, ctx: RequestContext, request: Request) -> Reply | None:
+    async def _handle_keeping(self, ctx: RequestContext, request: Request, serial: bool) -> Reply | None:
+        """Handle ``request`` (``serial``: of a serial task) with its progress, outcome and result kept."""
         began = time.monotonic()
         try:
-            if self._serial(request):  # other policies keep their progress in handle_batch
+            if serial:  # other policies keep their progress in handle_batch
                 reply = await self._keeping_progress(ctx, [request], functools.partial(super().handle, ctx, request))
             else:
                 reply = await super().handle(ctx, request)
         except Exception as exc:
-            if self._serial(request) or self._task_or_none(request) is None:  # others were kept in handle_batch
+            if serial or self._task_or_none(request) is None:  # others were kept in handle_batch
                 await self._keep_failure(ctx, [request], exc)
             raise
-        if self._serial(request):  # other policies keep (and settle) in handle_batch
+        if serial:  # other policies keep (and settle) in handle_batch
             await self._keep(ctx, [request], [reply])
             await self._settled(ctx, request, H.STATUS_OK, reply=reply, elapsed=time.monotonic() - began)
         return reply

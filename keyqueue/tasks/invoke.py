@@ -36,7 +36,7 @@ import threading
 import types
 from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, Final
 
 from keyqueue.errors import KeyqueueTimeout, SoftTimeout
 
@@ -231,6 +231,10 @@ async def _run_coroutine(task: str, coro: Coroutine[Any, Any, Any], soft: float 
         timer.cancel()
 
 
+_is_coroutine_function: Final = functools.lru_cache(maxsize=1024)(inspect.iscoroutinefunction)
+"""``inspect.iscoroutinefunction``, answered once per task function (five Python calls per request otherwise)."""
+
+
 async def invoke(task: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *,
                  timeout: float | None, soft_timeout: float | None = None, executor: Executor | None = None) -> Any:
     """Run task ``task``'s function ``fn`` once: coroutine functions on the loop, others in a thread.
@@ -238,7 +242,11 @@ async def invoke(task: str, fn: Callable[..., Any], args: Sequence[Any], kwargs:
     ``soft_timeout`` raises ``SoftTimeout`` inside the function; ``timeout`` (the hard limit) stops
     the run, which then fails with ``KeyqueueTimeout`` (see the module docstring).
     """
-    if inspect.iscoroutinefunction(fn):
+    try:
+        is_async = _is_coroutine_function(fn)
+    except TypeError:  # an unhashable callable
+        is_async = inspect.iscoroutinefunction(fn)
+    if is_async:
         return await _run_coroutine(task, fn(*args, **kwargs), soft_timeout, timeout)
     result = await _run_in_thread(task, functools.partial(fn, *args, **kwargs), soft_timeout, timeout, executor)
     if inspect.isawaitable(result):  # a sync function that returned an awaitable
