@@ -13,7 +13,8 @@ key's processor through ``keyqueue_build_processor`` (and the lane's, for the ke
 the observer of every key session and lane
 (``keyqueue.core.observer.SessionObserver``): each step a session reports becomes one lifecycle
 hook call (none when no plugin implements the hook), and each attempt runs inside the
-``keyqueue_wrap_process`` wrappers. Hook calls are
+``keyqueue_wrap_process`` wrappers. The hook's inline observers (``keyqueue.inline_observer``:
+plain functions that only count or keep) are called at the step; the call of the others is
 queued and made in order by one dispatcher task, so a failing hook never holds up a key session
 and a slow one only when it falls far behind: once ``event_backlog`` calls wait for their hooks,
 key sessions wait before their next request (and new sessions before they open) until the hooks

@@ -25,6 +25,10 @@ Failures. Lifecycle hooks (worker, key and request events) are observers: an exc
 is logged with the plugin's name and the worker goes on. Exceptions in the other hooks
 propagate to whoever triggered them (the ``App``, the worker's processor, the CLI).
 
+When. A worker calls the key, request and pin hooks in order from one dispatcher task, shortly
+after the event; an implementation marked ``@keyqueue.inline_observer`` (a plain function that
+only counts or keeps something) is called at the event itself (docs/plugins.md, "Inline observers").
+
 Around-style hooks (``keyqueue_wrap_enqueue``, ``keyqueue_wrap_process``) return a context
 manager (sync or async) or ``None``; keyqueue enters them in call order around the operation and
 exits them in reverse, so a tracing plugin can hold a span open for exactly the operation.
