@@ -73,6 +73,10 @@ __all__ = ["RecordingTaskProcessor", "RunStore"]
 
 log = logging.getLogger("keyqueue.task")
 
+WORKFLOWS_PLUGIN: Final = "keyqueue.builtins.workflows"
+"""The built-in plugin whose ``keyqueue_request_settled`` acts on workflow steps alone (requests
+with ``X-KQ-Workflow-Id``): a request without one is not handed to it."""
+
 T = TypeVar("T")
 
 RESULT_WRITE_PATIENCE: Final = 5.0
@@ -252,8 +256,10 @@ class RecordingTaskProcessor(TaskProcessor):
                        error: BaseException | None = None, reason: str | None = None, elapsed: float = 0.0) -> None:
         """``keyqueue_request_settled``, awaited: the request is still in the inbox (see the hook's spec)."""
         plugins = self.app.plugins
-        if not plugins.implementations("keyqueue_request_settled"):
-            return
+        impls = plugins.implementations("keyqueue_request_settled")
+        if not impls or (len(impls) == 1 and impls[0].plugin_name == WORKFLOWS_PLUGIN
+                         and H.WORKFLOW_ID not in request.headers):
+            return  # nobody to tell (the built-in workflows plugin looks at workflow steps alone)
         task = self._task_or_none(request)
         try:
             await plugins.collect("keyqueue_request_settled", app=self.app, queue=self.queue, key=self.key,
@@ -278,13 +284,10 @@ class RecordingTaskProcessor(TaskProcessor):
 
     # --- progress ---
 
-    def _progress_keeper(self, ctx: RequestContext, requests: Sequence[Request]) -> ProgressKeeper | None:
-        """What keeps the progress of a run of ``requests`` (None: nothing is kept, as for a task
-        declared with ``result_ttl=0``, or without a records stream in the eager mode)."""
+    def _progress_keeper(self, ctx: RequestContext, requests: Sequence[Request], task: AnyTask) -> ProgressKeeper:
+        """What keeps the progress of a run of ``requests`` of ``task`` (built at its first value)."""
         records = self.records
-        task = self._task_or_none(requests[0]) if requests else None
-        if records is None or task is None or task.spec.result_ttl == 0:
-            return None
+        assert records is not None
         ttl = max(PROGRESS_TTL, task.spec.kept_for(self.app.result_ttl) or 0)
         ids = [r.request_id for r in requests]
 
@@ -298,22 +301,36 @@ class RecordingTaskProcessor(TaskProcessor):
     async def _keeping_progress(self, ctx: RequestContext, requests: Sequence[Request],
                                 run: Callable[[], Awaitable[T]]) -> T:
         """``run()`` with its ``ctx.progress`` kept: the last value is written before this returns
-        (or raises), and before the run's result is kept; a run cut off writes no more."""
-        keeper = self._progress_keeper(ctx, requests)
-        if keeper is None:
+        (or raises), and before the run's result is kept; a run cut off writes no more. Nothing is
+        kept for a task declared with ``result_ttl=0``, or without a records stream (the eager mode).
+
+        The keeper is built at the run's first value: most runs report none, and pay nothing."""
+        task = self._task_or_none(requests[0]) if requests else None
+        if self.records is None or task is None or task.spec.result_ttl == 0:
             return await run()
-        token = PROGRESS_KEEP.set(keeper.offer)
+        kept: list[ProgressKeeper | bool] = [False]
+        """The run's keeper once it offered a value; True once the run has ended (no more is kept)."""
+
+        def offer(body: bytes, headers: Mapping[str, str]) -> None:
+            keeper = kept[0]
+            if keeper is True:
+                return  # offered after the run ended (a thread it left behind): not kept
+            if keeper is False:
+                keeper = kept[0] = self._progress_keeper(ctx, requests, task)
+            keeper.offer(body, headers)
+
+        token = PROGRESS_KEEP.set(offer)
         try:
             outcome = await run()
         except asyncio.CancelledError:
-            await keeper.close(flush=False)
+            await _closed(kept, flush=False)
             raise
         except BaseException:
-            await keeper.close()
+            await _closed(kept)
             raise
         finally:
             PROGRESS_KEEP.reset(token)
-        await keeper.close()
+        await _closed(kept)
         return outcome
 
     # --- cancels ---
@@ -525,3 +542,10 @@ class _AnyFlag:
 
     def __call__(self) -> bool:
         return any(flag() for flag in self.flags)
+
+
+async def _closed(kept: list[ProgressKeeper | bool], *, flush: bool = True) -> None:
+    """End a run's progress keeping (see ``_keeping_progress``): its keeper, if it has one, closed."""
+    keeper, kept[0] = kept[0], True
+    if not isinstance(keeper, bool):
+        await keeper.close(flush=flush)

@@ -55,11 +55,14 @@ class Request:
         one: the reply inbox (answered), the request id (part of its result and cancel records'
         subjects). Checked before the request runs: a publish to such a subject would make the server
         close the connection."""
-        if self.reply_inbox is not None:
-            validate_subject(self.reply_inbox, f"the reply inbox (X-Reply-Inbox) of request {self.request_id[:64]!r}")
-        if len(self.request_id) > MAX_REQUEST_ID_LENGTH:
-            raise InvalidSubject(f"request id {self.request_id[:64]!r}...",
-                                 f"it is {len(self.request_id)} characters long, over {MAX_REQUEST_ID_LENGTH} (it "
+        headers = self.headers  # (the properties, read once each: this runs for every request)
+        request_id = headers.get("Nats-Msg-Id", "")
+        reply_inbox = headers.get("X-Reply-Inbox")
+        if reply_inbox:
+            validate_subject(reply_inbox, f"the reply inbox (X-Reply-Inbox) of request {request_id[:64]!r}")
+        if len(request_id) > MAX_REQUEST_ID_LENGTH:
+            raise InvalidSubject(f"request id {request_id[:64]!r}...",
+                                 f"it is {len(request_id)} characters long, over {MAX_REQUEST_ID_LENGTH} (it "
                                  "becomes part of the subjects of the request's records)")
 
 

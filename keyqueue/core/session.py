@@ -771,6 +771,13 @@ class KeySession:
             # A batch processor may handle a prefix of the batch (the rest stays at the head, in
             # order) and may reject single requests by returning the exception in their place.
             handled = len(outcomes)
+            if handled == 1 and len(batch) == 1:
+                # One request, done (the usual case): what follows, without its lists.
+                outcome = outcomes[0]
+                if outcome is None or isinstance(outcome, Reply):
+                    await self._succeeded(batch, requests, [outcome], time.monotonic() - started,
+                                          through=batch[0].seq, attempt=attempt)
+                    return
             self.buffer[0:0] = batch[handled:]
             batch, requests = batch[:handled], requests[:handled]
             for msg, outcome in zip(batch, outcomes, strict=True):
