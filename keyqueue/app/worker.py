@@ -504,8 +504,7 @@ class Worker:
 
     def request_started(self, attempt: RequestAttempt) -> None:
         # When the attempt began, for keyqueue_request_failed's elapsed (a session runs one attempt at a time).
-        key = attempt.key
-        self._attempt_began[attempt.queue, key, attempt.request_id if key == UNKEYED else ""] = time.monotonic()
+        self._attempt_began[_began(attempt)] = time.monotonic()
         observers = self.plugins.observers("keyqueue_request_started")
         if observers is not None:
             self._tell(observers, worker=self, queue=attempt.queue, key=attempt.key, request_id=attempt.request_id,

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 from keyqueue.app.progress import PROGRESS_TTL, ProgressKeeper
 from keyqueue.app.transport import NatsTransport
 from keyqueue.builtins.processor import TaskProcessor
+from keyqueue.builtins.workflows import keyqueue_request_settled as workflows_settled
 from keyqueue.core.processor import BatchOutcome, Reply, Request, RequestContext, SessionContext
 from keyqueue.core.retry import RetryPolicy
 from keyqueue.errors import (
@@ -72,10 +73,6 @@ if TYPE_CHECKING:
 __all__ = ["RecordingTaskProcessor", "RunStore"]
 
 log = logging.getLogger("keyqueue.task")
-
-WORKFLOWS_PLUGIN: Final = "keyqueue.builtins.workflows"
-"""The built-in plugin whose ``keyqueue_request_settled`` acts on workflow steps alone (requests
-with ``X-KQ-Workflow-Id``): a request without one is not handed to it."""
 
 T = TypeVar("T")
 
@@ -256,10 +253,10 @@ class RecordingTaskProcessor(TaskProcessor):
                        error: BaseException | None = None, reason: str | None = None, elapsed: float = 0.0) -> None:
         """``keyqueue_request_settled``, awaited: the request is still in the inbox (see the hook's spec)."""
         plugins = self.app.plugins
-        impls = plugins.implementations("keyqueue_request_settled")
-        if not impls or (len(impls) == 1 and impls[0].plugin_name == WORKFLOWS_PLUGIN
-                         and H.WORKFLOW_ID not in request.headers):
-            return  # nobody to tell (the built-in workflows plugin looks at workflow steps alone)
+        if not plugins.implementations("keyqueue_request_settled") or (
+                H.WORKFLOW_ID not in request.headers
+                and plugins.implemented_only_by("keyqueue_request_settled", workflows_settled)):
+            return  # nobody to tell (the built-in workflows plugin acts on workflow steps alone)
         task = self._task_or_none(request)
         try:
             await plugins.collect("keyqueue_request_settled", app=self.app, queue=self.queue, key=self.key,
@@ -308,30 +305,29 @@ class RecordingTaskProcessor(TaskProcessor):
         task = self._task_or_none(requests[0]) if requests else None
         if self.records is None or task is None or task.spec.result_ttl == 0:
             return await run()
-        kept: list[ProgressKeeper | bool] = [False]
-        """The run's keeper once it offered a value; True once the run has ended (no more is kept)."""
+        keeper: ProgressKeeper | None = None
+        ended = False
 
         def offer(body: bytes, headers: Mapping[str, str]) -> None:
-            keeper = kept[0]
-            if keeper is True:
+            nonlocal keeper
+            if ended:
                 return  # offered after the run ended (a thread it left behind): not kept
-            if keeper is False:
-                keeper = kept[0] = self._progress_keeper(ctx, requests, task)
+            if keeper is None:
+                keeper = self._progress_keeper(ctx, requests, task)
             keeper.offer(body, headers)
 
         token = PROGRESS_KEEP.set(offer)
+        flush = True
         try:
-            outcome = await run()
+            return await run()
         except asyncio.CancelledError:
-            await _closed(kept, flush=False)
-            raise
-        except BaseException:
-            await _closed(kept)
+            flush = False  # cut off: its lease may be gone
             raise
         finally:
             PROGRESS_KEEP.reset(token)
-        await _closed(kept)
-        return outcome
+            ended = True
+            if keeper is not None:
+                await keeper.close(flush=flush)
 
     # --- cancels ---
 
@@ -542,10 +538,3 @@ class _AnyFlag:
 
     def __call__(self) -> bool:
         return any(flag() for flag in self.flags)
-
-
-async def _closed(kept: list[ProgressKeeper | bool], *, flush: bool = True) -> None:
-    """End a run's progress keeping (see ``_keeping_progress``): its keeper, if it has one, closed."""
-    keeper, kept[0] = kept[0], True
-    if not isinstance(keeper, bool):
-        await keeper.close(flush=flush)

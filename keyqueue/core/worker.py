@@ -725,12 +725,8 @@ class _Report:
 
     def request_started(self, attempt: RequestAttempt) -> None:
         if not log.isEnabledFor(logging.DEBUG):  # the per-request path: build no line nobody reads
-            counts = self.counts
-            counts["started"] = counts.get("started", 0) + 1
-            try:  # (_tell, spelt out)
-                self.observer.request_started(attempt)
-            except Exception:
-                log.exception("session observer failed in request_started; carrying on")
+            self._count("started")
+            self._tell(self.observer.request_started, attempt)
             return
         self._log("started", logging.DEBUG, attempt.key, "%s started, attempt %d (%s)", _what(attempt),
                   attempt.attempt, self._where(attempt), request_id=attempt.request_id, seq=attempt.seq,
@@ -753,14 +749,8 @@ class _Report:
 
     def request_succeeded(self, request: RequestAttempt, elapsed: float, superseded_by: str | None) -> None:
         if not log.isEnabledFor(logging.DEBUG):
-            counts = self.counts
-            counts["succeeded"] = counts.get("succeeded", 0) + 1
-            try:  # (_tell, spelt out: the per-request path)
-                self.observer.request_succeeded(request, elapsed, superseded_by)
-            except Exception:
-                log.exception("session observer failed in request_succeeded; carrying on")
-            return
-        if superseded_by is not None:
+            self._count("succeeded")
+        elif superseded_by is not None:
             self._log("succeeded", logging.DEBUG, request.key, "%s superseded by request %s (%s)", _what(request),
                       superseded_by, self._where(request), request_id=request.request_id, seq=request.seq,
                       superseded_by=superseded_by, message_type=request.message_type)
