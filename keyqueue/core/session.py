@@ -776,7 +776,7 @@ class KeySession:
                 outcome = outcomes[0]
                 if outcome is None or isinstance(outcome, Reply):
                     await self._succeeded(batch, requests, [outcome], time.monotonic() - started,
-                                          through=batch[0].seq, attempt=attempt)
+                                          through=batch[0].seq, attempt=attempt, told=this)
                     return
             self.buffer[0:0] = batch[handled:]
             batch, requests = batch[:handled], requests[:handled]
@@ -816,7 +816,8 @@ class KeySession:
         return self.slots.parked_while(self.draining)
 
     async def _succeeded(self, batch: list[StoredMsg], requests: list[Request], replies: list[Reply | None],
-                         elapsed: float, through: int, attempt: int) -> None:
+                         elapsed: float, through: int, attempt: int, told: RequestAttempt | None = None) -> None:
+        """``told``: a lone request's attempt as its start was told (the same request, attempt and batch)."""
         self.lease.check()
         self.cursor = through + 1
         if len(batch) == 1 and batch[0].seq == through:
@@ -836,7 +837,7 @@ class KeySession:
             superseded_by = None
             if reply is not None and reply.headers.get(H.STATUS) == H.STATUS_SUPERSEDED:
                 superseded_by = reply.headers.get(H.SUPERSEDED_BY, "")
-            self.observer.request_succeeded(self._attempt(request.seq, request.headers, attempt, len(requests)),
+            self.observer.request_succeeded(told or self._attempt(request.seq, request.headers, attempt, len(requests)),
                                             elapsed, superseded_by)
 
     async def _dead_letter(self, batch: list[StoredMsg], error: BaseException, attempts: int, *,

@@ -1,16 +1,20 @@
-"""Core publishes with headers that never change, encoded once.
+"""Core publishes handed to nats-py as finished commands.
 
 nats-py encodes a message's headers on every publish (validating and joining each line); for
 messages sent by the thousand with the same headers (lifecycle events) that is half their cost.
-This builds the header block once and hands nats-py the finished ``HPUB`` command. It relies on
-two of nats-py's internals and falls back to the public ``publish`` if they are missing.
+This builds the header block once and hands nats-py the finished ``HPUB`` command; a plain
+publish of the worker's own (a read, a token's ack, a record's delete) goes as a ``PUB`` command
+the same way. It relies on three of nats-py's internals (``_send_command``, ``_flush_queue``,
+``_status``) and falls back to the public ``publish`` if they are missing or the connection is not
+plainly connected (reconnecting, draining, closed: nats-py then buffers or refuses as it does).
+``tests/unit/test_header_block.py`` checks the commands are the bytes nats-py sends.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 from nats.aio.client import Client
 from nats.protocol import command as prot_command
@@ -19,6 +23,7 @@ from keyqueue.errors import ConfigError
 from keyqueue.jetstream.subjects import check_publish_line
 
 _HEADER_NAME: Final = re.compile(r"^[!-9;-~]+$")
+_CONNECTED: Final = getattr(Client, "CONNECTED", 1)
 
 
 class StaticHeaders:
@@ -54,28 +59,36 @@ async def publish_block(nc: Client, subject: str, payload: bytes, block: bytes, 
     :func:`header_block` built for ``headers``) as the header block: nats-py builds one line by line
     for every publish, half the cost of a request's publish."""
     check_publish_line(subject, reply)
-    send = getattr(nc, "_send_command", None)
-    if send is None or not nc.is_connected or len(payload) > nc.max_payload:
+    if not await _sent(nc, payload, prot_command.hpub_cmd, subject, reply, block):
         await nc.publish(subject, payload, reply=reply, headers=dict(headers))
-        return
-    nc.stats["out_msgs"] += 1
-    nc.stats["out_bytes"] += len(payload)
-    await send(prot_command.hpub_cmd(subject, reply, block, payload))
-    flush_queue = getattr(nc, "_flush_queue", None)
-    if flush_queue is not None and flush_queue.empty():
-        await nc._flush_pending()
 
 
 async def publish_static(nc: Client, subject: str, payload: bytes, headers: StaticHeaders) -> None:
     """Publish like ``nc.publish(subject, payload, headers=...)`` with a pre-encoded header block."""
     check_publish_line(subject)
-    send = getattr(nc, "_send_command", None)
-    if send is None or not nc.is_connected or len(payload) > nc.max_payload:
+    if not await _sent(nc, payload, prot_command.hpub_cmd, subject, "", headers.block):
         await nc.publish(subject, payload, headers=headers.headers)
-        return
+
+
+async def publish_plain(nc: Client, subject: str, payload: bytes, reply: str = "") -> None:
+    """``nc.publish(subject, payload, reply=reply)`` for a subject keyqueue built or the server gave
+    (a token's ack subject): nats-py's own publish checks both with a regular expression and goes
+    through three more calls for each of the worker's reads, acks and record deletes."""
+    check_publish_line(subject, reply)
+    if not await _sent(nc, payload, prot_command.pub_cmd, subject, reply):
+        await nc.publish(subject, payload, reply=reply)
+
+
+async def _sent(nc: Client, payload: bytes, command: Any, *parts: Any) -> bool:
+    """Queue ``command(*parts, payload)`` on a plainly connected client as nats-py's publish does
+    (its counters, then its flusher woken); False, sending nothing, where nats-py must decide."""
+    send = getattr(nc, "_send_command", None)
+    if send is None or getattr(nc, "_status", None) != _CONNECTED or len(payload) > nc.max_payload:
+        return False
     nc.stats["out_msgs"] += 1
     nc.stats["out_bytes"] += len(payload)
-    await send(prot_command.hpub_cmd(subject, "", headers.block, payload))
+    await send(command(*parts, payload))
     flush_queue = getattr(nc, "_flush_queue", None)
     if flush_queue is not None and flush_queue.empty():
         await nc._flush_pending()
+    return True

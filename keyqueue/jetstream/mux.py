@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 
 from keyqueue.errors import ConnectionFailed, KeyqueueTimeout, ReplyLost
 from keyqueue.jetstream.connect import CONNECTION_DOWN, link_of, not_sent
-from keyqueue.jetstream.fastpub import header_block, publish_block
+from keyqueue.jetstream.fastpub import header_block, publish_block, publish_plain
 
 log = logging.getLogger("keyqueue.connection")
 
@@ -168,8 +168,10 @@ class RequestMux:
             if block is not None:
                 assert headers is not None
                 await publish_block(self.nc, subject, payload, block, headers, reply=reply)
+            elif not headers:
+                await publish_plain(self.nc, subject, payload, reply)
             else:
-                await self.nc.publish(subject, payload, reply=reply, headers=dict(headers) if headers else None)
+                await self.nc.publish(subject, payload, reply=reply, headers=dict(headers))
         except CONNECTION_DOWN as e:
             self._pending.pop(reply, None)
             raise not_sent(e, f"a request to {subject}") from e

@@ -41,6 +41,7 @@ from keyqueue.jetstream.api import (
 )
 from keyqueue.jetstream.connect import connect, disconnected, wait_connected
 from keyqueue.jetstream.dlq_copy import dead_letter_copy, minimal_dead_letter_copy
+from keyqueue.jetstream.fastpub import publish_plain
 from keyqueue.jetstream.mux import RequestMux, wait
 from keyqueue.jetstream.publish import Publisher
 from keyqueue.jetstream.pull import Token
@@ -430,7 +431,7 @@ class QueueIO:
         killed before it has done it, is lost with this worker's connection, and the worker removes
         the records it released just before a drop again once reconnected (``REDELETE_WINDOW``)."""
         self._require_connection(self._record_delete)
-        await self.nc.publish(self._record_delete, b'{"seq":%d,"no_erase":true}' % seq)
+        await publish_plain(self.nc, self._record_delete, b'{"seq":%d,"no_erase":true}' % seq)
 
     # --- the token (a scheduling hint) ------------------------------------------------------------
 
@@ -454,7 +455,7 @@ class QueueIO:
 
     async def _plain_ack(self, subject: str) -> None:
         self._require_connection(subject)
-        await self.nc.publish(subject, b"+ACK")
+        await publish_plain(self.nc, subject, b"+ACK")
 
     async def _double_ack(self, subject: str, timeout: float) -> None:
         await self._ask(subject, b"+ACK", "the ack of released tokens", timeout)

@@ -1,14 +1,16 @@
-"""``header_block``: the header block keyqueue hands nats-py is byte for byte the one nats-py builds."""
+"""``header_block`` and ``publish_plain``: the commands keyqueue hands nats-py are byte for byte the ones it builds."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import nats.errors
 import pytest
 from nats.aio.client import Client
 from nats.protocol import command as prot_command
 
-from keyqueue.jetstream.fastpub import header_block
+from keyqueue.errors import InvalidSubject
+from keyqueue.jetstream.fastpub import header_block, publish_plain
 
 
 async def nats_py_command(headers: dict[str, str]) -> bytes:
@@ -38,3 +40,44 @@ def test_what_nats_py_should_judge_is_left_to_it() -> None:
     assert header_block({"X-Bad": "two\r\nlines"}) is None
     assert header_block({"Bad Name": "x"}) is None
     assert header_block({"Colon:Name": "x"}) is None
+
+
+def connected_client(sent: list[bytes]) -> Any:
+    """A nats-py client that takes itself for connected and keeps what it would send."""
+    nc: Any = Client()
+
+    async def capture(cmd: bytes, priority: bool = False) -> None:
+        sent.append(bytes(cmd))
+
+    nc._send_command = capture
+    nc._status = Client.CONNECTED
+    nc._max_payload = 1024
+    return nc
+
+
+@pytest.mark.parametrize(("subject", "reply", "payload"), [
+    ("$JS.ACK.q_tokens.w.1.2.3.4.5", "", b"+ACK"),
+    ("$JS.API.DIRECT.GET.KQ_q_inbox", "_KQ.abc.7", b'{"batch":16,"seq":5,"next_by_subject":"kq.q.in.k"}'),
+])
+async def test_a_plain_publish_sends_what_nats_py_sends(subject: str, reply: str, payload: bytes) -> None:
+    ours: list[bytes] = []
+    nc = connected_client(ours)
+    await publish_plain(nc, subject, payload, reply)
+    theirs: list[bytes] = []
+    await connected_client(theirs).publish(subject, payload, reply=reply)
+    assert ours == theirs
+    assert nc.stats["out_msgs"] == 1 and nc.stats["out_bytes"] == len(payload)
+
+
+async def test_a_plain_publish_leaves_a_client_not_plainly_connected_to_nats_py() -> None:
+    sent: list[bytes] = []
+    nc = connected_client(sent)
+    nc._status = Client.DRAINING_PUBS  # nats-py refuses a publish now; a command queued by hand would go out
+    with pytest.raises(nats.errors.ConnectionDrainingError):
+        await publish_plain(nc, "kq.q.x", b"x")
+    nc._status = Client.CONNECTED
+    with pytest.raises(nats.errors.MaxPayloadError):  # nats-py's own refusal of a payload too big
+        await publish_plain(nc, "kq.q.x", b"x" * 2048)
+    with pytest.raises(InvalidSubject):  # a line the server would close the connection for
+        await publish_plain(nc, "kq.q." + "x" * 5000, b"x")
+    assert sent == []
