@@ -247,9 +247,10 @@ class QueueIO:
         """:meth:`read` sent now, its replies not awaited (:meth:`read_reply` reads them): a read that
         goes out beside another step (a key's first read beside its acquire) needs no task. Only
         where the stream allows direct gets (:attr:`direct`)."""
-        payload = json.dumps({"seq": max(1, from_seq), "batch": limit, "next_by_subj": self.names.inbox(key)})
-        return await self.read_mux.send(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}",
-                                        payload.encode(), multi=True)
+        payload = b'{"seq":%d,"batch":%d,"next_by_subj":%s}' % (max(1, from_seq), limit,
+                                                                 json.dumps(self.names.inbox(key)).encode())
+        return await self.read_mux.send(f"{self.api.prefix}.DIRECT.GET.{self.names.inbox_stream}", payload,
+                                        multi=True)
 
     async def _ask(self, subject: str, body: bytes, what: str, timeout: float | None = None) -> Msg:
         """One request and its reply through the read mux: no timer and no inbox of its own, as
