@@ -40,15 +40,30 @@ class StaticHeaders:
         self.headers = dict(headers)
 
 
+_LINES: dict[tuple[str, str], str] = {}
+"""(name, value) -> its header line, checked and stripped once: most lines of keyqueue's publishes
+repeat (a task's content type, message type and version, a status, a TTL); a request id does not."""
+
+_LINES_KEPT: Final = 4096
+"""Lines :data:`_LINES` keeps before it starts over (a request id's line is seldom seen twice)."""
+
+
 def header_block(headers: Mapping[str, str]) -> bytes | None:
     """The header block nats-py would build for ``headers`` (names and values stripped, values as
     UTF-8), or None if a name or value is one it should judge itself (then publish through it)."""
     parts = ["NATS/1.0\r\n"]
-    for name, value in headers.items():
-        name, value = name.strip(), value.strip()
-        if not _HEADER_NAME.match(name) or "\r" in value or "\n" in value:
-            return None
-        parts.append(f"{name}: {value}\r\n")
+    lines = _LINES
+    for item in headers.items():
+        line = lines.get(item)
+        if line is None:
+            name, value = item[0].strip(), item[1].strip()
+            if not _HEADER_NAME.match(name) or "\r" in value or "\n" in value:
+                return None
+            line = f"{name}: {value}\r\n"
+            if len(lines) >= _LINES_KEPT:
+                lines.clear()
+            lines[item] = line
+        parts.append(line)
     parts.append("\r\n")
     return "".join(parts).encode()
 

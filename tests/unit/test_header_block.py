@@ -36,6 +36,15 @@ async def test_the_block_is_the_one_nats_py_builds(headers: dict[str, str]) -> N
     assert bytes(prot_command.hpub_cmd("kq.q.result.x", "_INBOX.r", block, b"body")) == await nats_py_command(headers)
 
 
+async def test_lines_seen_before_give_the_same_block_and_a_new_value_is_judged_anew() -> None:
+    headers = {"X-KQ-Status": "ok", "X-KQ-Request-Id": "r1", "Nats-TTL": "600s"}
+    first = header_block(headers)
+    assert first is not None and header_block(headers) == first  # the second from the lines kept
+    assert bytes(prot_command.hpub_cmd("kq.q.result.x", "_INBOX.r", first, b"body")) == await nats_py_command(headers)
+    assert header_block({"X-Bad": "one line"}) is not None
+    assert header_block({"X-Bad": "two\r\nlines"}) is None  # the name was seen, with another value
+
+
 def test_what_nats_py_should_judge_is_left_to_it() -> None:
     assert header_block({"X-Bad": "two\r\nlines"}) is None
     assert header_block({"Bad Name": "x"}) is None
