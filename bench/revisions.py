@@ -3,9 +3,12 @@
 A change of a few percent in the worker's CPU per request is smaller than what separates two runs of
 the same code on a shared machine (up to a quarter here). So this runs ``python -m bench.user_path``
 (hot and cold keys, stored first, one ``keyqueue worker`` process; no peers, no unkeyed workload) on
-each revision in turn, BASE then OTHER, ``--rounds`` times, and compares them round by round: each
-round's ratio OTHER / BASE is taken on figures measured a minute apart on the same machine, and the
-median of those ratios is the comparison.
+each revision in turn, ``--rounds`` times, BASE first in odd rounds and OTHER first in even ones (a
+run's place in a round can itself favour it: with one revision first every time, the same code
+measured against itself came out 0.75x the CPU per hot request), and compares them round by round:
+each round's ratio OTHER / BASE is taken on figures measured a minute apart on the same machine,
+and the median of those ratios is the comparison. Give the same revision twice for a control: what
+this machine makes of no change at all, which a change must clearly exceed.
 
 Each revision runs from a temporary git worktree (removed at the end) with this checkout's
 virtualenv; OTHER defaults to this working tree, uncommitted changes included. Both must have
@@ -15,6 +18,7 @@ virtualenv; OTHER defaults to this working tree, uncommitted changes included. B
     python -m bench.revisions v0.1.0 main --rounds 5 --cold-keys 10000
     python -m bench.revisions 3c556ac --calls    # Python calls per cold key and per hot request
     python -m bench.revisions 4659dc3 --cluster  # on a 3-node cluster, R3 streams (both need --cluster)
+    python -m bench.revisions 953fd7c 953fd7c    # the control: one revision against itself
 
 ``--calls`` counts instead of timing: the Python calls the worker makes per cold key and per hot
 request, by cProfile, as the difference between two runs of different sizes (so start-up and
@@ -37,8 +41,11 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
 
 _ROW = re.compile(r"^(?P<workload>hot keys|cold keys)\b.*?(?P<rate>[\d,]+) req/s.*?worker CPU\s+(?P<cpu>\d+) us/req")
 
@@ -65,12 +72,13 @@ def parse(output: str) -> Figures:
 
 
 @contextlib.contextmanager
-def checkout(revision: str | None, into: Path) -> Iterator[Path]:
-    """A directory holding ``revision`` (None: this working tree, as it is)."""
+def checkout(revision: str | None, into: Path, slot: int = 1) -> Iterator[Path]:
+    """A directory holding ``revision`` (None: this working tree, as it is); ``slot`` tells apart two
+    checkouts of one revision."""
     if revision is None:
         yield ROOT
         return
-    path = into / re.sub(r"[^A-Za-z0-9._-]", "_", revision)
+    path = into / f"{slot}-{re.sub(r'[^A-Za-z0-9._-]', '_', revision)}"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(path), revision], check=True)
     try:
         yield path
@@ -124,6 +132,13 @@ def medians(figures: Sequence[Figures]) -> Figures:
                      for field in ("hot", "hot_cpu", "cold", "cold_cpu")))
 
 
+def in_turns(revisions: tuple[tuple[str, T], tuple[str, T]], rounds: int) -> Iterator[tuple[int, str, T]]:
+    """(round, name, tree) for each run: BASE first in odd rounds, OTHER first in even ones."""
+    for n in range(1, rounds + 1):
+        for name, tree in revisions if n % 2 else revisions[::-1]:
+            yield n, name, tree
+
+
 def _row(label: str, f: Figures, unit: str = "") -> str:
     if unit == "x":
         return f"{label:28} {f.hot:8.2f}x {f.hot_cpu:10.2f}x {f.cold:9.2f}x {f.cold_cpu:10.2f}x"
@@ -147,18 +162,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="count the worker's Python calls per cold key and per hot request instead (one run each)")
     args = parser.parse_args(argv)
     names = (args.base, args.other or "working tree")
+    if names[0] == names[1]:  # the control: one revision against itself
+        names = (f"{args.base} (1)", f"{args.base} (2)")
     if args.calls:
         return _count_calls(args, names)
     results: dict[str, list[Figures]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="kq-revisions-") as tmp, \
-            checkout(args.base, Path(tmp)) as base_tree, checkout(args.other, Path(tmp)) as other_tree:
+            checkout(args.base, Path(tmp)) as base_tree, checkout(args.other, Path(tmp), 2) as other_tree:
         print(f"{'round, revision':28} {'hot req/s':>9} {'CPU/req':>11} {'cold keys/s':>10} {'CPU/key':>11}",
               flush=True)
-        for n in range(1, args.rounds + 1):
-            for name, tree in zip(names, (base_tree, other_tree), strict=True):
-                figures = measure(tree, args)
-                results[name].append(figures)
-                print(_row(f"{n}. {name}", figures), flush=True)
+        for n, name, tree in in_turns(((names[0], base_tree), (names[1], other_tree)), args.rounds):
+            figures = measure(tree, args)
+            results[name].append(figures)
+            print(_row(f"{n}. {name}", figures), flush=True)
     print()
     for name in names:
         print(_row(f"median, {name}", medians(results[name])))
@@ -170,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _count_calls(args: argparse.Namespace, names: tuple[str, str]) -> int:
     counted: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(prefix="kq-revisions-") as tmp, \
-            checkout(args.base, Path(tmp)) as base_tree, checkout(args.other, Path(tmp)) as other_tree:
+            checkout(args.base, Path(tmp)) as base_tree, checkout(args.other, Path(tmp), 2) as other_tree:
         print(f"{'revision':28} {'calls per cold key':>18} {'per hot request':>16}", flush=True)
         for name, tree in zip(names, (base_tree, other_tree), strict=True):
             counted.append(calls(tree, args, Path(tmp)))

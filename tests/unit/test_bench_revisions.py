@@ -1,10 +1,12 @@
-"""bench.revisions: reading bench.user_path's rows, and the round-by-round comparison."""
+"""bench.revisions: reading bench.user_path's rows, the order of the runs, and the round-by-round comparison."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from bench.revisions import Figures, medians, parse, ratios
+from bench.revisions import Figures, checkout, in_turns, medians, parse, ratios
 
 OUTPUT = """raw fetch(200)+ack            23,544 msg/s
 hot keys 100 x 200             7,695 req/s  0.33x raw  worker CPU   125 us/req
@@ -28,3 +30,17 @@ def test_rounds_are_compared_pairwise_then_the_median_taken() -> None:
     other = [Figures(110, 9, 50, 18), Figures(180, 11, 60, 20), Figures(120, 18, 55, 30)]
     assert ratios(base, other) == Figures(1.1, 0.9, 1.1, 0.9)
     assert medians(base) == Figures(100, 10, 50, 20)
+
+
+def test_the_revisions_take_turns_at_running_first() -> None:
+    runs = list(in_turns((("base", "b"), ("other", "o")), 4))
+    assert [(n, name) for n, name, _ in runs] == [
+        (1, "base"), (1, "other"), (2, "other"), (2, "base"), (3, "base"), (3, "other"), (4, "other"), (4, "base")]
+    assert all(tree == name[0] for _, name, tree in runs)
+
+
+def test_one_revision_twice_is_checked_out_twice(tmp_path: Path) -> None:
+    with checkout("HEAD", tmp_path) as first, checkout("HEAD", tmp_path, 2) as second:
+        assert first != second and (first / "bench" / "revisions.py").exists()
+        assert (second / "bench" / "revisions.py").exists()
+    assert not first.exists() and not second.exists()
