@@ -47,6 +47,10 @@ repeat (a task's content type, message type and version, a status, a TTL); a req
 _LINES_KEPT: Final = 4096
 """Lines :data:`_LINES` keeps before it starts over (a request id's line is seldom seen twice)."""
 
+_LINE_KEPT_CHARS: Final = 128
+"""The longest line :data:`_LINES` keeps: the lines that repeat are short, and a long value (a
+caller's own header, an error message) must not be held 4,096 times over."""
+
 
 def header_block(headers: Mapping[str, str]) -> bytes | None:
     """The header block nats-py would build for ``headers`` (names and values stripped, values as
@@ -60,9 +64,10 @@ def header_block(headers: Mapping[str, str]) -> bytes | None:
             if not _HEADER_NAME.match(name) or "\r" in value or "\n" in value:
                 return None
             line = f"{name}: {value}\r\n"
-            if len(lines) >= _LINES_KEPT:
-                lines.clear()
-            lines[item] = line
+            if len(line) <= _LINE_KEPT_CHARS:
+                if len(lines) >= _LINES_KEPT:
+                    lines.clear()
+                lines[item] = line
         parts.append(line)
     parts.append("\r\n")
     return "".join(parts).encode()

@@ -10,6 +10,7 @@ from nats.aio.client import Client
 from nats.protocol import command as prot_command
 
 from keyqueue.errors import InvalidSubject
+from keyqueue.jetstream import fastpub
 from keyqueue.jetstream.fastpub import header_block, publish_plain
 
 
@@ -43,6 +44,9 @@ async def test_lines_seen_before_give_the_same_block_and_a_new_value_is_judged_a
     assert bytes(prot_command.hpub_cmd("kq.q.result.x", "_INBOX.r", first, b"body")) == await nats_py_command(headers)
     assert header_block({"X-Bad": "one line"}) is not None
     assert header_block({"X-Bad": "two\r\nlines"}) is None  # the name was seen, with another value
+    long = {"X-Caller": "v" * 1000}
+    assert header_block(long) == header_block(long) == b"NATS/1.0\r\nX-Caller: " + b"v" * 1000 + b"\r\n\r\n"
+    assert ("X-Caller", "v" * 1000) not in fastpub._LINES  # a long line is built each time, not kept
 
 
 def test_what_nats_py_should_judge_is_left_to_it() -> None:
