@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -167,8 +168,17 @@ def raise_for_reply(body: Mapping[str, Any]) -> None:
         )
 
 
+_PLAIN_PUB_ACK: Final = re.compile(rb'\{"stream":"([^"\\]+)",(?:"domain":"[^"\\]*",)?"seq":([0-9]{1,20})\}')
+"""The acknowledgement of a publish stored once, as nats-server writes it (``{"stream":"S","seq":7}``):
+read without the JSON decoder, which is most of the cost of a publish's reply. Any other reply (a
+duplicate, a refusal, another server's spelling) goes to the decoder."""
+
+
 def parse_pub_ack(msg: Msg) -> PubAck:
     """A PubAck from a publish reply, raising the typed error if the publish was refused."""
+    plain = _PLAIN_PUB_ACK.fullmatch(msg.data) if not msg.headers else None
+    if plain is not None:
+        return PubAck(plain[1].decode(), int(plain[2]), False)
     if msg.headers and msg.headers.get(STATUS) == "503":
         raise ConnectionFailed("no JetStream stream answered the publish: the queue's streams do not exist "
                                "(an app's producer or worker creates them; were they deleted?), or (in a "

@@ -313,8 +313,7 @@ class KeyMaker:
 def encode_result(value: Any, task: str) -> bytes:
     """A task's return value as a reply body (``MalformedBody`` if it is not plain)."""
     plain = to_fields(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
-    check_plain(plain, CBOR, path=f"the result of {task}")
-    return dumps(plain, CBOR)
+    return dumps(plain, CBOR, path=f"the result of {task}")
 
 
 def result_headers(task: str, version: int) -> dict[str, str]:

@@ -94,14 +94,14 @@ _FLOAT_INFOS: Final = frozenset({25, 26, 27})
 _FALSE_TRUE_NULL: Final = frozenset({20, 21, 22})
 
 
-def dumps(value: Any, content_type: str) -> bytes:
+def dumps(value: Any, content_type: str, path: str = "body") -> bytes:
     """Encode a plain value (see ``check_plain``) as ``content_type``.
 
     Raises ``UnsupportedContentType`` for a content type other than ``CONTENT_TYPES`` and
-    ``MalformedBody`` (naming the offending path) for a value that is not plain.
+    ``MalformedBody`` (naming the offending path, from ``path``) for a value that is not plain.
     """
     _require_supported(content_type)
-    check_plain(value, content_type)
+    check_plain(value, content_type, path)
     try:
         if content_type == CBOR:
             return cbor2.dumps(value)
@@ -137,38 +137,73 @@ def check_plain(value: Any, content_type: str, path: str = "body") -> None:
     ``int``, ``float``, ``bool`` and ``None``, nested at most ``MAX_DEPTH`` deep. CBOR also
     takes ``bytes`` and timezone-aware ``datetime``; JSON takes neither, and no NaN or infinity.
     """
-    _check_plain(value, content_type == JSON, path, 0)
+    as_json = content_type == JSON
+    try:
+        _check_plain(value, _JSON_LEAVES if as_json else _CBOR_LEAVES, as_json, 0)
+    except _NotPlain as exc:
+        raise MalformedBody(f"{path}{''.join(reversed(exc.steps))}: {exc.reason}") from None
 
 
-def _check_plain(value: Any, as_json: bool, path: str, depth: int) -> None:
+_CBOR_LEAVES: Final = frozenset({str, int, bool, float, type(None)})
+"""Types plain as they are, checked by identity first (a subclass, an ``IntEnum``, goes the long way)."""
+
+_JSON_LEAVES: Final = frozenset({str, int, bool, type(None)})
+"""As :data:`_CBOR_LEAVES`, less ``float`` (JSON takes no NaN or infinity)."""
+
+
+class _NotPlain(Exception):
+    """What is not plain (``reason``), and where: the steps from the value down to it, innermost
+    first, gathered only as the check unwinds, so a plain value builds no path at all."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.steps: list[str] = []
+
+
+def _check_plain(value: Any, leaves: frozenset[type], as_json: bool, depth: int) -> None:
+    if type(value) in leaves:
+        return
+    if isinstance(value, dict):
+        if depth >= MAX_DEPTH:
+            raise _NotPlain(f"nests deeper than {MAX_DEPTH} levels")
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise _NotPlain(f"map key {key!r} is not a string")
+            if type(item) not in leaves:
+                try:
+                    _check_plain(item, leaves, as_json, depth + 1)
+                except _NotPlain as exc:
+                    exc.steps.append(f"[{key!r}]")
+                    raise
+        return
+    if isinstance(value, list | tuple):
+        if depth >= MAX_DEPTH:
+            raise _NotPlain(f"nests deeper than {MAX_DEPTH} levels")
+        for index, item in enumerate(value):
+            if type(item) not in leaves:
+                try:
+                    _check_plain(item, leaves, as_json, depth + 1)
+                except _NotPlain as exc:
+                    exc.steps.append(f"[{index}]")
+                    raise
+        return
     if value is None or isinstance(value, bool | int | str):
         return
     if isinstance(value, float):
         if as_json and not math.isfinite(value):
-            raise MalformedBody(f"{path}: {value!r} cannot be encoded as JSON")
+            raise _NotPlain(f"{value!r} cannot be encoded as JSON")
         return
     if isinstance(value, bytes | datetime):
         if as_json:
-            raise MalformedBody(
-                f"{path}: {type(value).__name__} cannot be encoded as JSON; declare the field as "
+            raise _NotPlain(
+                f"{type(value).__name__} cannot be encoded as JSON; declare the field as "
                 f"{type(value).__name__} (to_fields converts typed fields) or use CBOR"
             )
         if isinstance(value, datetime) and value.utcoffset() is None:
-            raise MalformedBody(f"{path}: datetime {value.isoformat()} has no timezone")
+            raise _NotPlain(f"datetime {value.isoformat()} has no timezone")
         return
-    if depth >= MAX_DEPTH and isinstance(value, list | tuple | dict):
-        raise MalformedBody(f"{path}: nests deeper than {MAX_DEPTH} levels")
-    if isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            _check_plain(item, as_json, f"{path}[{index}]", depth + 1)
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise MalformedBody(f"{path}: map key {key!r} is not a string")
-            _check_plain(item, as_json, f"{path}[{key!r}]", depth + 1)
-        return
-    raise MalformedBody(f"{path}: {type(value).__name__} is not a plain value")
+    raise _NotPlain(f"{type(value).__name__} is not a plain value")
 
 
 def _require_supported(content_type: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import enum
 import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, timezone
@@ -684,6 +686,9 @@ def test_any_bytes_decode_as_json_to_plain_values_or_malformed_body(data: bytes)
         ({1, 2}, CBOR, r"body: set is not a plain value"),
         ({"a": [object()]}, CBOR, r"body\['a'\]\[0\]: object is not a plain value"),
         ({1: "a"}, CBOR, r"body: map key 1 is not a string"),
+        ({"a": ({"b": 1.5}, {"c": [float("inf")]})}, JSON,
+         r"body\['a'\]\[1\]\['c'\]\[0\]: inf cannot be encoded as JSON"),
+        ([[[{"d": datetime(2025, 1, 1)}]]], CBOR, r"body\[0\]\[0\]\[0\]\['d'\]: datetime .* has no timezone"),
         (datetime(2025, 1, 1), CBOR, "has no timezone"),
         (b"x", JSON, "bytes cannot be encoded as JSON"),
         (datetime.now(UTC), JSON, "datetime cannot be encoded as JSON"),
@@ -695,6 +700,22 @@ def test_any_bytes_decode_as_json_to_plain_values_or_malformed_body(data: bytes)
 def test_dumps_refuses_what_it_could_not_read_back(value: Any, content_type: str, match: str) -> None:
     with pytest.raises(MalformedBody, match=match):
         dumps(value, content_type)
+
+
+@pytest.mark.parametrize("content_type", [CBOR, JSON])
+def test_subclasses_of_plain_types_are_plain(content_type: str) -> None:
+    """The check passes the plain types by identity first; their subclasses (an ``IntEnum``, a
+    ``str`` subclass, an ``OrderedDict``) take the longer way and are just as plain."""
+
+    class Level(enum.IntEnum):
+        HIGH = 2
+
+    class Name(str):
+        pass
+
+    value = collections.OrderedDict(level=Level.HIGH, name=Name("x"), items=[Level.HIGH, (Name("y"), 1.5)])
+    wire.check_plain(value, content_type)
+    assert loads(dumps(value, content_type), content_type) == {"level": 2, "name": "x", "items": [2, ["y", 1.5]]}
 
 
 def test_to_fields_checks_values_against_annotations() -> None:
