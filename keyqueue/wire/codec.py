@@ -144,10 +144,10 @@ def check_plain(value: Any, content_type: str, path: str = "body") -> None:
         raise MalformedBody(f"{path}{''.join(reversed(exc.steps))}: {exc.reason}") from None
 
 
-_CBOR_LEAVES: Final = frozenset({str, int, bool, float, type(None)})
+_CBOR_LEAVES: Final[frozenset[type]] = frozenset({str, int, bool, float, type(None)})
 """Types plain as they are, checked by identity first (a subclass, an ``IntEnum``, goes the long way)."""
 
-_JSON_LEAVES: Final = frozenset({str, int, bool, type(None)})
+_JSON_LEAVES: Final[frozenset[type]] = frozenset({str, int, bool, type(None)})
 """As :data:`_CBOR_LEAVES`, less ``float`` (JSON takes no NaN or infinity)."""
 
 

@@ -3,6 +3,8 @@ with the same answers (the bytes are nats-server's own spellings, seen on 2.15).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from nats.aio.msg import Msg
 
@@ -32,8 +34,13 @@ def test_a_stored_publish_reads_the_same_with_or_without_the_decoder(
     assert parse_pub_ack(reply(data)) == ack
     assert (api._PLAIN_PUB_ACK.fullmatch(data) is not None) is plain
     decoded: list[bytes] = []
-    real_loads = api.json.loads
-    monkeypatch.setattr(api.json, "loads", lambda d: decoded.append(d) or real_loads(d))
+    real_loads = json.loads
+
+    def loads(data: bytes) -> object:
+        decoded.append(data)
+        return real_loads(data)
+
+    monkeypatch.setattr(json, "loads", loads)
     assert parse_pub_ack(reply(data)) == ack
     assert decoded == ([] if plain else [data])
 
