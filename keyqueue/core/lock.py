@@ -104,8 +104,9 @@ class RecordStore(Protocol):
         """Whether :meth:`forget_record` may be used (a lost delete is redone after the reconnect)."""
         ...
 
-    async def forget_record(self, seq: int) -> None:
-        """:meth:`remove_record`, sent without waiting for (or getting) an answer."""
+    async def forget_record(self, seq: int, ttl: float) -> None:
+        """:meth:`remove_record`, sent without waiting for its answer (sent again if none comes
+        while the record, which expires ``ttl`` seconds after its last write, may live)."""
         ...
 
     async def wait_connected(self, timeout: float) -> bool: ...
@@ -417,7 +418,7 @@ class KeyLock:
         less. For a key given back, whose release the worker notes: a delete lost with the
         connection is redone after the reconnect (``keyqueue.core.worker.REDELETE_WINDOW``)."""
         if unanswered and self.seq and not self.unsettled and self.store.unanswered_removals:
-            await self.store.forget_record(self.seq)
+            await self.store.forget_record(self.seq, self.ttl)
             return
         if self.seq:
             await self.store.remove_record(self.seq)

@@ -48,6 +48,7 @@ from keyqueue.jetstream.pull import Token
 from keyqueue.jetstream.rechecks import InboxRechecks
 from keyqueue.jetstream.subjects import QueueNames
 from keyqueue.jetstream.topology import QueueConfig
+from keyqueue.jetstream.unawaited import UnawaitedDeletes
 from keyqueue.wire.headers import RELEASED, is_release_marker
 
 log = logging.getLogger("keyqueue.session")
@@ -177,6 +178,8 @@ class QueueIO:
         self.acks = AckBarrier(self._plain_ack, self._double_ack)
         """The releasing sessions' token acks, many per reply (:meth:`release_token`, one server)."""
         self._record_delete = f"{self.api.prefix}.STREAM.MSG.DELETE.{self.names.lease_stream}"
+        self.forgotten = UnawaitedDeletes(nc, self._record_delete)
+        """The records removed without waiting for the answer (:meth:`forget_record`)."""
         self.release_markers = False
         """Whether the inbox stream takes release markers (:meth:`mark_released`): set by the worker
         once its topology check has found (or made) ``allow_rollup_hdrs`` and ``allow_msg_ttl`` on
@@ -419,20 +422,21 @@ class QueueIO:
     @property
     def unanswered_removals(self) -> bool:
         """Whether a record may be removed without waiting for the answer (:meth:`forget_record`):
-        where a delete the server could not do would also drop this worker's connection, that is on
-        one server and a lease stream of one replica. In a cluster the stream's server can restart,
-        or a replicated stream's leader move, with this worker's connection up: a delete lost then
-        would leave the key to the record's TTL, so those removals wait for their answers."""
+        on one server and a lease stream of one replica, where a delete is lost with this worker's
+        connection or in a full API queue, and is sent again either way. In a cluster the stream's
+        server can restart, or a replicated stream's leader move, with this worker's connection up:
+        those removals wait for their answers, as they always have."""
         return not self.replicated and not self.nc._server_info.get("cluster")
 
-    async def forget_record(self, seq: int) -> None:
-        """Remove one record by sequence without waiting for the answer: the delete goes with no
-        reply subject, and the server does it all the same (tests/integration/test_lease_layout_facts.py).
-        Only where :attr:`unanswered_removals`: a delete lost on the way, or in a server that is
-        killed before it has done it, is lost with this worker's connection, and the worker removes
-        the records it released just before a drop again once reconnected (``REDELETE_WINDOW``)."""
+    async def forget_record(self, seq: int, ttl: float) -> None:
+        """Remove one record by sequence without waiting for the answer (its record expires by
+        itself ``ttl`` seconds after its last write). Only where :attr:`unanswered_removals`: the
+        answer is looked for as it comes, and a delete not answered within a second is sent again
+        (``keyqueue.jetstream.unawaited``: nats-server drops a full API queue's requests, answering
+        none). A delete lost in a server killed after it answered is redone by the worker once
+        reconnected (``REDELETE_WINDOW``)."""
         self._require_connection(self._record_delete)
-        await publish_plain(self.nc, self._record_delete, b'{"seq":%d,"no_erase":true}' % seq)
+        await self.forgotten.send(seq, ttl)
 
     # --- the token (a scheduling hint) ------------------------------------------------------------
 

@@ -290,7 +290,10 @@ class EmbeddedServer:
         max_payload: int | None = None,
         log_file: Path | None = None,
         sync_interval: str | None = None,
+        request_queue_limit: int | None = None,
     ) -> None:
+        """``request_queue_limit``: JetStream API requests the server lets wait before it drops
+        them all, unanswered (None: nats-server's default, 10,000)."""
         if cluster is not None and name is None:
             raise ConfigError("a clustered server needs a name (JetStream requires a server_name)")
         self._binary = find_nats_server()
@@ -300,6 +303,9 @@ class EmbeddedServer:
         self._cluster = cluster
         self._max_payload = max_payload
         self._sync_interval = check_sync_interval(sync_interval)
+        if request_queue_limit is not None and request_queue_limit < 1:
+            raise ConfigError(f"request_queue_limit must be at least 1, got {request_queue_limit}")
+        self._request_queue_limit = request_queue_limit
         self._process = _Process(temp_dir=Path(tempfile.mkdtemp(prefix="keyqueue-nats-")))
         self._finalizer = weakref.finalize(self, self._process.release)
         self._store_dir = Path(store_dir) if store_dir is not None else self._work_dir / "store"
@@ -542,6 +548,7 @@ class EmbeddedServer:
             "  max_memory_store: 256MB",
             "  max_file_store: 4GB",
             *([f"  sync_interval: {json.dumps(self._sync_interval)}"] if self._sync_interval else []),
+            *([f"  request_queue_limit: {self._request_queue_limit}"] if self._request_queue_limit else []),
             "}",
         ]
         if self._name is not None:

@@ -140,7 +140,7 @@ async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_
     nc, config, worker = await lease_worker(nats_server.url, "lostdelete", lambda: Note(asyncio.Event()))
     real_remove = worker.io.remove_record
     lost: list[int] = []
-    async def first_delete_lost(seq: int) -> None:
+    async def first_delete_lost(seq: int, ttl: float = 0) -> None:
         if not lost:
             lost.append(seq)  # answered (or, on one server, sent unanswered), never written
             return
@@ -171,9 +171,10 @@ async def test_a_record_whose_delete_the_server_lost_is_removed_again_after_the_
 
 async def test_on_one_server_a_key_given_back_removes_its_record_without_waiting_for_the_answer(
         nats_server: EmbeddedServer) -> None:
-    """The last step of a quiet release is the record's delete: on one server it goes with no
-    reply subject (a round trip less per cold key) and the server does it all the same, so the
-    key's next request starts at once, not after the record's 60 s TTL."""
+    """The last step of a quiet release is the record's delete: on one server nobody waits for its
+    answer (a round trip less per cold key; the answer is only looked for, and a delete left
+    unanswered is sent again), so the key's next request starts at once, not after the record's
+    60 s TTL."""
     done = asyncio.Event()
     nc, config, worker = await lease_worker(nats_server.url, "unanswered", lambda: Note(done))
     assert worker.io.unanswered_removals
@@ -184,9 +185,9 @@ async def test_on_one_server_a_key_given_back_removes_its_record_without_waiting
         answered.append(seq)
         await real_remove(seq)
 
-    async def forget(seq: int) -> None:
+    async def forget(seq: int, ttl: float) -> None:
         unanswered.append(seq)
-        await real_forget(seq)
+        await real_forget(seq, ttl)
 
     keep_records_60s(worker)
     worker.io.remove_record = remove  # type: ignore[method-assign]

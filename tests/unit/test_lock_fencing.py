@@ -102,7 +102,7 @@ class Store:
     unanswered_removals = False
     """Whether the lock may remove a record without waiting (as on one server)."""
 
-    async def forget_record(self, seq: int) -> None:
+    async def forget_record(self, seq: int, ttl: float) -> None:
         await self.remove_record(seq)
 
     async def remove_record(self, seq: int) -> None:
