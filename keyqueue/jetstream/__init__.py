@@ -9,9 +9,10 @@
   core publishes with headers encoded once.
 - ``pull``, ``mux``: the token pull loop; many requests in flight on one reply subscription, their
   replies handled straight from nats-py's read loop.
-- ``queue_io``, ``rechecks``, ``acks``, ``dlq_copy``: every per-key read and write a key session
-  makes (the release marker among them), the re-checks of many inboxes in one round trip, the acks
-  of many released tokens confirmed by one reply, a request's dead-letter copy.
+- ``queue_io``, ``rechecks``, ``acks``, ``unawaited``, ``dlq_copy``: every per-key read and write a
+  key session makes (the release marker among them), the re-checks of many inboxes in one round
+  trip, the acks of many released tokens confirmed by one reply, the lease records' deletes nobody
+  waits for (sent again when no answer comes), a request's dead-letter copy.
 - ``records``, ``kv``: per-request records (kept results, cancels); a small key-value bucket.
 - ``schedules``, ``due``, ``cron``, ``server_clock``: delayed and periodic requests, kept by
   nats-server itself, and the server's clock as a client can know it.
