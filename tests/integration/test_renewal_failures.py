@@ -210,6 +210,42 @@ async def test_on_one_server_a_key_given_back_removes_its_record_without_waiting
         await nc.close()
 
 
+async def test_a_key_whose_unawaited_record_delete_was_dropped_is_free_again_in_seconds(
+        nats_server: EmbeddedServer) -> None:
+    """nats-server may drop a delete nobody waits for (a full API queue:
+    tests/integration/test_unawaited_deletes.py). Here the first one is never sent, as if dropped:
+    no answer comes, the delete is sent again, and the key's next request starts in seconds, not
+    after the record's 60 s TTL."""
+    done = asyncio.Event()
+    nc, config, worker = await lease_worker(nats_server.url, "dropped", lambda: Note(done))
+    keep_records_60s(worker)
+    deletes = worker.io.forgotten
+    real_publish = deletes._publish
+    dropped: list[int] = []
+
+    async def first_dropped(seq: int) -> None:
+        if not dropped:
+            dropped.append(seq)
+            return
+        await real_publish(seq)
+
+    deletes._publish = first_dropped  # type: ignore[method-assign]
+    try:
+        async with running(worker):
+            await enqueue_one(nc, config)
+            async with asyncio.timeout(10):
+                await done.wait()
+                while not dropped or "k" in worker.sessions:  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
+            done.clear()
+            await Publisher(nc, config.names).enqueue(OutgoingRequest("k", {H.MSG_ID: "r2"}, b"", "r2"))
+            async with asyncio.timeout(15):  # far inside the 60 s a record left behind would hold the key
+                await done.wait()
+        assert deletes.sent_again >= 1
+    finally:
+        await nc.close()
+
+
 async def test_a_waiter_removes_a_record_the_server_kept_past_its_ttl_by_the_servers_clock(
         nats_server: EmbeddedServer, caplog: pytest.LogCaptureFixture) -> None:
     """A record the server should have expired (here it keeps it 60 s, where its body says 1 s, as a
