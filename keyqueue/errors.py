@@ -32,7 +32,7 @@
     │   ├── ConsumerNotFound             10014
     │   ├── MessageNotFound              10037
     │   ├── WrongLastSequence            10071, or 10164 on a replicated stream (a compare-and-set lost the race)
-    │   ├── JetStreamUnavailable         10008, or 10005 "peer offline": unavailable for now (an election, a node down)
+    │   ├── JetStreamUnavailable         10008, 10167 (a full stream), or 10005 "peer offline": unavailable for now
     │   └── KeyAlreadyScheduled          10077 on a token subject (callers treat it as success)
     ├── LeaseLost                        this worker no longer owns the key; stop without side effects
     ├── RequestNotFound                  no request with this id was found (keyqueue cancel of an unknown id)
@@ -410,6 +410,10 @@ class JetStreamUnavailable(JetStreamError):
     """JetStream answered that it is temporarily unavailable (10008): a cluster electing a leader or
     a server catching up. Nothing was done; the same request may succeed a moment later.
 
+    Also a publish refused with "too many requests" (429, 10167): the stream's ingest queue was
+    full (nats-server's ``max_buffered_msgs``, 100,000 messages, or ``max_buffered_size``, 128 MB),
+    and the message was dropped before it was stored.
+
     Also a stream's placement refused because a peer is offline (10005, "no suitable peers for
     placement, peer offline"): a cluster just formed, or one with a node down, places the stream once
     the node is back. (10005 for any other reason, a tag no server has or too few servers, is a
@@ -427,6 +431,7 @@ ERR_CODES: Final[dict[int, type[JetStreamError]]] = {
     10071: WrongLastSequence,
     10164: WrongLastSequence,
     10008: JetStreamUnavailable,
+    10167: JetStreamUnavailable,
     10077: KeyAlreadyScheduled,
 }
 """JetStream ``err_code`` values that keyqueue gives their own type."""

@@ -33,7 +33,8 @@ RETRY_PAUSE: Final = (0.02, 1.0)
 
 RETRIED: Final = (ConnectionFailed, KeyqueueTimeout, JetStreamUnavailable)
 """What a step is tried again after: the connection down or dropped (``Disconnected``, ``ReplyLost``),
-no responders, no reply in time, JetStream temporarily unavailable (10008)."""
+no responders, no reply in time, JetStream temporarily unavailable (10008) or a stream's ingest
+queue full (10167)."""
 
 
 class Patience(Protocol):

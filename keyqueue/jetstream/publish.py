@@ -333,8 +333,9 @@ def _deduplicated_headers(headers: Mapping[str, str]) -> bool:
 
 
 def _unavailable(reply: Msg) -> bool:
-    """A publish answered "JetStream system temporarily unavailable" (10008): nothing was stored."""
-    return b'"err_code":10008' in reply.data
+    """A publish answered "JetStream system temporarily unavailable" (10008) or "too many requests"
+    (10167: the stream's ingest queue was full): nothing was stored."""
+    return b'"err_code":10008' in reply.data or b'"err_code":10167' in reply.data
 
 
 def _no_leader(reply: Msg) -> bool:

@@ -291,9 +291,11 @@ class EmbeddedServer:
         log_file: Path | None = None,
         sync_interval: str | None = None,
         request_queue_limit: int | None = None,
+        max_buffered_msgs: int | None = None,
     ) -> None:
         """``request_queue_limit``: JetStream API requests the server lets wait before it drops
-        them all, unanswered (None: nats-server's default, 10,000)."""
+        them all, unanswered (None: nats-server's default, 10,000). ``max_buffered_msgs``:
+        messages a stream lets wait to be stored before it refuses more with 429 (None: 100,000)."""
         if cluster is not None and name is None:
             raise ConfigError("a clustered server needs a name (JetStream requires a server_name)")
         self._binary = find_nats_server()
@@ -306,6 +308,9 @@ class EmbeddedServer:
         if request_queue_limit is not None and request_queue_limit < 1:
             raise ConfigError(f"request_queue_limit must be at least 1, got {request_queue_limit}")
         self._request_queue_limit = request_queue_limit
+        if max_buffered_msgs is not None and max_buffered_msgs < 1:
+            raise ConfigError(f"max_buffered_msgs must be at least 1, got {max_buffered_msgs}")
+        self._max_buffered_msgs = max_buffered_msgs
         self._process = _Process(temp_dir=Path(tempfile.mkdtemp(prefix="keyqueue-nats-")))
         self._finalizer = weakref.finalize(self, self._process.release)
         self._store_dir = Path(store_dir) if store_dir is not None else self._work_dir / "store"
@@ -549,6 +554,7 @@ class EmbeddedServer:
             "  max_file_store: 4GB",
             *([f"  sync_interval: {json.dumps(self._sync_interval)}"] if self._sync_interval else []),
             *([f"  request_queue_limit: {self._request_queue_limit}"] if self._request_queue_limit else []),
+            *([f"  max_buffered_msgs: {self._max_buffered_msgs}"] if self._max_buffered_msgs else []),
             "}",
         ]
         if self._name is not None:
