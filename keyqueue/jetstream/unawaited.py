@@ -12,9 +12,11 @@ request waiting as long while its key is free.
 
 So each delete carries a reply subject on one shared subscription, and its answer is looked for,
 not awaited: the answers are handled as they are read (no future, no task, no timer each), and a
-delete not answered within :data:`ANSWER_WITHIN` seconds is sent again, until it is answered or
-until the record has expired by itself. A delete is by sequence, so one sent again late removes
-nothing else: a record written since, by anyone, has another sequence.
+delete not answered within :data:`ANSWER_WITHIN` seconds is sent again, then after twice as long
+each time (at most :data:`LONGEST_PATIENCE`: a server whose queue is full must not get every late
+delete again each second), until it is answered or until the record has expired by itself. A
+delete is by sequence, so one sent again late removes nothing else: a record written since, by
+anyone, has another sequence.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ __all__ = ["ANSWER_WITHIN", "UnawaitedDeletes"]
 log = logging.getLogger("keyqueue.session")
 
 ANSWER_WITHIN: Final = 1.0
-"""Seconds a delete has for its answer before it is sent again."""
+"""Seconds a delete has for its answer before it is sent again (then twice as long each time)."""
+
+LONGEST_PATIENCE: Final = 8.0
+"""The longest a delete sent again waits for its answer before it is sent once more."""
 
 _DONE: Final = b'"success":true'
 """What the answer of a delete that was carried out holds."""
@@ -57,8 +62,8 @@ class UnawaitedDeletes:
         self._prefix: str | None = None
         self._sub: Any = None
         self._subscribing = asyncio.Lock()
-        self._waiting: dict[int, tuple[float, float]] = {}
-        """Sequence -> (when its delete was last sent, when to give up), in the order sent."""
+        self._waiting: dict[int, tuple[float, float, float]] = {}
+        """Sequence -> (when to send its delete again, when to give up, how long it waited last)."""
         self._timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -73,10 +78,12 @@ class UnawaitedDeletes:
             await self._listen()
         loop = asyncio.get_running_loop()
         now = loop.time()
-        self._waiting.pop(seq, None)
-        self._waiting[seq] = (now, now + 2 * ttl)
+        self._waiting[seq] = (now + ANSWER_WITHIN, now + 2 * ttl, ANSWER_WITHIN)
         await self._publish(seq)
-        if self._timer is None:
+        timer = self._timer
+        if timer is None or timer.when() > now + ANSWER_WITHIN:  # (one armed for a delete sent again)
+            if timer is not None:
+                timer.cancel()
             self._timer = loop.call_at(now + ANSWER_WITHIN, self._look)
 
     async def close(self) -> None:
@@ -122,27 +129,27 @@ class UnawaitedDeletes:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        late: list[int] = []
-        for seq, (sent, _) in self._waiting.items():
-            if sent > now - ANSWER_WITHIN:
-                break
-            late.append(seq)
+        connected = self.nc.is_connected
         again: list[int] = []
-        for seq in late:
-            _, give_up = self._waiting.pop(seq)
-            if give_up > now:
-                self._waiting[seq] = (now, give_up)
+        for seq, (due, give_up, patience) in list(self._waiting.items()):
+            if due > now:
+                continue
+            if give_up <= now:
+                del self._waiting[seq]
+            elif connected:
+                patience = min(LONGEST_PATIENCE, 2 * patience)
+                self._waiting[seq] = (now + patience, give_up, patience)
                 again.append(seq)
-        if again and self.nc.is_connected:
+            else:  # sent again once connected
+                self._waiting[seq] = (now + ANSWER_WITHIN, give_up, patience)
+        if again:
             self.sent_again += len(again)
-            log.debug("%d lease record deletes on %s got no answer within %.0fs: sent again",
-                      len(again), self.subject, ANSWER_WITHIN)
+            log.debug("%d lease record deletes on %s got no answer in time: sent again", len(again), self.subject)
             task = loop.create_task(self._send_again(again))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
         if self._waiting:
-            oldest = next(iter(self._waiting.values()))[0]
-            self._timer = loop.call_at(oldest + ANSWER_WITHIN, self._look)
+            self._timer = loop.call_at(min(due for due, _, _ in self._waiting.values()), self._look)
 
     async def _send_again(self, seqs: list[int]) -> None:
         try:

@@ -10,7 +10,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from keyqueue.jetstream import unawaited
-from keyqueue.jetstream.unawaited import ANSWER_WITHIN, UnawaitedDeletes
+from keyqueue.jetstream.unawaited import ANSWER_WITHIN, LONGEST_PATIENCE, UnawaitedDeletes
 
 
 class _Client:
@@ -49,6 +49,12 @@ def test_an_answer_is_done_when_the_record_is_gone(answer: bytes, done: bool) ->
     assert unawaited._carried_out(answer) is done
 
 
+def _late_by(deletes: UnawaitedDeletes, seconds: float) -> None:
+    """Move every waiting delete's times ``seconds`` into the past, as if that much time had passed."""
+    for seq, (due, give_up, patience) in list(deletes._waiting.items()):
+        deletes._waiting[seq] = (due - seconds, give_up - seconds, patience)
+
+
 async def test_answered_deletes_are_forgotten_and_late_ones_sent_again_until_their_record_expires() -> None:
     nc = _Client()
     deletes = UnawaitedDeletes(nc, "$JS.API.STREAM.MSG.DELETE.L")  # type: ignore[arg-type]
@@ -66,8 +72,7 @@ async def test_answered_deletes_are_forgotten_and_late_ones_sent_again_until_the
 
     # A second on: 2 is sent again; 3's record has expired (twice its TTL), so it is given up.
     loop = asyncio.get_running_loop()
-    for seq, (sent, give_up) in list(deletes._waiting.items()):
-        deletes._waiting[seq] = (sent - ANSWER_WITHIN, give_up - ANSWER_WITHIN)
+    _late_by(deletes, ANSWER_WITHIN)
     assert deletes._timer is not None
     deletes._timer.cancel()
     deletes._look()
@@ -75,15 +80,30 @@ async def test_answered_deletes_are_forgotten_and_late_ones_sent_again_until_the
     assert nc.sent[3:] == [("$JS.API.STREAM.MSG.DELETE.L", b'{"seq":2,"no_erase":true}', "_INBOX.test.2")]
     assert deletes.sent_again == 1
     assert list(deletes._waiting) == [2]
-    assert deletes._timer is not None and deletes._timer.when() > loop.time()
+    # ... and it waits twice as long for this answer, then four times, never more than LONGEST_PATIENCE.
+    due, _, patience = deletes._waiting[2]
+    assert patience == 2 * ANSWER_WITHIN and due == pytest.approx(loop.time() + patience, abs=0.05)
+    assert deletes._timer is not None and deletes._timer.when() == due
+    for expected in (4.0, 8.0, LONGEST_PATIENCE):
+        _late_by(deletes, deletes._waiting[2][2])
+        deletes._look()
+        assert deletes._waiting[2][2] == min(expected, LONGEST_PATIENCE)
+    await asyncio.gather(*deletes._sending)
+    assert deletes.sent_again == 4
 
-    # While disconnected nothing is sent, and the delete keeps waiting for the next look.
+    # A new delete is looked at after ANSWER_WITHIN, not after the longer wait armed for 2.
+    await deletes.send(4, ttl=30)
+    assert deletes._timer is not None and deletes._timer.when() <= loop.time() + ANSWER_WITHIN
+
+    # While disconnected nothing is sent, and the deletes keep waiting for the next look.
     nc.is_connected = False
-    deletes._waiting[2] = (loop.time() - ANSWER_WITHIN, loop.time() + 60)
+    sent = len(nc.sent)
+    _late_by(deletes, LONGEST_PATIENCE)
     deletes._look()
-    assert len(nc.sent) == 4 and list(deletes._waiting) == [2]
+    assert len(nc.sent) == sent and sorted(deletes._waiting) == [2, 4]
 
     deletes._answered(Msg(None, subject="_INBOX.test.2", data=b'{"success":true}'))  # type: ignore[arg-type]
+    deletes._answered(Msg(None, subject="_INBOX.test.4", data=b'{"success":true}'))  # type: ignore[arg-type]
     assert deletes.waiting == 0
     await deletes.close()
     assert deletes._timer is None
