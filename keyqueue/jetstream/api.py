@@ -168,10 +168,11 @@ def raise_for_reply(body: Mapping[str, Any]) -> None:
         )
 
 
-_PLAIN_PUB_ACK: Final = re.compile(rb'\{"stream":"([^"\\]+)",(?:"domain":"[^"\\]*",)?"seq":([0-9]{1,20})\}')
+_PLAIN_PUB_ACK: Final = re.compile(rb'\{"stream":"([!#-\[\]-~]+)",(?:"domain":"[!#-\[\]-~]*",)?"seq":([0-9]{1,20})\}')
 """The acknowledgement of a publish stored once, as nats-server writes it (``{"stream":"S","seq":7}``):
-read without the JSON decoder, which is most of the cost of a publish's reply. Any other reply (a
-duplicate, a refusal, another server's spelling) goes to the decoder."""
+read without the JSON decoder, which is most of the cost of a publish's reply. Names of printable
+ASCII only (no quote, no backslash): any other reply (a duplicate, a refusal, a name that is not
+ASCII, another server's spelling) goes to the decoder, which refuses what is not JSON."""
 
 
 def parse_pub_ack(msg: Msg) -> PubAck:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any, Final, NoReturn
 
@@ -164,30 +164,28 @@ class _NotPlain(Exception):
 def _check_plain(value: Any, leaves: frozenset[type], as_json: bool, depth: int) -> None:
     if type(value) in leaves:
         return
+    items: Iterable[tuple[Any, Any]]
     if isinstance(value, dict):
-        if depth >= MAX_DEPTH:
-            raise _NotPlain(f"nests deeper than {MAX_DEPTH} levels")
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise _NotPlain(f"map key {key!r} is not a string")
-            if type(item) not in leaves:
-                try:
-                    _check_plain(item, leaves, as_json, depth + 1)
-                except _NotPlain as exc:
-                    exc.steps.append(f"[{key!r}]")
-                    raise
+        in_map, items = True, value.items()
+    elif isinstance(value, list | tuple):
+        in_map, items = False, enumerate(value)
+    else:
+        _check_scalar(value, as_json)
         return
-    if isinstance(value, list | tuple):
-        if depth >= MAX_DEPTH:
-            raise _NotPlain(f"nests deeper than {MAX_DEPTH} levels")
-        for index, item in enumerate(value):
-            if type(item) not in leaves:
-                try:
-                    _check_plain(item, leaves, as_json, depth + 1)
-                except _NotPlain as exc:
-                    exc.steps.append(f"[{index}]")
-                    raise
-        return
+    if depth >= MAX_DEPTH:
+        raise _NotPlain(f"nests deeper than {MAX_DEPTH} levels")
+    for step, item in items:  # a map's key, or an array's index (whose repr is the number)
+        if in_map and not isinstance(step, str):
+            raise _NotPlain(f"map key {step!r} is not a string")
+        if type(item) not in leaves:
+            try:
+                _check_plain(item, leaves, as_json, depth + 1)
+            except _NotPlain as exc:
+                exc.steps.append(f"[{step!r}]")
+                raise
+
+
+def _check_scalar(value: Any, as_json: bool) -> None:
     if value is None or isinstance(value, bool | int | str):
         return
     if isinstance(value, float):

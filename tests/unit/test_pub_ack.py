@@ -25,6 +25,7 @@ def reply(data: bytes, headers: dict[str, str] | None = None) -> Msg:
         (b'{"stream":"S","domain":"hub","seq":42}', PubAck("S", 42, False), True),
         (b'{"stream":"S","seq":2,"duplicate": true}', PubAck("S", 2, True), False),
         (b'{"stream":"S\\u00e9","seq":3}', PubAck("S\u00e9", 3, False), False),
+        ('{"stream":"S\u00e9","seq":3}'.encode(), PubAck("S\u00e9", 3, False), False),
         (b'{ "stream": "S", "seq": 4 }', PubAck("S", 4, False), False),
         (b'{"seq":5,"stream":"S"}', PubAck("S", 5, False), False),
     ],
@@ -51,6 +52,8 @@ def test_a_refused_publish_still_raises_its_typed_error() -> None:
         parse_pub_ack(reply(refused))
     with pytest.raises(JetStreamError, match="unreadable"):
         parse_pub_ack(reply(b'{"stream":"S","seq":1'))
+    with pytest.raises(JetStreamError, match="unreadable"):  # not UTF-8: the decoder's refusal, typed
+        parse_pub_ack(reply(b'{"stream":"S\xff","seq":1}'))
 
 
 def test_a_no_responders_status_is_not_read_as_an_ack() -> None:
